@@ -1,0 +1,6 @@
+"""cb_kernels: fast, dependable continuous batching for Hugging Face transformers models."""
+__version__ = "0.1.0"
+
+from cb_kernels import ops  # noqa: E402
+
+__all__ = ["ops", "__version__"]

@@ -1,0 +1,5 @@
+import sys
+
+from cb_kernels.cli import main
+
+sys.exit(main())

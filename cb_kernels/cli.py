@@ -1,0 +1,93 @@
+"""`cb-kernels` command line (also `python -m cb_kernels`).
+
+    cb-kernels info                     versions, backends, GPU
+    cb-kernels demo                     the real-model demo (see README)
+    cb-kernels generate --model M ...   batch generation over a jsonl file
+    cb-kernels bench attention|cache|engine [args]   the benchmarks in bench/
+"""
+from __future__ import annotations
+
+import argparse
+import runpy
+import sys
+from pathlib import Path
+
+BENCHES = ("attention", "cache", "engine")
+
+
+def _bench_dir() -> Path:
+    # Benchmarks live in the source tree's bench/ folder (an editable install or a checkout).
+    here = Path(__file__).resolve().parent.parent / "bench"
+    if not here.is_dir():
+        raise SystemExit("cb-kernels bench needs the source tree: the benchmarks live in its bench/ "
+                         "folder (clone the repository and `pip install -e .`)")
+    return here
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    from cb_kernels.info import collect, format_info
+
+    print(format_info(collect()))
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    script = _bench_dir() / f"bench_{args.which}.py"
+    if not script.exists():
+        raise SystemExit(f"benchmark {script} does not exist yet")
+    sys.argv = [str(script), *args.rest]
+    sys.path.insert(0, str(script.parent))
+    runpy.run_path(str(script), run_name="__main__")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from cb_kernels.demo import run_demo
+
+    return run_demo(args)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from cb_kernels.generate_cli import run_generate
+
+    return run_generate(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cb-kernels", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="versions, backends and GPU").set_defaults(fn=_cmd_info)
+
+    b = sub.add_parser("bench", help="run a benchmark from bench/")
+    b.add_argument("which", choices=BENCHES)
+    b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
+    b.set_defaults(fn=_cmd_bench)
+
+    try:
+        from cb_kernels.demo import add_demo_args
+    except ImportError:
+        add_demo_args = None
+    d = sub.add_parser("demo", help="generate with a real small model and compare with transformers")
+    if add_demo_args:
+        add_demo_args(d)
+    d.set_defaults(fn=_cmd_demo)
+
+    try:
+        from cb_kernels.generate_cli import add_generate_args
+    except ImportError:
+        add_generate_args = None
+    g = sub.add_parser("generate", help="generate for every prompt of a jsonl file")
+    if add_generate_args:
+        add_generate_args(g)
+    g.set_defaults(fn=_cmd_generate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.fn(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

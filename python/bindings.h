@@ -1,0 +1,31 @@
+// Each python/bind_<op>.cpp adds its functions to the module through one of these.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "cb_kernels/common.h"
+
+void bind_runtime(pybind11::module_& m);         // threads, CUDA device checks
+void bind_paged_attention(pybind11::module_& m);
+void bind_cache_ops(pybind11::module_& m);
+
+namespace cbk {
+// Pointers cross the binding as Python ints (tensor.data_ptr()).
+template <typename T>
+inline T* as_ptr(uintptr_t p) {
+  return reinterpret_cast<T*>(p);
+}
+
+inline void throw_if_error(const Status& s) {
+  if (!s.ok()) throw std::runtime_error(s.message);
+}
+
+inline DType as_dtype(int code) {
+  if (code < 0 || code > 2) throw std::invalid_argument("dtype code must be 0 (fp32), 1 (fp16) or 2 (bf16)");
+  return static_cast<DType>(code);
+}
+}  // namespace cbk

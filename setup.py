@@ -1,0 +1,49 @@
+"""Drives CMake to build cb_kernels._C (see CMakeLists.txt).
+
+Environment knobs: CBK_CUDA=auto|on|off, CBK_CUDA_ARCHS (CMake list, default "80;90" + PTX),
+CBK_BUILD_TYPE (default Release), CBK_BUILD_JOBS.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+
+
+class CMakeExtension(Extension):
+    def __init__(self, name: str):
+        super().__init__(name, sources=[])
+
+
+class CMakeBuild(build_ext):
+    def build_extension(self, ext: Extension) -> None:
+        import pybind11
+
+        out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
+        build_dir = Path(self.build_temp).resolve() / ext.name
+        build_dir.mkdir(parents=True, exist_ok=True)
+        cfg = os.environ.get("CBK_BUILD_TYPE", "Release")
+        args = [
+            f"-S{ROOT}",
+            f"-B{build_dir}",
+            "-GNinja",
+            f"-DCMAKE_BUILD_TYPE={cfg}",
+            f"-DCBK_OUTPUT_DIR={out_dir}",
+            f"-DPython_EXECUTABLE={sys.executable}",
+            f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
+            f"-DCBK_CUDA={os.environ.get('CBK_CUDA', 'auto')}",
+        ]
+        if os.environ.get("CBK_CUDA_ARCHS"):
+            args.append(f"-DCBK_CUDA_ARCHS={os.environ['CBK_CUDA_ARCHS']}")
+        subprocess.run(["cmake", *args], check=True)
+        build = ["cmake", "--build", str(build_dir)]
+        if os.environ.get("CBK_BUILD_JOBS"):
+            build += ["-j", os.environ["CBK_BUILD_JOBS"]]
+        subprocess.run(build, check=True)
+
+
+setup(ext_modules=[CMakeExtension("cb_kernels._C")], cmdclass={"build_ext": CMakeBuild})

@@ -1,0 +1,65 @@
+"""The package builds, imports without a GPU, reports itself, and ships every file."""
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+import torch
+
+import cb_kernels
+from cb_kernels import _C, ops
+from cb_kernels.ops import _backend
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_import_without_gpu_and_cpu_backend_present():
+    backends = ops.available_backends()
+    assert "cpu" in backends and "torch" in backends
+    assert set(backends) <= {"cuda", "triton", "cpu", "torch"}
+    assert _C.cpu_isa() in ("avx2", "generic")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error text")
+def test_cuda_path_error_text_without_gpu():
+    assert "cuda" not in ops.available_backends()
+    with pytest.raises(RuntimeError, match="'cuda' backend cannot run on this machine: .+"):
+        _backend.resolve_backend("cuda", torch.device("cpu"), ("cuda", "cpu"), "cuda", "some_op")
+    # The compiled module answers why, without aborting the process.
+    assert _C.cuda_device_error() != ""
+    assert _C.cuda_device_count() == 0
+
+
+def test_unknown_backend_is_a_value_error():
+    with pytest.raises(ValueError, match="backend must be one of"):
+        _backend.resolve_backend("metal", torch.device("cpu"), ("cpu",), "cpu", "some_op")
+
+
+def test_info_command_lists_versions():
+    out = subprocess.run([sys.executable, "-m", "cb_kernels", "info"], capture_output=True, text=True,
+                         check=True, cwd="/").stdout
+    for key in ("cb_kernels", "backends", "cuda_kernels_compiled", "torch", "triton", "transformers"):
+        assert key in out
+    assert cb_kernels.__version__ in out
+
+
+@pytest.mark.slow
+def test_wheel_installs_into_fresh_venv_and_imports(tmp_path):
+    """`pip wheel .` must ship every file the package needs (CPU-only build to keep CI short)."""
+    env = dict(os.environ, CBK_CUDA="off")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path / "dist"),
+                    str(ROOT)], check=True, env=env)
+    wheels = list((tmp_path / "dist").glob("cb_kernels-*.whl"))
+    assert len(wheels) == 1
+    venv.create(tmp_path / "venv", with_pip=True)
+    py = str(tmp_path / "venv" / "bin" / "python")
+    subprocess.run([py, "-m", "pip", "install", "-q", "torch==2.13.0", "numpy"], check=True)
+    subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", str(wheels[0])], check=True)
+    code = ("import cb_kernels, cb_kernels._C, cb_kernels.ops as o; "
+            "import cb_kernels.ops.reference, cb_kernels.engine; "
+            "assert 'cpu' in o.available_backends(); print(cb_kernels.__file__)")
+    out = subprocess.run([py, "-c", code], capture_output=True, text=True, cwd=str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert str(tmp_path / "venv") in out.stdout
