@@ -24,4 +24,5 @@ PYBIND11_MODULE(_C, m) {
   bind_runtime(m);
   bind_paged_attention(m);
   bind_cache_ops(m);
+  bind_paged_attention_cuda(m);
 }
