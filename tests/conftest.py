@@ -3,6 +3,11 @@ import os
 import pytest
 import torch
 
+# Without a GPU the Triton kernels run under its interpreter; this must be set before anything
+# imports triton (cb_kernels imports it lazily, the first time a triton backend is used).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def _has_gpu() -> bool:
     return torch.cuda.is_available()
