@@ -1,0 +1,48 @@
+"""Print every benchmark JSON of a results folder as markdown tables (used by gpu_check.sh and to
+refresh bench/RESULTS.md).
+
+    python bench/summarize.py RESULTS_DIR
+
+A benchmark JSON is {"meta": {...}, "rows": [{column: value, ...}, ...]}; columns print in the
+order of the first row.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 100 else f"{v:,.0f}"
+    return str(v)
+
+
+def table(rows: list[dict]) -> str:
+    cols = list(rows[0])
+    for r in rows[1:]:
+        cols += [c for c in r if c not in cols]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(_fmt(r.get(c, "")) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def summarize(folder: Path) -> str:
+    parts = []
+    for path in sorted(folder.glob("*.json")):
+        data = json.loads(path.read_text())
+        rows = data.get("rows", []) if isinstance(data, dict) else data
+        meta = data.get("meta", {}) if isinstance(data, dict) else {}
+        parts.append(f"### {path.stem}\n")
+        if meta:
+            parts.append(", ".join(f"{k}: {_fmt(v)}" for k, v in meta.items()) + "\n")
+        parts.append(table(rows) if rows else "(no rows)")
+        parts.append("")
+    return "\n".join(parts) if parts else f"no benchmark JSON in {folder}"
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
+    print(summarize(Path(sys.argv[1])))
