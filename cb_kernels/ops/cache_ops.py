@@ -30,10 +30,6 @@ def _default_cuda(supported) -> str:
     return "torch"
 
 
-def _has_kernel(name: str) -> bool:
-    return hasattr(_C, name)
-
-
 def write_kv(key, value, k_cache, v_cache, slot_mapping, *, backend=None) -> None:
     """Write each token's K and V into its cache slot, in place.
 
@@ -55,8 +51,6 @@ def run_write_kv(chosen, key, value, k_cache, v_cache, slot_mapping) -> None:
     """Run one backend on checked arguments (also the body of the torch.library op)."""
     if key.shape[0] == 0:
         return
-    if chosen == "cpu" and not _has_kernel("write_kv"):
-        chosen = "torch"
     if chosen == "torch":
         reference.ref_write_kv(key, value, k_cache, v_cache, slot_mapping)
     elif chosen == "triton":
@@ -156,8 +150,6 @@ def _stream_handle(stream, device: torch.device) -> int:
 
 def _run_block_copy(chosen, src_caches, dst_caches, block_mapping, stream) -> None:
     """dst_caches[i][dst] = src_caches[i][src] for every pair, on checked arguments."""
-    if chosen == "cpu" and not _has_kernel("copy_blocks"):
-        chosen = "torch"
     if chosen == "torch":
         _torch_block_copy(src_caches, dst_caches, block_mapping, stream)
         return

@@ -1,0 +1,68 @@
+// KV cache kernels: write_kv, and block copies (copy_blocks inside one pool, swap_blocks between
+// a device pool and a host pool). Torch-free: raw pointers, sizes and byte strides. Everything
+// is byte-addressed (a head_dim row is row_bytes), so one kernel serves every dtype and the
+// copies are bit-exact.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "cb_kernels/common.h"
+
+namespace cbk {
+
+// Scatter num_tokens tokens into their cache slots; slot -1 skips the token.
+struct WriteKvParams {
+  const char* key = nullptr;          // [num_tokens, num_kv_heads, head_dim], head_dim packed
+  const char* value = nullptr;        // same shape as key
+  char* k_cache = nullptr;            // [num_blocks, block_size, num_kv_heads, head_dim]
+  char* v_cache = nullptr;            // same shape as k_cache
+  const int64_t* slot_mapping = nullptr;  // [num_tokens]; slot = block * block_size + offset, or -1
+  int64_t num_tokens = 0;
+  int64_t num_kv_heads = 0;
+  int64_t block_size = 0;
+  int64_t row_bytes = 0;              // head_dim * element size
+  int64_t key_stride[2] = {0, 0};     // bytes between tokens, heads
+  int64_t value_stride[2] = {0, 0};
+  int64_t k_cache_stride[3] = {0, 0, 0};  // bytes between blocks, offsets, heads
+  int64_t v_cache_stride[3] = {0, 0, 0};
+};
+
+// For each pair (src, dst) of block_mapping and each tensor t:
+//   copy block_bytes[t] bytes from src_base[t] + src * src_block_stride[t]
+//                              to   dst_base[t] + dst * dst_block_stride[t].
+// The wrappers guarantee distinct destinations that are never also sources, so pairs and
+// tensors may run in any order.
+struct BlockCopyParams {
+  int64_t num_tensors = 0;
+  const uintptr_t* src_base = nullptr;         // [num_tensors]
+  const uintptr_t* dst_base = nullptr;         // [num_tensors]
+  const int64_t* block_bytes = nullptr;        // [num_tensors]
+  const int64_t* src_block_stride = nullptr;   // [num_tensors], bytes
+  const int64_t* dst_block_stride = nullptr;   // [num_tensors], bytes
+  const int64_t* block_mapping = nullptr;      // [num_pairs, 2] (src, dst), host memory
+  int64_t num_pairs = 0;
+};
+
+namespace cpu {
+Status write_kv(const WriteKvParams& p);
+Status copy_blocks(const BlockCopyParams& p);  // threaded memcpy over (tensor, block) pairs
+}  // namespace cpu
+
+namespace cuda {
+// All three queue work on `stream` (a cudaStream_t) and return without waiting for it.
+Status write_kv(const WriteKvParams& p, void* stream);
+// Both pools on the device; every tensor in one launch. `pairs_dev` is the int64 [num_pairs, 2]
+// mapping and `table_dev` the per-tensor table (see cache_ops.cu), already on the device.
+Status copy_blocks(const BlockCopyParams& p, const void* table_dev, const int64_t* pairs_dev, void* stream);
+// Device <-> pinned host (either direction). Picks cuMemcpyBatchAsync where the driver has it
+// and the blocks are large, else a copy kernel over mapped pinned memory (`table_dev`,
+// `pairs_dev` as for copy_blocks); `method` forces one: 0 auto, 1 batched memcpy, 2 kernel,
+// 3 one cudaMemcpyAsync per block.
+Status swap_blocks(const BlockCopyParams& p, const void* table_dev, const int64_t* pairs_dev, int method,
+                   void* stream);
+// "" when cuMemcpyBatchAsync can be used here, else why not.
+std::string batch_memcpy_error();
+}  // namespace cuda
+
+}  // namespace cbk
