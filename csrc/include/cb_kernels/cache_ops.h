@@ -50,19 +50,31 @@ Status copy_blocks(const BlockCopyParams& p);  // threaded memcpy over (tensor, 
 }  // namespace cpu
 
 namespace cuda {
-// All three queue work on `stream` (a cudaStream_t) and return without waiting for it.
+// Every function queues work on `stream` (a cudaStream_t, 0 = legacy default) and returns without
+// waiting for it. The current device must be the one that owns the device pointers.
 Status write_kv(const WriteKvParams& p, void* stream);
-// Both pools on the device; every tensor in one launch. `pairs_dev` is the int64 [num_pairs, 2]
-// mapping and `table_dev` the per-tensor table (see cache_ops.cu), already on the device.
-Status copy_blocks(const BlockCopyParams& p, const void* table_dev, const int64_t* pairs_dev, void* stream);
-// Device <-> pinned host (either direction). Picks cuMemcpyBatchAsync where the driver has it
-// and the blocks are large, else a copy kernel over mapped pinned memory (`table_dev`,
-// `pairs_dev` as for copy_blocks); `method` forces one: 0 auto, 1 batched memcpy, 2 kernel,
-// 3 one cudaMemcpyAsync per block.
-Status swap_blocks(const BlockCopyParams& p, const void* table_dev, const int64_t* pairs_dev, int method,
-                   void* stream);
-// "" when cuMemcpyBatchAsync can be used here, else why not.
+
+// Block copies as one kernel launch over every (tensor, pair). `p` (host arrays) gives the
+// geometry; `table_dev` holds the same per-tensor rows on the device, int64 [num_tensors, 5] =
+// (src_base, dst_base, block_bytes, src_block_stride, dst_block_stride), with device-accessible
+// pointers (mapped pinned host memory works: this is the zero-copy swap path); `pairs_dev` is
+// int64 [num_pairs, 2] on the device.
+Status copy_blocks(const BlockCopyParams& p, const int64_t* table_dev, const int64_t* pairs_dev, void* stream);
+
+// Block copies through the copy engines from p's host arrays alone: one cuMemcpyBatchAsync call
+// (batched = true) or one cudaMemcpyAsync per run of consecutive blocks (batched = false).
+Status memcpy_blocks(const BlockCopyParams& p, bool batched, void* stream);
+
+// Which swap path to take: 1 = memcpy_blocks batched, 2 = copy_blocks kernel, 3 = memcpy_blocks
+// one by one. requested 0 = auto: batched when the driver has it, the stream is not the legacy
+// default stream (the batch API refuses it) and blocks are at least batch_min_bytes.
+int swap_method(int64_t min_block_bytes, void* stream, int requested, int64_t batch_min_bytes);
+
+// "" when cuMemcpyBatchAsync is available, else why not.
 std::string batch_memcpy_error();
+
+// Device address of pinned host memory (0 when the pointer is not page-locked / mapped).
+uintptr_t host_device_pointer(uintptr_t host_ptr);
 }  // namespace cuda
 
 }  // namespace cbk
