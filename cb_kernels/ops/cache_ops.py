@@ -193,7 +193,8 @@ def _run_block_copy(chosen, src_caches, dst_caches, block_mapping, stream, cuda_
 
 
 def _torch_block_copy(src_caches, dst_caches, block_mapping, stream) -> None:
-    """Pure-torch copy: one gather, one transfer and one scatter per tensor (transformers' way).
+    """Pure-torch copy: one gather, one transfer and one scatter per tensor (transformers' way;
+    indexing rather than index_copy_, which has no float8 kernel on CPU).
 
     Gathering first means no pair can read another pair's output, like the kernels.
     """
@@ -203,7 +204,7 @@ def _torch_block_copy(src_caches, dst_caches, block_mapping, stream) -> None:
         src_ids = block_mapping[:, 0].to(src_caches[0].device)
         dst_ids = block_mapping[:, 1].to(dst_caches[0].device)
         for s, d in zip(src_caches, dst_caches):
-            d.index_copy_(0, dst_ids, s.index_select(0, src_ids).to(d.device))
+            d[dst_ids] = s[src_ids].to(d.device)
 
 
 def _as_stream(stream, device):
