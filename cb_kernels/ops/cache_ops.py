@@ -145,7 +145,10 @@ def _swap_blocks(src_caches, dst_caches, block_mapping, *, stream, backend, cuda
     dst_caches = check_pool_list(dst_caches, "dst_caches")
     check_same_geometry(src_caches, dst_caches, "src_caches", "dst_caches")
     src_dev, dst_dev = src_caches[0].device, dst_caches[0].device
-    same_pool = any(s.data_ptr() == d.data_ptr() for s, d in zip(src_caches, dst_caches))
+    # Views of one storage on both sides (one pool, maybe interleaved): a destination must then
+    # never be a source, or the result would depend on copy order.
+    same_pool = any(s.untyped_storage().data_ptr() == d.untyped_storage().data_ptr()
+                    for s, d in zip(src_caches, dst_caches))
     n = check_block_mapping(block_mapping, src_caches[0].shape[0], dst_caches[0].shape[0], same_pool)
     cuda_devs = {d for d in (src_dev, dst_dev) if d.type == "cuda"}
     if len(cuda_devs) > 1:

@@ -52,33 +52,32 @@ WRITE_CASES = [  # (id, num_tokens, num_kv_heads, head_dim, block_size, strided)
 ]
 
 
-def _write_inputs(num_tokens, num_kv_heads, head_dim, block_size, dtype, strided, seed=0):
+def _write_inputs(num_tokens, num_kv_heads, head_dim, block_size, dtype, strided, device="cpu", seed=0):
     g = torch.Generator().manual_seed(seed)
     num_blocks = num_tokens // block_size + 3
     k_caches, v_caches = make_pool(1, num_blocks, block_size, num_kv_heads, head_dim, dtype,
-                                   interleaved=strided, fill="nan")
+                                   interleaved=strided, fill="nan", device=device)
     if strided:  # key/value as slices of a fused qkv-like tensor: token stride > heads * head_dim
-        fused = random_like_dtype(num_tokens, 2, num_kv_heads, head_dim + 4, dtype=dtype, gen=g)
+        fused = random_like_dtype(num_tokens, 2, num_kv_heads, head_dim + 4, dtype=dtype, gen=g).to(device)
         key, value = fused[:, 0, :, :head_dim], fused[:, 1, :, 4:]
     else:
-        key = random_like_dtype(num_tokens, num_kv_heads, head_dim, dtype=dtype, gen=g)
-        value = random_like_dtype(num_tokens, num_kv_heads, head_dim, dtype=dtype, gen=g)
+        key = random_like_dtype(num_tokens, num_kv_heads, head_dim, dtype=dtype, gen=g).to(device)
+        value = random_like_dtype(num_tokens, num_kv_heads, head_dim, dtype=dtype, gen=g).to(device)
     slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
     slots[torch.rand(num_tokens, generator=g) < 0.25] = -1
     slots[0] = -1
-    return key, value, k_caches[0], v_caches[0], slots
+    return key, value, k_caches[0], v_caches[0], slots.to(device)
 
 
 def _check_write_kv(backend, case, dtype, device="cpu"):
     _, num_tokens, num_kv_heads, head_dim, block_size, strided = case
-    key, value, k_cache, v_cache, slots = _write_inputs(num_tokens, num_kv_heads, head_dim, block_size, dtype, strided)
-    k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    ref_write_kv(key, value, k_ref, v_ref, slots)
-    to = dict(device=device)
-    key, value, slots = key.to(**to), value.to(**to), slots.to(**to)
-    k_dev, v_dev = (k_cache.to(**to), v_cache.to(**to)) if device != "cpu" else (k_cache, v_cache)
-    ops.write_kv(key, value, k_dev, v_dev, slots, backend=backend)
-    assert same_bits(k_dev.cpu(), k_ref) and same_bits(v_dev.cpu(), v_ref)
+    key, value, k_cache, v_cache, slots = _write_inputs(num_tokens, num_kv_heads, head_dim, block_size, dtype,
+                                                        strided, device)
+    assert k_cache.is_contiguous() != strided and key.is_contiguous() != strided
+    k_ref, v_ref = k_cache.cpu().clone(), v_cache.cpu().clone()
+    ref_write_kv(key.cpu(), value.cpu(), k_ref, v_ref, slots.cpu())
+    ops.write_kv(key, value, k_cache, v_cache, slots, backend=backend)
+    assert same_bits(k_cache.cpu(), k_ref) and same_bits(v_cache.cpu(), v_ref)
     # The reference itself wrote the kept tokens and nothing else.
     kept = slots.cpu() >= 0
     assert int(torch.isnan(k_ref.float()).logical_not().sum()) == int(kept.sum()) * num_kv_heads * head_dim
@@ -133,8 +132,10 @@ def _round_trip(backend, dtype, interleaved, device="cpu", cuda_method="auto", s
     dev_ids = torch.randperm(24, generator=g)[:6]          # shuffled, non-contiguous
     host_ids = torch.randperm(10, generator=g)[:6]
     snapshot = [t[dev_ids].cpu() for t in device_caches]
-    swap = lambda src, dst, m: cache_ops._swap_blocks(src, dst, m, stream=stream, backend=backend,  # noqa: E731
-                                                       cuda_method=cuda_method)
+    def swap(src, dst, m):
+        if stream is not None:  # the pools were written on the current stream
+            stream.wait_stream(torch.cuda.current_stream())
+        cache_ops._swap_blocks(src, dst, m, stream=stream, backend=backend, cuda_method=cuda_method)
     swap(device_caches, host.caches, torch.stack([dev_ids, host_ids], 1))
     if device != "cpu":
         torch.cuda.synchronize()
@@ -240,6 +241,8 @@ def _bad_cases():
         ("swap-src-out-of-range", s(torch.tensor([[6, 0]])), ValueError, r"source block id 6, outside \[0, 6\)"),
         ("swap-duplicate-dst", s(torch.tensor([[0, 2], [1, 2]])), ValueError, "destination block 2 more than once"),
         ("swap-stream-on-cpu", s(m, stream=0), ValueError, "stream must be None"),
+        ("swap-inside-one-pool", lambda: ops.swap_blocks(kc, kc, torch.tensor([[0, 1], [1, 2]])), ValueError,
+         "both a source and a destination"),
         ("host-pool-num-blocks", lambda: ops.HostPool(kc, 0), ValueError, "num_blocks must be positive"),
         ("host-pool-num-blocks-type", lambda: ops.HostPool(kc, 2.0), TypeError, "num_blocks must be an int"),
         ("host-pool-like", lambda: ops.HostPool(kc[0], 2), TypeError, "like must be a list"),
@@ -309,3 +312,32 @@ def test_swap_gpu_stream_handle_and_pageable_fallback():
     stream.synchronize()
     for src, dst in zip(k_caches, pageable):
         assert same_bits(dst[0], src[5].cpu()) and same_bits(dst[3], src[1].cpu())
+
+
+@pytest.mark.gpu
+def test_write_kv_cuda_graph_replays_with_new_slots():
+    key, value, k_cache, v_cache, slots = _write_inputs(8, 2, 64, 16, torch.bfloat16, False, "cuda")
+    static_slots = slots.clone()
+    ops.write_kv(key, value, k_cache, v_cache, static_slots, backend="cuda")  # warm-up outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.write_kv(key, value, k_cache, v_cache, static_slots, backend="cuda")
+    static_slots.copy_(torch.randperm(k_cache.shape[0] * k_cache.shape[1], device="cuda")[:8])
+    k_cache.fill_(float("nan"))
+    v_cache.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    k_ref, v_ref = nan_empty(*k_cache.shape, dtype=k_cache.dtype), nan_empty(*v_cache.shape, dtype=v_cache.dtype)
+    ref_write_kv(key.cpu(), value.cpu(), k_ref, v_ref, static_slots.cpu())
+    assert same_bits(k_cache.cpu(), k_ref) and same_bits(v_cache.cpu(), v_ref)
+
+
+@pytest.mark.gpu
+def test_custom_ops_pass_opcheck_on_cuda():
+    k_caches, v_caches = make_pool(2, 6, 4, 2, 8, torch.float16, interleaved=True, device="cuda")
+    key, value = torch.randn(3, 2, 8, device="cuda").half(), torch.randn(3, 2, 8, device="cuda").half()
+    slots = torch.tensor([0, -1, 9], device="cuda")
+    torch.library.opcheck(torch.ops.cb_kernels.write_kv.default, (key, value, k_caches[0], v_caches[0], slots, "cuda"))
+    torch.library.opcheck(torch.ops.cb_kernels.copy_blocks.default,
+                          (k_caches, v_caches, torch.tensor([[0, 1], [2, 5]]), "cuda"))
