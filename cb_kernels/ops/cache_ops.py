@@ -77,7 +77,7 @@ def run_write_kv(chosen, key, value, k_cache, v_cache, slot_mapping) -> None:
 def _write_kv_args(key, value, k_cache, v_cache, slot_mapping) -> tuple:
     es = key.element_size()
     return (key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(),
-            key.shape[0], key.shape[1], k_cache.shape[1], key.shape[2] * es,
+            key.shape[0], key.shape[1], k_cache.shape[1], k_cache.shape[0] * k_cache.shape[1], key.shape[2] * es,
             (key.stride(0) * es, key.stride(1) * es), (value.stride(0) * es, value.stride(1) * es),
             tuple(s * es for s in k_cache.stride()[:3]), tuple(s * es for s in v_cache.stride()[:3]))
 

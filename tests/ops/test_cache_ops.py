@@ -104,6 +104,17 @@ def test_write_kv_all_skipped_and_empty_leave_cache_untouched():
     assert same_bits(k_cache, before)
 
 
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_write_kv_kernels_skip_slots_past_the_pool_when_unchecked(backend):
+    """Inside a CUDA graph the wrapper cannot check slot values; the kernels must still never write
+    out of bounds."""
+    key, value, k_cache, v_cache, _ = _write_inputs(3, 2, 16, 4, torch.float32, False)
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    cache_ops.run_write_kv(backend, key, value, k_cache, v_cache, torch.tensor([num_slots, 10**9, 1]))
+    assert same_bits(k_cache[0, 1], key[2]) and same_bits(v_cache[0, 1], value[2])
+    assert int(torch.isnan(k_cache).logical_not().sum()) == key[2].numel()
+
+
 # ---------------------------------------------------------------- copy_blocks
 @pytest.mark.parametrize("interleaved", [False, True], ids=["packed", "interleaved"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
