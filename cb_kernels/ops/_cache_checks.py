@@ -136,11 +136,20 @@ def check_slot_values(slot_mapping: torch.Tensor, num_slots: int) -> None:
         return
     if slot_mapping.is_cuda and torch.cuda.is_current_stream_capturing():
         return
-    ordered = torch.sort(slot_mapping).values
-    lo, hi = int(ordered[0]), int(ordered[-1])
+    if not slot_mapping.is_cuda and slot_mapping.numel() <= 256:
+        # Decode-sized batches: plain Python on the list is ~4x cheaper than a chain of small
+        # torch ops (12 us -> 3 us for 64 tokens, measured on the 2-core dev box).
+        values = slot_mapping.tolist()
+        lo, hi = min(values), max(values)
+        kept = [v for v in values if v >= 0]
+        twice = len(set(kept)) != len(kept)
+    else:
+        ordered = torch.sort(slot_mapping).values
+        lo, hi = int(ordered[0]), int(ordered[-1])
+        twice = ordered.numel() > 1 and bool(((ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)).any())
     if lo < -1 or hi >= num_slots:
         bad = lo if lo < -1 else hi
         raise ValueError(f"slot_mapping has slot {bad}, outside [-1, {num_slots}) "
                          f"(num_blocks * block_size = {num_slots}; -1 skips a token)")
-    if ordered.numel() > 1 and bool(((ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)).any()):
+    if twice:
         raise ValueError("slot_mapping writes one slot twice; the result would depend on write order")
