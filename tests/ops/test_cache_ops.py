@@ -269,6 +269,21 @@ def test_bad_input_raises_naming_the_argument(call, exc, match):
         call()
 
 
+@pytest.mark.parametrize("num_tokens", [5, 300], ids=["list-check", "torch-check"])
+def test_bad_slots_are_caught_on_both_check_paths(num_tokens):
+    key, value, k_cache, v_cache, _ = _write_inputs(num_tokens, 1, 8, 16, torch.float32, False)
+    slots = torch.arange(num_tokens)
+    slots[-1] = slots[0]
+    with pytest.raises(ValueError, match="slot_mapping writes one slot twice"):
+        ops.write_kv(key, value, k_cache, v_cache, slots)
+    slots[-1] = k_cache.shape[0] * k_cache.shape[1]
+    with pytest.raises(ValueError, match=f"slot_mapping has slot {int(slots[-1])}, outside"):
+        ops.write_kv(key, value, k_cache, v_cache, slots)
+    slots[-1] = -1
+    ops.write_kv(key, value, k_cache, v_cache, slots)
+    assert same_bits(k_cache.view(-1, 1, 8)[:num_tokens - 1], key[:-1])
+
+
 def test_mapping_on_device_is_rejected_before_any_copy():
     meta = torch.tensor([[0, 1]], device="meta")
     kc, vc = make_pool(1, 4, 4, 1, 8, torch.float32, interleaved=False)
