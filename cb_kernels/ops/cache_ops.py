@@ -152,7 +152,8 @@ def _swap_blocks(src_caches, dst_caches, block_mapping, *, stream, backend, cuda
     n = check_block_mapping(block_mapping, src_caches[0].shape[0], dst_caches[0].shape[0], same_pool)
     cuda_devs = {d for d in (src_dev, dst_dev) if d.type == "cuda"}
     if len(cuda_devs) > 1:
-        raise ValueError(f"src_caches on {src_dev} and dst_caches on {dst_dev}: swaps between two GPUs are not supported")
+        raise ValueError(f"src_caches on {src_dev} and dst_caches on {dst_dev}: "
+                         f"swaps between two GPUs are not supported")
     if not cuda_devs and stream is not None:
         raise ValueError("stream must be None when neither src_caches nor dst_caches is on CUDA")
     if stream is not None and not isinstance(stream, int) and not hasattr(stream, "cuda_stream"):
@@ -202,7 +203,9 @@ def _torch_block_copy(src_caches, dst_caches, block_mapping, stream) -> None:
     Gathering first means no pair can read another pair's output, like the kernels.
     """
     cuda = next((t.device for t in (src_caches[0], dst_caches[0]) if t.is_cuda), None)
-    ctx = torch.cuda.stream(_as_stream(stream, cuda)) if cuda is not None and stream is not None else contextlib.nullcontext()
+    ctx = contextlib.nullcontext()
+    if cuda is not None and stream is not None:
+        ctx = torch.cuda.stream(_as_stream(stream, cuda))
     with ctx:
         src_ids = block_mapping[:, 0].to(src_caches[0].device)
         dst_ids = block_mapping[:, 1].to(dst_caches[0].device)
