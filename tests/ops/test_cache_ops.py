@@ -369,3 +369,11 @@ def test_custom_ops_pass_opcheck_on_cuda():
     torch.library.opcheck(torch.ops.cb_kernels.write_kv.default, (key, value, k_caches[0], v_caches[0], slots, "cuda"))
     torch.library.opcheck(torch.ops.cb_kernels.copy_blocks.default,
                           (k_caches, v_caches, torch.tensor([[0, 1], [2, 5]]), "cuda"))
+
+
+@pytest.mark.gpu
+def test_host_pool_pins_its_buffer_and_the_kernel_can_map_it():
+    like = [torch.empty(10, 16, 8, 128, dtype=torch.bfloat16, device="cuda") for _ in range(3)]
+    pool = ops.HostPool(like, 300)  # 300 x 3 x 32 KiB: not a power of two
+    assert pool.pinned and all(t.is_pinned() for t in pool.caches)
+    assert all(_C.cuda_host_device_pointer(t[7].data_ptr()) != 0 for t in pool.caches)
