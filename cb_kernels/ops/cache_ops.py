@@ -39,7 +39,9 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping, *, backend=None) -> Non
     key, value : [num_tokens, num_kv_heads, head_dim], any strides with head_dim packed.
     k_cache, v_cache : [num_blocks, block_size, num_kv_heads, head_dim], same dtype as key; any
         strides with head_dim packed (transformers' per-layer views work in place).
-    slot_mapping : int64 [num_tokens] on the caches' device; -1 skips the token.
+    slot_mapping : int64 [num_tokens] on the caches' device; -1 skips the token. Slots outside
+        the pool or written twice raise ValueError; on CUDA that check costs one host sync (it is
+        skipped while a CUDA graph is captured, and the kernels then skip out-of-pool slots).
     backend : None (fastest here), "cuda", "triton", "cpu" or "torch" (the reference).
     """
     if torch.compiler.is_compiling():
