@@ -39,7 +39,7 @@ class HostPool:
     """
 
     def __init__(self, like, num_blocks: int, *, pin_memory: bool | None = None):
-        like = check_pool_list(like, "like")
+        like = check_pool_list(like, "like").tensors
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int):
             raise TypeError(f"num_blocks must be an int, got {type(num_blocks).__name__}")
         if num_blocks <= 0:
