@@ -162,9 +162,11 @@ class OffloadManager:
     def _transfer(self, src, dst, mapping: torch.Tensor, direction: str) -> None:
         start = time.perf_counter()
         if direction == "out":
-            self.orchestrator.copy_out(lambda stream: self._swap_fn(src, dst, mapping, stream=stream))
+            self.orchestrator.copy_out(lambda stream: self._swap_fn(src, dst, mapping, stream=stream),
+                                       keep_alive=mapping)
         else:
-            self.orchestrator.copy_in(lambda stream: self._swap_fn(src, dst, mapping, stream=stream))
+            self.orchestrator.copy_in(lambda stream: self._swap_fn(src, dst, mapping, stream=stream),
+                                      keep_alive=mapping)
         self.bytes_moved += mapping.shape[0] * self.block_bytes
         if not self.orchestrator.asynchronous:
             # Issue time equals copy time only when the copy is synchronous.

@@ -74,6 +74,7 @@ class StreamOrchestrator:
         self.asynchronous = is_cuda and overlap != "off"
         self._pending_copies: list = []
         self._last_copy = {"h2d": None, "d2h": None}
+        self._in_flight: list = []
         if self.asynchronous:
             with torch.cuda.device(self.device):
                 self.compute = torch.cuda.current_stream(self.device)
@@ -91,7 +92,7 @@ class StreamOrchestrator:
             stream.wait_event(other)
         return stream
 
-    def _issue_copy(self, name: str, fn: Callable) -> None:
+    def _issue_copy(self, name: str, fn: Callable, keep_alive=None) -> None:
         if not self.asynchronous:
             fn(None)
             return
@@ -102,14 +103,19 @@ class StreamOrchestrator:
         event.record(stream)
         self._last_copy[name] = event
         self._pending_copies.append(event)
+        # Host tensors a queued copy still reads (its block mapping) must outlive it.
+        self._in_flight = [(e, k) for e, k in self._in_flight if not e.query()]
+        if keep_alive is not None:
+            self._in_flight.append((event, keep_alive))
 
-    def copy_out(self, fn: Callable) -> None:
-        """Run `fn(stream)` (a device -> host copy, e.g. a swap-out) on d2h."""
-        self._issue_copy("d2h", fn)
+    def copy_out(self, fn: Callable, keep_alive=None) -> None:
+        """Run `fn(stream)` (a device -> host copy, e.g. a swap-out) on d2h; `keep_alive` is held
+        until the copy has run."""
+        self._issue_copy("d2h", fn, keep_alive)
 
-    def copy_in(self, fn: Callable) -> None:
+    def copy_in(self, fn: Callable, keep_alive=None) -> None:
         """Run `fn(stream)` (a host -> device copy, e.g. a swap-in) on h2d."""
-        self._issue_copy("h2d", fn)
+        self._issue_copy("h2d", fn, keep_alive)
 
     def begin_compute(self) -> None:
         """Make compute wait for every copy issued since the last step; call before each forward."""
@@ -147,3 +153,4 @@ class StreamOrchestrator:
         if self.asynchronous:
             torch.cuda.synchronize(self.device)
         self._pending_copies.clear()
+        self._in_flight.clear()
