@@ -98,6 +98,10 @@ class OffloadManager:
     def holds(self, request_id) -> bool:
         return request_id in self._owned
 
+    def owners(self) -> dict:
+        """Request id -> number of host blocks it holds."""
+        return {rid: len(blocks) for rid, blocks in self._owned.items()}
+
     def host_blocks(self, request_id) -> list[int]:
         return list(self._owned[request_id])
 

@@ -61,16 +61,17 @@ class PreemptionPolicy:
     def recompute_seconds(self, num_tokens: int) -> float:
         return num_tokens * self.prefill_s_per_token
 
-    def choose(self, *, num_tokens: int, swap_blocks: int, block_bytes: int,
+    def choose(self, *, num_tokens: int, swap_blocks: int, freed_blocks: int, block_bytes: int,
                host_free_blocks: int) -> str:
-        """"swap" or "recompute" for a victim with `num_tokens` of KV and `swap_blocks` blocks it
-        owns alone (shared prefix blocks stay on the device and are not copied).
+        """"swap" or "recompute" for a victim with `num_tokens` tokens of KV in `swap_blocks`
+        blocks, `freed_blocks` of which only it owns (what preempting it gives back).
 
-        A victim that owns no block alone frees nothing by swapping, so it is recomputed: its KV
-        comes back from the prefix cache at the cost of only its own tokens. "swap" mode falls back
-        to recompute when the host pool lacks room (never an error: progress comes first).
+        A victim that frees nothing (every block shared through the prefix cache) is recomputed:
+        host space spent on it would buy no device room, and its KV comes back from the prefix
+        cache. Without room in the host pool "swap" also falls back to recompute (never an
+        error: progress comes first).
         """
-        if self.mode == "recompute" or swap_blocks <= 0 or swap_blocks > host_free_blocks:
+        if self.mode == "recompute" or freed_blocks <= 0 or not 0 < swap_blocks <= host_free_blocks:
             return "recompute"
         if self.mode == "swap":
             return "swap"

@@ -118,11 +118,12 @@ def test_check_invariants_catches_corruption():
 
 
 def test_policy_modes():
-    kw = dict(num_tokens=100, swap_blocks=4, block_bytes=1 << 20, host_free_blocks=10)
+    kw = dict(num_tokens=100, swap_blocks=4, freed_blocks=4, block_bytes=1 << 20, host_free_blocks=10)
     assert PreemptionPolicy("swap").choose(**kw) == "swap"
     assert PreemptionPolicy("recompute").choose(**kw) == "recompute"
     assert PreemptionPolicy("swap").choose(**{**kw, "host_free_blocks": 3}) == "recompute"
     assert PreemptionPolicy("swap").choose(**{**kw, "swap_blocks": 0}) == "recompute"
+    assert PreemptionPolicy("swap").choose(**{**kw, "freed_blocks": 0}) == "recompute"
     # 8 MiB over 5 GB/s is ~1.7 ms; 100 tokens at 0.5 ms is 50 ms: swap is cheaper.
     assert PreemptionPolicy("auto").choose(**kw) == "swap"
     slow_link = PreemptionPolicy("auto", copy_bytes_per_s=1e6)
@@ -138,7 +139,7 @@ def test_policy_learns_rates():
     assert p.prefill_s_per_token == pytest.approx(1e-6)
     assert p.copy_bytes_per_s == pytest.approx(1e9)
     # Now prefill is nearly free: 100 tokens = 0.1 ms vs 8 MiB twice over 1 GB/s = 17 ms.
-    assert p.choose(num_tokens=100, swap_blocks=4, block_bytes=1 << 20, host_free_blocks=10) == "recompute"
+    assert p.choose(num_tokens=100, swap_blocks=4, freed_blocks=1, block_bytes=1 << 20, host_free_blocks=10) == "recompute"
 
 
 def test_pick_victim_skips_all_shared():
