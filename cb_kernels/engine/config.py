@@ -49,6 +49,7 @@ class EngineConfig:
     overlap: "auto", "on" or "off" (overlap host work with device compute; CPU runs "off").
     attention_backend: backend of the paged-attention op (None = the op's default).
     dtype: KV-cache dtype name (None = the model's dtype).
+    cuda_graphs: "auto", True or False (replay decode steps as CUDA graphs; "auto" = on CUDA).
     """
 
     block_size: Optional[int] = None
@@ -61,6 +62,7 @@ class EngineConfig:
     overlap: str = "auto"
     attention_backend: Optional[str] = None
     dtype: Optional[str] = None
+    cuda_graphs: object = "auto"
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, 1)
@@ -88,6 +90,8 @@ class EngineConfig:
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS,
                       allow_none=True)
         _check_choice("dtype", self.dtype, DTYPES, allow_none=True)
+        if self.cuda_graphs != "auto" and not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs must be 'auto', True or False, got {self.cuda_graphs!r}")
 
 
 @dataclass

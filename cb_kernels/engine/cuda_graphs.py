@@ -21,7 +21,7 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
 def check_cuda_graphs(cuda_graphs) -> str:
-    if cuda_graphs not in ("auto", True, False):
+    if cuda_graphs != "auto" and not isinstance(cuda_graphs, bool):
         raise ValueError(f"cuda_graphs must be 'auto', True or False, got {cuda_graphs!r}")
     return cuda_graphs
 
@@ -160,3 +160,28 @@ class DecodeGraphRunner:
             self._outputs[bucket] = self.fn(**static)
         self._graphs[bucket] = graph
         logger.info("captured a CUDA graph for decode batches of %d", bucket)
+
+
+def adapter_decode_runner(adapter, max_num_seqs: int, max_blocks_per_seq: int) -> DecodeGraphRunner:
+    """A runner for the engine's pure-decode steps through a ModelAdapter (cb_kernels.hf.adapter).
+
+    Its inputs are the adapter's step tensors of a decode batch (one token per sequence):
+    input_ids, positions, slot_mapping [num_seqs]; seq_lens int32 [num_seqs]; block_tables int32
+    [num_seqs, <= max_blocks_per_seq]; cu_seqlens_q int32 [num_seqs + 1]. It returns fp32
+    logits [num_seqs, vocab_size].
+    """
+    from cb_kernels.hf.adapter import StepInputs
+
+    def decode(input_ids, positions, slot_mapping, seq_lens, block_tables, cu_seqlens_q):
+        step = StepInputs(slot_mapping=slot_mapping, block_tables=block_tables, seq_lens=seq_lens,
+                          cu_seqlens_q=cu_seqlens_q, k_caches=adapter.k_caches,
+                          v_caches=adapter.v_caches, sliding_windows=adapter.sliding_windows,
+                          softcap=adapter.softcap, backend=adapter.attention_backend)
+        rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+        return adapter.forward(input_ids[None], positions[None], rows, step)
+
+    buckets = [b for b in DEFAULT_BUCKETS if b < max_num_seqs] + [max_num_seqs]
+    return DecodeGraphRunner(decode, {"input_ids": 0, "positions": 0, "slot_mapping": -1,
+                                      "seq_lens": 1, "block_tables": 0, "cu_seqlens_q": 0},
+                             max_shapes={"block_tables": (max_blocks_per_seq,)},
+                             cumulative=("cu_seqlens_q",), buckets=buckets, device=adapter.device)

@@ -8,10 +8,13 @@ from typing import Iterator, Optional
 from cb_kernels.engine import requests
 from cb_kernels.engine.block_manager import BlockManager
 from cb_kernels.engine.config import EngineConfig, RequestOutput, SamplingParams
+from cb_kernels.engine.cuda_graphs import adapter_decode_runner, graphs_enabled
 from cb_kernels.engine.sampler import Sampler
 from cb_kernels.engine.scheduler import ScheduledBatch, Scheduler
 from cb_kernels.engine.sequence import Sequence, SequenceStatus
 from cb_kernels.engine.sizing import ModelShape, resolve
+from cb_kernels.engine.streams import StreamOrchestrator
+from cb_kernels.engine.swapper import make_swapper
 
 logger = logging.getLogger("cb_kernels.engine")
 
@@ -36,11 +39,17 @@ class Engine:
         self.resolved = resolve(config, ModelShape(a.num_layers, a.num_kv_heads, a.head_dim,
                                                    a.max_positions, a.dtype, a.device))
         r = self.resolved
-        if r.preemption == "swap":
-            logger.warning("preemption='swap': no host swap pool in this build; recomputing")
         a.allocate_cache(r.num_blocks, r.block_size, r.dtype)
         self.block_manager = BlockManager(r.num_blocks, r.block_size, r.prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, r.max_batch_tokens, r.max_num_seqs)
+        self.streams = StreamOrchestrator(a.device, r.overlap)
+        self.swapper = make_swapper(self.block_manager, a.k_caches + a.v_caches, r.cpu_offload_gib,
+                                    r.preemption, self.streams)
+        self.scheduler = Scheduler(self.block_manager, r.max_batch_tokens, r.max_num_seqs,
+                                   swapper=self.swapper)
+        self.graphs = None
+        if graphs_enabled(config.cuda_graphs, a.device):
+            max_blocks = min(r.num_blocks, -(-a.max_positions // r.block_size))
+            self.graphs = adapter_decode_runner(a, r.max_num_seqs, max_blocks)
         self.sampler = Sampler(seed)
         self.eos_token_ids = requests.eos_ids_of(model)
         self._seqs: dict = {}                 # request_id -> Sequence, while not ended
@@ -92,23 +101,37 @@ class Engine:
         """Run one batch; returns the RequestOutputs of the requests that ended in it (plus
         those cancelled since the last step)."""
         batch = self.scheduler.schedule()
+        for seq in self.scheduler.failed:     # a swap failed: that request alone ends
+            self._end(seq, "error", seq.error)
+        self.scheduler.failed.clear()
         if batch.seqs:
             self._steps += 1
+            start = time.perf_counter()
             try:
                 sampled, tokens = self._run(batch)
             except Exception as e:  # one bad step fails its requests, never the engine
                 self._fail_step(batch, e)
             else:
+                if self.swapper is not None and batch.num_prefill_tokens:
+                    # The swap-or-recompute choice weighs copies against this measured rate.
+                    self.swapper.policy.record_prefill(batch.num_tokens, time.perf_counter() - start)
                 self._postprocess(batch, sampled, tokens)
         ended, self._ended = self._ended, []
         return ended
 
     def _run(self, batch: ScheduledBatch):
         a = self.adapter
+        self.streams.begin_compute()
         a.copy_blocks(batch.blocks_to_copy)
         input_ids, position_ids, logits_idx, step, sampled = a.prepare(batch.seqs,
                                                                        batch.num_new_tokens)
-        logits = a.forward(input_ids, position_ids, logits_idx, step)
+        if self.graphs is not None and batch.num_prefill_tokens == 0:
+            logits = self.graphs({"input_ids": input_ids[0], "positions": position_ids[0],
+                                  "slot_mapping": step.slot_mapping, "seq_lens": step.seq_lens,
+                                  "block_tables": step.block_tables,
+                                  "cu_seqlens_q": step.cu_seqlens_q})
+        else:
+            logits = a.forward(input_ids, position_ids, logits_idx, step)
         tokens = self.sampler(logits, sampled) if sampled else []
         return sampled, tokens
 
@@ -139,7 +162,8 @@ class Engine:
             self._end(seq, "error", message)
 
     def _end(self, seq: Sequence, reason: str, error: Optional[str] = None) -> None:
-        self.scheduler.finish(seq)
+        if seq.status is not SequenceStatus.FINISHED:
+            self.scheduler.finish(seq)
         seq.finish_reason, seq.error = reason, error
         seq.metrics.finished_time = time.perf_counter()
         del self._seqs[seq.request_id]
@@ -223,7 +247,11 @@ class Engine:
             assert self._seqs.get(seq.request_id) is seq, f"{seq} running but unknown"
         for seq in s.waiting:
             assert seq.status is SequenceStatus.WAITING and not seq.block_table, f"{seq} waiting"
-        assert len(s.running) + len(s.waiting) == len(self._seqs), "a request is lost"
+        if self.swapper is not None:
+            self.swapper.check_invariants(s.swapped)
+        assert not s.swapped or self.swapper is not None, "swapped requests without a host pool"
+        assert len(s.running) + len(s.waiting) + len(s.swapped) == len(self._seqs), \
+            "a request is lost"
         assert len(s.running) <= s.max_num_seqs
 
     def stats(self) -> dict:
@@ -231,10 +259,17 @@ class Engine:
         return {
             "used_blocks": bm.num_used_blocks, "free_blocks": len(bm.free_ids),
             "cached_blocks": bm.num_cached_blocks, "num_blocks": bm.num_blocks,
-            "host_used_blocks": 0, "swaps_out": 0, "swaps_in": 0,
+            **self._offload_stats(),
             "recomputes": s.num_recomputes, "preemptions": s.num_preemptions,
             "prefix_hit_blocks": bm.num_hit_blocks, "evicted_blocks": bm.num_evicted_blocks,
             "steps": self._steps, "failed_steps": self._failed_steps,
-            "running": len(s.running), "waiting": len(s.waiting),
+            "running": len(s.running), "waiting": len(s.waiting), "swapped": len(s.swapped),
             "generated_tokens": self._num_generated,
         }
+
+    def _offload_stats(self) -> dict:
+        if self.swapper is None:
+            return {"host_used_blocks": 0, "host_total_blocks": 0, "host_occupancy": 0.0,
+                    "swaps_out": 0, "swaps_in": 0, "swap_blocks_out": 0, "swap_blocks_in": 0,
+                    "swap_bytes": 0, "swap_failures": 0}
+        return self.swapper.offload.stats()

@@ -8,12 +8,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
 import torch
 
 from cb_kernels.engine.config import EngineConfig
+from cb_kernels.engine.memory import host_pool_bytes, read_host_memory
 
 logger = logging.getLogger("cb_kernels.engine")
 
@@ -57,33 +57,9 @@ class ResolvedConfig:
     dtype: torch.dtype
 
 
-def _read_int(path: str) -> Optional[int]:
-    try:
-        text = Path(path).read_text().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None
-
-
-def cgroup_available_bytes() -> Optional[int]:
-    """Memory left under this process's cgroup limit (v2, then v1); None when unlimited."""
-    for limit_path, usage_path in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
-        limit, usage = _read_int(limit_path), _read_int(usage_path)
-        # v1 reports "no limit" as a huge number (PAGE_COUNTER_MAX pages).
-        if limit is not None and usage is not None and limit < (1 << 60):
-            return max(limit - usage, 0)
-    return None
-
-
 def host_available_bytes() -> int:
-    """Available host memory: psutil's view, tightened by the cgroup limit where there is one."""
-    import psutil
-
-    available = psutil.virtual_memory().available
-    in_cgroup = cgroup_available_bytes()
-    return min(available, in_cgroup) if in_cgroup is not None else available
+    """Available host memory (psutil, else /proc/meminfo), tightened by the cgroup limit."""
+    return read_host_memory().usable
 
 
 def kv_bytes_per_block(shape: ModelShape, block_size: int, dtype: torch.dtype) -> int:
@@ -131,8 +107,8 @@ def resolve(config: EngineConfig, shape: ModelShape) -> ResolvedConfig:
             logger.warning("overlap='on' needs CUDA streams; running synchronously on %s",
                            shape.device)
         overlap = "on" if on_cuda else "off"
-    preemption = "recompute" if config.preemption == "auto" else config.preemption
-    cpu_offload_gib = config.cpu_offload_gib if config.cpu_offload_gib is not None else 0.0
+    preemption = config.preemption
+    cpu_offload_gib = _host_pool_gib(config, num_blocks * kv_bytes_per_block(shape, block_size, dtype))
     resolved = ResolvedConfig(block_size=block_size, num_blocks=num_blocks,
                               max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs,
                               cpu_offload_gib=cpu_offload_gib, preemption=preemption,
@@ -141,6 +117,22 @@ def resolve(config: EngineConfig, shape: ModelShape) -> ResolvedConfig:
     for name, why in chosen.items():
         logger.info("EngineConfig.%s=None -> %s", name, why)
     return resolved
+
+
+def _host_pool_gib(config: EngineConfig, device_pool_bytes: int) -> float:
+    """Size of the CPU swap pool. None = auto: half the usable host memory (cgroup-aware, no
+    psutil needed), capped at the device pool's size, since swapped requests never hold more KV
+    than the device pool did. No pool when preemption is "recompute"."""
+    if config.preemption == "recompute":
+        if config.cpu_offload_gib:
+            logger.info("preemption='recompute': cpu_offload_gib=%s is not used", config.cpu_offload_gib)
+        return 0.0
+    nbytes = host_pool_bytes(config.cpu_offload_gib)
+    if config.cpu_offload_gib is None:
+        nbytes = min(nbytes, device_pool_bytes)
+        logger.info("EngineConfig.cpu_offload_gib=None -> %.3f GiB (capped at the device pool, "
+                    "%.3f GiB)", nbytes / GiB, device_pool_bytes / GiB)
+    return nbytes / GiB
 
 
 def replace(resolved: ResolvedConfig, **changes) -> ResolvedConfig:

@@ -8,12 +8,16 @@ copies the KV into the leading ones; the sequence then resumes exactly where it 
 """
 from __future__ import annotations
 
+import logging
+
 from cb_kernels.engine.block_manager import BlockManager
 from cb_kernels.engine.offload import OffloadError, OffloadManager
 from cb_kernels.engine.preemption import PreemptionPolicy
 from cb_kernels.engine.sequence import Sequence, SequenceStatus
 
-__all__ = ["Swapper", "OffloadError"]
+__all__ = ["Swapper", "OffloadError", "make_swapper"]
+
+logger = logging.getLogger("cb_kernels.engine")
 
 
 class Swapper:
@@ -86,3 +90,23 @@ class Swapper:
                 f"{seq} is not swapped cleanly"
             assert owners[seq.seq_id] == self.num_swap_blocks(seq), \
                 f"{seq} holds {owners[seq.seq_id]} host blocks"
+
+
+def make_swapper(block_manager: BlockManager, device_caches: list, cpu_offload_gib: float,
+                 preemption: str, orchestrator) -> Swapper | None:
+    """The Swapper of an engine, or None when it recomputes only (no pool, or no room for one
+    block of `device_caches`, the per-layer K and V tensors [num_blocks, block_size, ...])."""
+    if preemption == "recompute" or not cpu_offload_gib:
+        return None
+    block_bytes = sum(t[0].numel() * t.element_size() for t in device_caches)
+    num_host_blocks = int(cpu_offload_gib * (1 << 30)) // block_bytes
+    if num_host_blocks == 0:
+        logger.warning("cpu_offload_gib=%.3g holds no %d-byte block; preemption recomputes",
+                       cpu_offload_gib, block_bytes)
+        return None
+    offload = OffloadManager(device_caches, num_host_blocks, orchestrator=orchestrator)
+    policy = PreemptionPolicy(preemption, device_caches[0].device.type)
+    logger.info("CPU swap pool: %d blocks (%.3f GiB, pinned=%s), preemption=%r", num_host_blocks,
+                num_host_blocks * block_bytes / (1 << 30),
+                bool(offload.host_caches and offload.host_caches[0].is_pinned()), preemption)
+    return Swapper(block_manager, offload, policy)
