@@ -79,6 +79,7 @@ class DecodeGraphRunner:
         self._pool = None
         self.replays = 0
         self.eager_runs = 0
+        self.disabled = ""      # why capture failed; every later call then runs eagerly
 
     def bucket_for(self, num_seqs: int) -> int | None:
         for b in self.buckets:
@@ -94,7 +95,7 @@ class DecodeGraphRunner:
             raise ValueError(f"inputs lacks {sorted(missing)}")
         num_seqs = self._num_seqs(inputs)
         bucket = self.bucket_for(num_seqs)
-        if bucket is None:
+        if bucket is None or self.disabled:
             self.eager_runs += 1
             return self.fn(**inputs)
         if bucket not in self._static:
@@ -105,7 +106,15 @@ class DecodeGraphRunner:
             self.eager_runs += 1
             return self.fn(**static)[:num_seqs]
         if bucket not in self._graphs:
-            self._capture(bucket, static)
+            try:
+                self._capture(bucket, static)
+            except Exception as e:  # a host sync or an uncapturable op inside fn
+                self.disabled = f"{type(e).__name__}: {e}"
+                logger.warning("CUDA graph capture of decode batch %d failed (%s); decode steps "
+                               "run eagerly from now on", bucket, self.disabled)
+                torch.cuda.synchronize()
+                self.eager_runs += 1
+                return self.fn(**inputs)
         self._graphs[bucket].replay()
         self.replays += 1
         return self._outputs[bucket][:num_seqs]

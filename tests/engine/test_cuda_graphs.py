@@ -94,3 +94,17 @@ def test_config_values():
 def test_graph_replay_matches_eager_gpu():
     r = check_against_eager("cuda", capture=True)
     assert r.replays == 7 and r.eager_runs == 1 and sorted(r._graphs) == [1, 2, 4, 8]
+
+
+@pytest.mark.gpu
+def test_capture_failure_falls_back_to_eager_gpu():
+    def syncs(**kw):
+        n = int(kw["seq_lens"].max().item())  # a host read: not capturable
+        return kw["seq_lens"][:, None].float() * n
+    r = DecodeGraphRunner(syncs, PADS, max_shapes={"block_tables": (MAX_BLOCKS,)},
+                          cumulative=("cu_seqlens_q",), buckets=(4,))
+    inputs = batch(3, 0, "cuda")
+    want = syncs(**inputs)
+    torch.testing.assert_close(r(inputs), want)
+    assert r.disabled and r.replays == 0
+    torch.testing.assert_close(r(inputs), want)
