@@ -109,6 +109,8 @@ class Engine:
             start = time.perf_counter()
             try:
                 sampled, tokens = self._run(batch)
+                if not isinstance(tokens, list):
+                    tokens = tokens.result()
             except Exception as e:  # one bad step fails its requests, never the engine
                 self._fail_step(batch, e)
             else:
@@ -132,6 +134,9 @@ class Engine:
                                   "cu_seqlens_q": step.cu_seqlens_q})
         else:
             logits = a.forward(input_ids, position_ids, logits_idx, step)
+        if sampled and all(seq.params.greedy for seq in sampled):
+            # Greedy ids come back on the d2h stream behind an event (on CPU: a plain copy).
+            return sampled, self.streams.tokens_to_host(logits.argmax(dim=-1))
         tokens = self.sampler(logits, sampled) if sampled else []
         return sampled, tokens
 
