@@ -83,6 +83,7 @@ class OffloadManager:
         self.bytes_moved = 0
         self.failed_transfers = 0
         self._copy_seconds = 0.0
+        self.last_copy: tuple[int, float] | None = None   # (bytes, seconds) of a timed copy
 
     @property
     def num_free_host_blocks(self) -> int:
@@ -171,10 +172,14 @@ class OffloadManager:
         else:
             self.orchestrator.copy_in(lambda stream: self._swap_fn(src, dst, mapping, stream=stream),
                                       keep_alive=mapping)
-        self.bytes_moved += mapping.shape[0] * self.block_bytes
+        nbytes = mapping.shape[0] * self.block_bytes
+        self.bytes_moved += nbytes
+        self.last_copy = None
         if not self.orchestrator.asynchronous:
             # Issue time equals copy time only when the copy is synchronous.
-            self._copy_seconds += time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            self._copy_seconds += seconds
+            self.last_copy = (nbytes, seconds)
 
     def measured_bandwidth(self) -> float | None:
         """Bytes/s of the synchronous swaps so far, or None before any was timed."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PREEMPTION_MODES = ("auto", "swap", "recompute")
+from cb_kernels.engine.config import PREEMPTION_MODES
 
 # Defaults until a measurement replaces them. Pinned PCIe/NVLink host copies run at 20-50 GB/s
 # on current GPUs; a 2-core CPU's memcpy measured ~5 GB/s here. Prefill cost per token: a 135M

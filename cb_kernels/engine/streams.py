@@ -24,9 +24,9 @@ from typing import Callable
 
 import torch
 
-logger = logging.getLogger("cb_kernels.engine")
+from cb_kernels.engine.config import OVERLAP_MODES
 
-OVERLAP_MODES = ("auto", "on", "off")
+logger = logging.getLogger("cb_kernels.engine")
 
 
 def check_overlap(overlap) -> str:

@@ -51,6 +51,8 @@ class Swapper:
         """
         n = self.num_swap_blocks(seq)
         self.offload.swap_out(seq.seq_id, seq.block_table[:n])
+        if self.offload.last_copy is not None:
+            self.policy.record_copy(*self.offload.last_copy)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.SWAPPED
 

@@ -1,0 +1,146 @@
+"""Memory-pressure workload: a KV pool that holds ~25% of the concurrent KV, so requests are
+preempted over and over. Output tokens/s of cb_kernels with swap, with recompute, and without
+pressure, against transformers' generate_batch with its own offloading (CPU swap pool) and with
+its soft reset, all in the same run on the same prompts. Greedy tokens are compared too.
+
+    python bench/bench_offload.py [--quick] [--device cpu|cuda]
+    (bench/bench_engine.py calls run_pressure() for its --pressure flag)
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+BLOCK_SIZE = 16
+
+
+def tiny_llama(device: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=2, vocab_size=32000,
+                      max_position_embeddings=1024)
+    return LlamaForCausalLM(cfg).eval().to(device)
+
+
+def workload(num_prompts: int, max_new_tokens: int):
+    g = torch.Generator().manual_seed(1)
+    lens = torch.randint(16, 129, (num_prompts,), generator=g).tolist()
+    return [torch.randint(1, 32000, (n,), generator=g).tolist() for n in lens], max_new_tokens
+
+
+def pool_blocks(prompts, max_new_tokens: int, fraction: float) -> tuple[int, int]:
+    """(pressure pool, concurrent KV) in blocks; the pool still fits the largest request."""
+    need = [-(-(len(p) + max_new_tokens) // BLOCK_SIZE) for p in prompts]
+    return max(max(need), int(sum(need) * fraction)), sum(need)
+
+
+def attention_backend(device: str) -> str | None:
+    """The default paged-attention backend if it runs here, else the torch reference."""
+    from cb_kernels import ops
+    q = torch.zeros(1, 1, 64, device=device)
+    kv = torch.zeros(1, BLOCK_SIZE, 1, 64, device=device)
+    one = torch.ones(1, 1, dtype=torch.int32, device=device)
+    try:
+        ops.paged_attention(q, kv, kv, torch.zeros_like(one), one[0],
+                            torch.tensor([0, 1], dtype=torch.int32, device=device))
+        return None
+    except RuntimeError:
+        return "torch"
+
+
+def run_cb(model, prompts, max_new, num_blocks, preemption, host_gib, backend):
+    from cb_kernels.engine import Engine, EngineConfig, SamplingParams
+    cfg = EngineConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks, max_batch_tokens=512,
+                       max_num_seqs=len(prompts), preemption=preemption, cpu_offload_gib=host_gib,
+                       attention_backend=backend)
+    engine = Engine(model, cfg)
+    engine.generate([prompts[0][:8]], SamplingParams(max_new_tokens=2))     # warm-up
+    start = time.perf_counter()
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=max_new, ignore_eos=True))
+    seconds = time.perf_counter() - start
+    st = engine.stats()
+    note = (f"swaps {st['swaps_out']}/{st['swaps_in']}, recomputes {st['recomputes']}, "
+            f"{st['swap_bytes'] / 1e6:.1f} MB moved")
+    return [o.token_ids for o in outs], seconds, note
+
+
+def run_hf(model, prompts, max_new, num_blocks, cpu_offload_gib):
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    gen = GenerationConfig(max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)
+    cb = ContinuousBatchingConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks,
+                                  max_batch_tokens=512, cpu_offload_space=cpu_offload_gib)
+    model.generate_batch([prompts[0][:8]], generation_config=GenerationConfig(
+        max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=0),
+        continuous_batching_config=cb)
+    start = time.perf_counter()
+    out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
+    seconds = time.perf_counter() - start
+    by_id = sorted(out.values(), key=lambda o: int(str(o.request_id).rsplit("_", 1)[-1]))
+    return [list(o.generated_tokens) for o in by_id], seconds, f"cpu_offload_space={cpu_offload_gib}"
+
+
+def run_pressure(device: str = "cpu", num_prompts: int = 32, max_new_tokens: int = 64,
+                 fraction: float = 0.25) -> list[dict]:
+    """Run every configuration once; returns rows of name, tok/s, tokens_match, note."""
+    model = tiny_llama(device)
+    prompts, max_new = workload(num_prompts, max_new_tokens)
+    num_blocks, concurrent = pool_blocks(prompts, max_new, fraction)
+    backend = attention_backend(device)
+    block_bytes = 4 * 2 * BLOCK_SIZE * 2 * 32 * 4
+    host_gib = 2 * concurrent * block_bytes / (1 << 30)
+    total = len(prompts) * max_new
+    print(f"pool {num_blocks} blocks of {BLOCK_SIZE} = {num_blocks / concurrent:.0%} of the "
+          f"{concurrent}-block concurrent KV; {len(prompts)} prompts x {max_new} new tokens; "
+          f"attention backend {backend or 'default'}; {torch.get_num_threads()} threads")
+    configs = [
+        ("cb_kernels no pressure", lambda: run_cb(model, prompts, max_new, concurrent + 8,
+                                                   "recompute", 0, backend)),
+        ("cb_kernels swap", lambda: run_cb(model, prompts, max_new, num_blocks, "swap", host_gib,
+                                           backend)),
+        ("cb_kernels auto", lambda: run_cb(model, prompts, max_new, num_blocks, "auto", host_gib,
+                                           backend)),
+        ("cb_kernels recompute", lambda: run_cb(model, prompts, max_new, num_blocks, "recompute",
+                                                0, backend)),
+        ("transformers offload", lambda: run_hf(model, prompts, max_new, num_blocks, host_gib)),
+        ("transformers soft reset", lambda: run_hf(model, prompts, max_new, num_blocks, 0.0)),
+    ]
+    rows, reference = [], None
+    for name, fn in configs:
+        try:
+            tokens, seconds, note = fn()
+        except Exception as e:  # transformers' failures are part of the result
+            rows.append({"name": name, "tok_s": None, "match": None,
+                         "note": f"{type(e).__name__}: {str(e)[:90]}"})
+            continue
+        if reference is None:
+            reference = tokens
+        match = sum(a == b for a, b in zip(tokens, reference))
+        rows.append({"name": name, "tok_s": total / seconds, "match": f"{match}/{len(tokens)}",
+                     "note": note})
+    base = next((r["tok_s"] for r in rows if r["name"].startswith("transformers") and r["tok_s"]),
+                None)
+    print(f"{'config':26s} {'tok/s':>8s} {'vs HF':>7s} {'tokens':>7s}  note")
+    for r in rows:
+        tok_s = f"{r['tok_s']:.0f}" if r["tok_s"] else "failed"
+        ratio = f"{r['tok_s'] / base:.2f}x" if r["tok_s"] and base else "-"
+        print(f"{r['name']:26s} {tok_s:>8s} {ratio:>7s} {str(r['match'] or '-'):>7s}  {r['note']}")
+    return rows
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--quick", action="store_true", help="8 prompts x 32 tokens")
+    ap.add_argument("--fraction", type=float, default=0.25, help="pool / concurrent KV")
+    args = ap.parse_args(argv)
+    n, new = (8, 32) if args.quick else (32, 64)
+    run_pressure(args.device, n, new, args.fraction)
+
+
+if __name__ == "__main__":
+    main()
