@@ -8,6 +8,7 @@ kernel serves every dtype and results are bit-exact by construction.
 from __future__ import annotations
 
 import contextlib
+from typing import List, Optional
 
 import torch
 
@@ -30,10 +31,6 @@ def _default_cuda(supported) -> str:
     return "torch"
 
 
-def _has_kernel(name: str) -> bool:
-    return hasattr(_C, name)
-
-
 def write_kv(key, value, k_cache, v_cache, slot_mapping, *, backend=None) -> None:
     """Write each token's K and V into its cache slot, in place.
 
@@ -45,6 +42,13 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping, *, backend=None) -> Non
     slot_mapping : int64 [num_tokens] on the caches' device; -1 skips the token.
     backend : None (fastest here), "cuda", "triton", "cpu" or "torch" (the reference).
     """
+    if torch.compiler.is_compiling():
+        torch.ops.cb_kernels.write_kv(key, value, k_cache, v_cache, slot_mapping, backend)
+    else:
+        _write_kv(key, value, k_cache, v_cache, slot_mapping, backend)
+
+
+def _write_kv(key, value, k_cache, v_cache, slot_mapping, backend) -> None:
     device = check_write_kv(key, value, k_cache, v_cache, slot_mapping)
     check_slot_values(slot_mapping, k_cache.shape[0] * k_cache.shape[1])
     chosen = resolve_backend(backend, device, WRITE_KV_BACKENDS, _default_cuda(WRITE_KV_BACKENDS), "write_kv")
@@ -55,8 +59,6 @@ def run_write_kv(chosen, key, value, k_cache, v_cache, slot_mapping) -> None:
     """Run one backend on checked arguments (also the body of the torch.library op)."""
     if key.shape[0] == 0:
         return
-    if chosen == "cpu" and not _has_kernel("write_kv"):
-        chosen = "torch"
     if chosen == "torch":
         reference.ref_write_kv(key, value, k_cache, v_cache, slot_mapping)
     elif chosen == "triton":
@@ -68,7 +70,8 @@ def run_write_kv(chosen, key, value, k_cache, v_cache, slot_mapping) -> None:
             sync_threads()
             _C.write_kv(*args)
         else:
-            _C.write_kv_cuda(*args, torch.cuda.current_stream(key.device).cuda_stream)
+            from cb_kernels.ops import _cuda_cache
+            _cuda_cache.write_kv(args, key.device)
 
 
 def _write_kv_args(key, value, k_cache, v_cache, slot_mapping) -> tuple:
@@ -90,12 +93,24 @@ def copy_blocks(k_caches, v_caches, block_mapping, *, backend=None) -> None:
         never also a source.
     backend : None, "cuda", "cpu" or "torch".
     """
+    if torch.compiler.is_compiling():
+        torch.ops.cb_kernels.copy_blocks(list(k_caches), list(v_caches), block_mapping, backend)
+    else:
+        _copy_blocks(k_caches, v_caches, block_mapping, backend)
+
+
+def _check_copy_pool(k_caches, v_caches) -> tuple[list, list]:
     k_caches = check_pool_list(k_caches, "k_caches")
     v_caches = check_pool_list(v_caches, "v_caches")
     check_same_geometry(k_caches, v_caches, "k_caches", "v_caches")
     if v_caches[0].device != k_caches[0].device or v_caches[0].shape[0] != k_caches[0].shape[0]:
         raise ValueError(f"v_caches ({v_caches[0].shape[0]} blocks on {v_caches[0].device}) must share the pool "
                          f"of k_caches ({k_caches[0].shape[0]} blocks on {k_caches[0].device})")
+    return k_caches, v_caches
+
+
+def _copy_blocks(k_caches, v_caches, block_mapping, backend) -> None:
+    k_caches, v_caches = _check_copy_pool(k_caches, v_caches)
     num_blocks = k_caches[0].shape[0]
     n = check_block_mapping(block_mapping, num_blocks, num_blocks, same_pool=True)
     device = k_caches[0].device
@@ -122,8 +137,10 @@ def swap_blocks(src_caches, dst_caches, block_mapping, *, stream=None) -> None:
     _swap_blocks(src_caches, dst_caches, block_mapping, stream=stream, backend=None)
 
 
-def _swap_blocks(src_caches, dst_caches, block_mapping, *, stream, backend) -> None:
-    """swap_blocks with a backend choice, for tests and benchmarks."""
+def _swap_blocks(src_caches, dst_caches, block_mapping, *, stream, backend, cuda_method="auto") -> None:
+    """swap_blocks with a backend choice, for tests and benchmarks. cuda_method: "auto", "batch"
+    (cuMemcpyBatchAsync), "kernel" (copy kernel over mapped pinned memory) or "memcpy" (one
+    cudaMemcpyAsync per run of blocks); device <-> device copies always take the kernel."""
     src_caches = check_pool_list(src_caches, "src_caches")
     dst_caches = check_pool_list(dst_caches, "dst_caches")
     check_same_geometry(src_caches, dst_caches, "src_caches", "dst_caches")
@@ -145,7 +162,7 @@ def _swap_blocks(src_caches, dst_caches, block_mapping, *, stream, backend) -> N
     else:
         chosen = resolve_backend(backend, device, SWAP_BLOCKS_BACKENDS, "cuda", "swap_blocks")
     if n:
-        _run_block_copy(chosen, src_caches, dst_caches, block_mapping, stream)
+        _run_block_copy(chosen, src_caches, dst_caches, block_mapping, stream, cuda_method)
 
 
 def _stream_handle(stream, device: torch.device) -> int:
@@ -154,10 +171,8 @@ def _stream_handle(stream, device: torch.device) -> int:
     return stream if isinstance(stream, int) else stream.cuda_stream
 
 
-def _run_block_copy(chosen, src_caches, dst_caches, block_mapping, stream) -> None:
+def _run_block_copy(chosen, src_caches, dst_caches, block_mapping, stream, cuda_method="auto") -> None:
     """dst_caches[i][dst] = src_caches[i][src] for every pair, on checked arguments."""
-    if chosen == "cpu" and not _has_kernel("copy_blocks"):
-        chosen = "torch"
     if chosen == "torch":
         _torch_block_copy(src_caches, dst_caches, block_mapping, stream)
         return
@@ -172,7 +187,9 @@ def _run_block_copy(chosen, src_caches, dst_caches, block_mapping, stream) -> No
     else:
         from cb_kernels.ops import _cuda_cache
         device = next(t.device for t in (src_caches[0], dst_caches[0]) if t.is_cuda)
-        _cuda_cache.block_copy(src_caches, dst_caches, block_mapping, _stream_handle(stream, device), args)
+        handle = _stream_handle(stream, device)
+        if not _cuda_cache.block_copy(src_caches, dst_caches, block_mapping, handle, args, cuda_method):
+            _torch_block_copy(src_caches, dst_caches, block_mapping, handle)
 
 
 def _torch_block_copy(src_caches, dst_caches, block_mapping, stream) -> None:
@@ -191,6 +208,31 @@ def _torch_block_copy(src_caches, dst_caches, block_mapping, stream) -> None:
 
 def _as_stream(stream, device):
     if isinstance(stream, int):
-        return torch.cuda.ExternalStream(stream, device=device)
+        from cb_kernels.ops._cuda_cache import torch_stream
+        return torch_stream(stream, device)
     return stream
 
+
+
+# torch.library ops, so torch.compile and CUDA graphs can trace the calls: the mutated caches are
+# in the schema, and the fake implementations check shapes (block ids are data, checked at run).
+@torch.library.custom_op("cb_kernels::write_kv", mutates_args=("k_cache", "v_cache"))
+def _write_kv_op(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor, backend: Optional[str] = None) -> None:
+    _write_kv(key, value, k_cache, v_cache, slot_mapping, backend)
+
+
+@_write_kv_op.register_fake
+def _(key, value, k_cache, v_cache, slot_mapping, backend=None) -> None:
+    check_write_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+@torch.library.custom_op("cb_kernels::copy_blocks", mutates_args=("k_caches", "v_caches"))
+def _copy_blocks_op(k_caches: List[torch.Tensor], v_caches: List[torch.Tensor], block_mapping: torch.Tensor,
+                    backend: Optional[str] = None) -> None:
+    _copy_blocks(k_caches, v_caches, block_mapping, backend)
+
+
+@_copy_blocks_op.register_fake
+def _(k_caches, v_caches, block_mapping, backend=None) -> None:
+    _check_copy_pool(k_caches, v_caches)
