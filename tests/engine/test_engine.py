@@ -70,7 +70,7 @@ def test_tiny_pool_preempts_many_times_and_keeps_tokens(llama):
     ref = reference_tokens(llama, prompts, new)
     # The longest request (37 + 25 tokens) needs 16 blocks of 4: the whole pool.
     engine = engine_for(llama, block_size=4, num_blocks=16, max_batch_tokens=32, max_num_seqs=8,
-                        prefix_caching=False)
+                        prefix_caching=False, preemption="recompute")
     ids = add_all(engine, prompts, new)
     outs = run_checked(engine)
     assert [outs[i].token_ids for i in ids] == ref
@@ -100,7 +100,8 @@ def test_prefix_sharing_with_preemption(llama):
     prompts = random_prompts([5, 30, 2, 17, 8, 12, 26, 4], seed=10, prefix=system)
     new = [14, 9, 20, 6, 11, 16, 3, 18]
     ref = reference_tokens(llama, prompts, new)
-    engine = engine_for(llama, block_size=4, num_blocks=24, max_batch_tokens=24, max_num_seqs=6)
+    engine = engine_for(llama, block_size=4, num_blocks=24, max_batch_tokens=24, max_num_seqs=6,
+                        preemption="recompute")
     ids = add_all(engine, prompts, new)
     outs = run_checked(engine)
     assert [outs[i].token_ids for i in ids] == ref

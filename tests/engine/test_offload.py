@@ -158,3 +158,15 @@ def test_auto_host_pool_without_psutil(model, monkeypatch, reference):
 def test_recompute_mode_allocates_no_host_pool(model):
     engine = make_engine(model, host_blocks=100, preemption="recompute")
     assert engine.swapper is None and engine.stats()["host_total_blocks"] == 0
+
+
+def test_swap_with_shared_prefix(model):
+    """Requests share a system prompt through the prefix cache; swapped ones copy their shared
+    blocks too and come back with the same tokens as without pressure."""
+    system = [(j * 29) % 250 + 1 for j in range(12)]
+    prompts = [system + [(i * 41 + j) % 250 + 1 for j in range(3 + 4 * i)] for i in range(8)]
+    ref, _ = run_checked(make_engine(model, num_blocks=200, preemption="recompute"), prompts)
+    outs, st = run_checked(make_engine(model, num_blocks=24, host_blocks=200, preemption="swap"),
+                           prompts)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert st["swaps_out"] > 0 and st["prefix_hit_blocks"] > 0
