@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from cb_kernels.engine import Engine, EngineConfig, SamplingParams
+from tiny_models import ATTN_BACKEND, make_model
 
 BLOCK_SIZE = 4
 pytestmark = pytest.mark.one_thread
@@ -13,12 +14,7 @@ pytestmark = pytest.mark.one_thread
 
 @pytest.fixture(scope="module")
 def model():
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                      max_position_embeddings=256)
-    return LlamaForCausalLM(cfg).eval()
+    return make_model("llama")
 
 
 def block_bytes(model):
@@ -35,7 +31,7 @@ def make_engine(model, num_blocks=26, host_blocks=0, preemption="auto", **kw):
     gib = host_blocks * block_bytes(model) / (1 << 30)
     cfg = EngineConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks, max_batch_tokens=64,
                        max_num_seqs=8, cpu_offload_gib=gib, preemption=preemption,
-                       attention_backend="torch", **kw)
+                       attention_backend=ATTN_BACKEND, **kw)
     return Engine(model, cfg)
 
 
@@ -139,7 +135,7 @@ def fake_cgroup(tmp_path, monkeypatch):
 
 def test_auto_host_pool_obeys_cgroup(model, fake_cgroup):
     engine = Engine(model, EngineConfig(block_size=BLOCK_SIZE, num_blocks=2048, max_batch_tokens=64,
-                                        max_num_seqs=8, attention_backend="torch"))
+                                        max_num_seqs=8, attention_backend=ATTN_BACKEND))
     # Half of the 1 MiB headroom, below the 4 MiB device pool.
     assert engine.stats()["host_total_blocks"] == (512 << 10) // block_bytes(model)
 
@@ -148,7 +144,7 @@ def test_auto_host_pool_without_psutil(model, monkeypatch, reference):
     monkeypatch.setitem(sys.modules, "psutil", None)
     engine = Engine(model, EngineConfig(block_size=BLOCK_SIZE, num_blocks=26, max_batch_tokens=64,
                                         max_num_seqs=8, cpu_offload_gib=None, preemption="swap",
-                                        attention_backend="torch"))
+                                        attention_backend=ATTN_BACKEND))
     # Auto sizing caps the host pool at the device pool: 26 blocks.
     assert engine.stats()["host_total_blocks"] == 26
     outs, st = run_checked(engine)

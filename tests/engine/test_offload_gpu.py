@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from cb_kernels.engine import Engine, EngineConfig, SamplingParams
+from tiny_models import make_model
 
 pytestmark = pytest.mark.gpu
 BLOCK_SIZE = 16
@@ -13,12 +14,7 @@ PARAMS = SamplingParams(max_new_tokens=40)
 
 @pytest.fixture(scope="module")
 def model():
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=256,
-                      max_position_embeddings=512)
-    return LlamaForCausalLM(cfg).eval().cuda()
+    return make_model("llama", hidden_size=128, intermediate_size=256, head_dim=32).cuda()
 
 
 def run(model, **kw):
