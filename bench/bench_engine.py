@@ -189,9 +189,21 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's choice); 1 gives stable numbers on a "
                         "machine shared with other jobs")
+    p.add_argument("--pressure", action="store_true",
+                   help="instead: the memory-pressure workload of bench/bench_offload.py (swap vs "
+                        "recompute vs transformers' offloading)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.pressure:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from bench_offload import run_pressure
+        rows = run_pressure(num_prompts=args.requests or (8 if args.quick else 32),
+                            max_new_tokens=32 if args.quick else 64)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"pressure": rows}, f, indent=2)
+        return 0
     logging.basicConfig(level=logging.WARNING)
     n = args.requests or (16 if args.quick else 64)
     prompt_range, output_range = ((16, 128), (16, 64)) if args.quick else ((16, 512), (16, 256))

@@ -4,6 +4,7 @@ pressure, against transformers' generate_batch with its own offloading (CPU swap
 its soft reset, all in the same run on the same prompts. Greedy tokens are compared too.
 
     python bench/bench_offload.py [--quick] [--device cpu|cuda]
+    python bench/bench_offload.py --overlap [--quick]     (CUDA: overlap and decode graphs)
     (bench/bench_engine.py calls run_pressure() for its --pressure flag)
 """
 from __future__ import annotations
@@ -25,9 +26,10 @@ BLOCK_SIZE = 16
 def tiny_llama(device: str):
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+    # bench_engine.py's model: hidden 256, 4 layers, 8/2 heads (head_dim 32), MLP 1024.
+    cfg = LlamaConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
                       num_attention_heads=8, num_key_value_heads=2, vocab_size=32000,
-                      max_position_embeddings=1024)
+                      max_position_embeddings=2048)
     return LlamaForCausalLM(cfg).eval().to(device)
 
 
@@ -123,13 +125,59 @@ def run_pressure(device: str = "cpu", num_prompts: int = 32, max_new_tokens: int
     return rows
 
 
+def run_overlap(num_prompts: int = 64, max_new_tokens: int = 128) -> list[dict]:
+    """On CUDA: tok/s and host time per step with overlap and decode graphs on/off, and the
+    device's idle share (1 - device-busy time / wall time, busy timed by events around each
+    step's forward on the compute stream)."""
+    from cb_kernels.engine import Engine, EngineConfig, SamplingParams
+    model = tiny_llama("cuda")
+    prompts, new = workload(num_prompts, max_new_tokens)
+    rows = []
+    for overlap, graphs in (("off", False), ("on", False), ("on", True)):
+        engine = Engine(model, EngineConfig(block_size=BLOCK_SIZE, overlap=overlap,
+                                            cuda_graphs=graphs, max_num_seqs=num_prompts))
+        engine.generate([prompts[0][:8]], SamplingParams(max_new_tokens=4))
+        forward, busy = engine.adapter.forward, []
+
+        def timed(*a, **kw):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = forward(*a, **kw)
+            end.record()
+            busy.append((start, end))
+            return out
+        if not graphs:      # a replayed graph does not call forward; events would be captured
+            engine.adapter.forward = timed
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        steps0 = engine.stats()["steps"]
+        engine.generate(prompts, SamplingParams(max_new_tokens=new, ignore_eos=True))
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        steps = engine.stats()["steps"] - steps0
+        busy_s = sum(a.elapsed_time(b) for a, b in busy) / 1e3
+        rows.append({"name": f"overlap={overlap} graphs={graphs}",
+                     "tok_s": num_prompts * new / wall, "ms_per_step": 1e3 * wall / steps,
+                     "device_idle": 1 - busy_s / wall if not graphs else None})
+    base = rows[0]["tok_s"]
+    for r in rows:
+        idle = f"{r['device_idle']:.0%}" if r["device_idle"] is not None else "-"
+        print(f"{r['name']:28s} {r['tok_s']:8.0f} tok/s {r['tok_s'] / base:5.2f}x "
+              f"{r['ms_per_step']:7.2f} ms/step  device idle {idle}")
+    return rows
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true", help="8 prompts x 32 tokens")
     ap.add_argument("--fraction", type=float, default=0.25, help="pool / concurrent KV")
     ap.add_argument("--attention-backend", default=None, help="paged-attention backend")
+    ap.add_argument("--overlap", action="store_true", help="CUDA: overlap/graphs on vs off")
     args = ap.parse_args(argv)
+    if args.overlap:
+        run_overlap(16 if args.quick else 64, 32 if args.quick else 128)
+        return
     n, new = (8, 32) if args.quick else (32, 64)
     run_pressure(args.device, n, new, args.fraction, args.attention_backend)
 

@@ -1,4 +1,4 @@
-"""How much host (and device) memory the engine may take, without ever needing psutil.
+"""How much host memory the engine may take, without ever needing psutil.
 
 Host memory is the smaller of what the kernel reports available (psutil, else /proc/meminfo's
 MemAvailable) and what the container's cgroup still allows (limit - usage): psutil alone does not
@@ -158,13 +158,3 @@ def host_pool_bytes(requested_gib: float | None, safety_fraction: float = 0.5, *
                        memory.usable / GIB, memory.source, ceiling / GIB)
         return ceiling
     return requested
-
-
-def device_free_bytes(device) -> tuple[int, int]:
-    """(free, total) bytes of a CUDA device, from the driver (torch.cuda.mem_get_info)."""
-    import torch
-    device = torch.device(device)
-    if device.type != "cuda":
-        raise ValueError(f"device must be a CUDA device, got {device}")
-    free, total = torch.cuda.mem_get_info(device)
-    return int(free), int(total)

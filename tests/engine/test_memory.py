@@ -111,8 +111,3 @@ def test_bad_requested_size(bad, exc):
 def test_bad_safety_fraction(bad):
     with pytest.raises(ValueError, match="safety_fraction"):
         host_pool_bytes(None, bad, memory=HostMemory(GIB))
-
-
-def test_device_free_bytes_rejects_cpu():
-    with pytest.raises(ValueError, match="device"):
-        memory.device_free_bytes("cpu")
