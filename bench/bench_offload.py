@@ -79,8 +79,10 @@ def run_hf(model, prompts, max_new, num_blocks, cpu_offload_gib):
 
 
 def run_pressure(device: str = "cpu", num_prompts: int = 32, max_new_tokens: int = 64,
-                 fraction: float = 0.25, backend: str | None = None) -> list[dict]:
-    """Run every configuration once; returns rows of name, tok/s, tokens_match, note."""
+                 fraction: float = 0.25, backend: str | None = None, repeats: int = 2) -> list[dict]:
+    """Run every configuration `repeats` times, round-robin (a machine shared with other jobs
+    slows them all alike), and keep each one's best time; returns rows of name, tok/s, tokens
+    identical to the first configuration, note."""
     model = tiny_llama(device)
     prompts, max_new = workload(num_prompts, max_new_tokens)
     num_blocks, concurrent = pool_blocks(prompts, max_new, fraction)
@@ -102,19 +104,25 @@ def run_pressure(device: str = "cpu", num_prompts: int = 32, max_new_tokens: int
         ("transformers offload", lambda: run_hf(model, prompts, max_new, num_blocks, host_gib)),
         ("transformers soft reset", lambda: run_hf(model, prompts, max_new, num_blocks, 0.0)),
     ]
-    rows, reference = [], None
-    for name, fn in configs:
-        try:
-            tokens, seconds, note = fn()
-        except Exception as e:  # transformers' failures are part of the result
-            rows.append({"name": name, "tok_s": None, "match": None,
-                         "note": f"{type(e).__name__}: {str(e)[:90]}"})
-            continue
-        if reference is None:
-            reference = tokens
-        match = sum(a == b for a, b in zip(tokens, reference))
-        rows.append({"name": name, "tok_s": total / seconds, "match": f"{match}/{len(tokens)}",
-                     "note": note})
+    best: dict = {}
+    for _ in range(repeats):
+        for name, fn in configs:
+            if name in best and best[name]["tok_s"] is None:
+                continue
+            try:
+                tokens, seconds, note = fn()
+            except Exception as e:  # transformers' failures are part of the result
+                best[name] = {"name": name, "tok_s": None, "match": None,
+                              "note": f"{type(e).__name__}: {str(e)[:90]}"}
+                continue
+            reference = best.get(configs[0][0], {}).get("tokens", tokens)
+            match = sum(a == b for a, b in zip(tokens, reference))
+            if name not in best or total / seconds > best[name]["tok_s"]:
+                best[name] = {"name": name, "tok_s": total / seconds, "tokens": tokens,
+                              "match": f"{match}/{len(tokens)}", "note": note}
+    rows = [best[name] for name, _ in configs]
+    for r in rows:
+        r.pop("tokens", None)
     base = next((r["tok_s"] for r in rows if r["name"].startswith("transformers") and r["tok_s"]),
                 None)
     print(f"{'config':26s} {'tok/s':>8s} {'vs HF':>7s} {'tokens':>7s}  note")
@@ -174,12 +182,13 @@ def main(argv=None) -> None:
     ap.add_argument("--fraction", type=float, default=0.25, help="pool / concurrent KV")
     ap.add_argument("--attention-backend", default=None, help="paged-attention backend")
     ap.add_argument("--overlap", action="store_true", help="CUDA: overlap/graphs on vs off")
+    ap.add_argument("--repeats", type=int, default=2, help="runs per configuration (best kept)")
     args = ap.parse_args(argv)
     if args.overlap:
         run_overlap(16 if args.quick else 64, 32 if args.quick else 128)
         return
     n, new = (8, 32) if args.quick else (32, 64)
-    run_pressure(args.device, n, new, args.fraction, args.attention_backend)
+    run_pressure(args.device, n, new, args.fraction, args.attention_backend, args.repeats)
 
 
 if __name__ == "__main__":
