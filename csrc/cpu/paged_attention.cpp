@@ -253,14 +253,40 @@ void run_item(const Ctx& c, const Item& it, float* partials) {
   const char* vb = static_cast<const char*>(p.v_cache);
   const float* kp[kTile];
   const float* vp[kTile];
-  for (int32_t t0 = it.kv_begin / kTile * kTile; t0 < it.kv_end; t0 += kTile) {
+  // Byte offsets of the K/V rows of this tile and the next: the next tile's rows are
+  // prefetched while this one is computed. Tiles of one head are 256-byte rows 1 KiB apart in
+  // blocks in random order, which the hardware prefetcher does not follow: without this, decode
+  // at 16 x 2048 fp32 read 2.0 GB/s on one thread against 12 GB/s with the KV in L3.
+  int64_t koff[2][kTile], voff[2][kTile];
+  const int64_t row_bytes = dim * c.esize;
+  auto locate = [&](int32_t t0, int64_t* ko, int64_t* vo) {
     const int32_t lo = std::max(t0, it.kv_begin), hi = std::min(t0 + kTile, it.kv_end);
+    int64_t bi = lo / p.block_size, off = lo % p.block_size;
     for (int32_t pos = lo; pos < hi; ++pos) {
-      const int64_t block = table[pos / p.block_size], off = pos % p.block_size;
-      const char* kr = kb + (block * p.k_stride_block + off * p.k_stride_token +
-                             it.kv_head * p.k_stride_head) * c.esize;
-      const char* vr = vb + (block * p.v_stride_block + off * p.v_stride_token +
-                             it.kv_head * p.v_stride_head) * c.esize;
+      const int64_t block = table[bi];
+      ko[pos - lo] = (block * p.k_stride_block + off * p.k_stride_token + it.kv_head * p.k_stride_head) * c.esize;
+      vo[pos - lo] = (block * p.v_stride_block + off * p.v_stride_token + it.kv_head * p.v_stride_head) * c.esize;
+      if (++off == p.block_size) {
+        off = 0;
+        ++bi;
+      }
+    }
+    for (int32_t j = 0; j < hi - lo; ++j) {
+      for (int64_t b = 0; b < row_bytes; b += 64) {
+        __builtin_prefetch(kb + ko[j] + b, 0, 1);
+        __builtin_prefetch(vb + vo[j] + b, 0, 1);
+      }
+    }
+  };
+  int cur = 0;
+  const int32_t first_tile = it.kv_begin / kTile * kTile;
+  locate(first_tile, koff[0], voff[0]);
+  for (int32_t t0 = first_tile; t0 < it.kv_end; t0 += kTile, cur ^= 1) {
+    const int32_t lo = std::max(t0, it.kv_begin), hi = std::min(t0 + kTile, it.kv_end);
+    if (t0 + kTile < it.kv_end) locate(t0 + kTile, koff[cur ^ 1], voff[cur ^ 1]);
+    for (int32_t pos = lo; pos < hi; ++pos) {
+      const char* kr = kb + koff[cur][pos - lo];
+      const char* vr = vb + voff[cur][pos - lo];
       const int j = pos - t0;
       if (c.direct_kv) {
         kp[j] = reinterpret_cast<const float*>(kr);
@@ -418,9 +444,10 @@ Status paged_attention(const PagedAttentionParams& p) {
   float* partials = plan.partials.data();
   const int64_t num_items = static_cast<int64_t>(plan.items.size());
   const int64_t num_merges = static_cast<int64_t>(plan.merges.size());
+  const int64_t kv_chunk = p.num_kv_heads;
 #pragma omp parallel
   {
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, kv_chunk)
     for (int64_t i = 0; i < num_items; ++i) run_item(c, plan.items[i], partials);
     if (num_merges > 0) {
       thread_local std::vector<float> acc;
