@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)
 # Decode splits: at least SPLIT_MIN keys each, at most MAX_SPLITS per sequence. 256 keys of a
 # 128-dim bf16 head are 64 KiB of K+V per kv head: enough bytes per program to hide latency, and a
 # batch-1 4096-token decode with 8 kv heads still gets 8 x 16 = 128 programs (~1 per H200 SM).
@@ -210,17 +210,25 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _tiles(group: int, head_dim_pad: int, is_decode: bool, on_gpu: bool) -> tuple[int, int, int]:
+def _tiles(group: int, head_dim_pad: int, is_decode: bool, on_gpu: bool,
+           fp32: bool) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_Q, TILE_N) for one launch.
 
     tl.dot needs every dimension >= 16 on GPU, so a decode tile has at least 16 rows even when
     the group is smaller (the spare rows are masked). Prefill tiles take 64 rows (BLOCK_Q tokens x
-    GROUP heads). TILE_N halves at head_dim 256 to keep the fp32 accumulator in registers. Under
-    the interpreter each tile step costs Python overhead, so tiles are as wide as allowed.
+    GROUP heads). Sizes were checked by compiling for sm_90 without a GPU (triton.compile +
+    cuobjdump -res-usage): bf16/fp16 at these tiles use 98-206 registers and no stack for head_dim
+    64..256; fp32 (tf32x3 dots) spilled at 64x64 tiles and needs 32x32 (191-253 regs, no stack).
+    Under the interpreter each tile step costs Python overhead, so tiles are as wide as allowed.
     """
-    block_m = max(16, _next_pow2(group)) if is_decode else max(64, _next_pow2(group))
+    if not on_gpu:
+        block_m, tile_n = (16 if is_decode else 64), 64
+    elif fp32:
+        block_m, tile_n = (16 if is_decode else 32), 32
+    else:
+        block_m, tile_n = (16 if is_decode else 64), (64 if head_dim_pad <= 128 else 32)
+    block_m = max(block_m, _next_pow2(group))
     block_q = 1 if is_decode else block_m // group
-    tile_n = 64 if head_dim_pad <= 128 or not on_gpu else 32
     return block_m, block_q, tile_n
 
 
@@ -232,7 +240,8 @@ def _launch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scal
     group = num_heads // num_kv_heads
     head_dim_pad = _next_pow2(head_dim)
     on_gpu = q.device.type == "cuda"
-    block_m, block_q, tile_n = _tiles(group, head_dim_pad, is_decode, on_gpu)
+    fp32 = q.dtype == torch.float32
+    block_m, block_q, tile_n = _tiles(group, head_dim_pad, is_decode, on_gpu, fp32)
     use_window = sliding_window is not None
     if is_decode:
         span = max_blocks * block_size
@@ -262,8 +271,9 @@ def _launch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scal
         BLOCK_SIZE=block_size, GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q,
         IS_DECODE=is_decode, USE_SOFTCAP=softcap is not None,
         # The interpreter multiplies bf16 bit patterns in tl.dot, so it gets fp32 operands; on
-        # GPU fp16/bf16 stay native (tensor cores) and fp32 asks for exact (not tf32) products.
-        DOT_FP32=not on_gpu, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        # GPU fp16/bf16 stay native (tensor cores); fp32 takes tf32x3 (three tf32 products, near
+        # fp32 accuracy) since plain tf32 loses ~3 digits and "ieee" spilled 7 KB of stack.
+        DOT_FP32=not on_gpu, DOT_PRECISION="tf32x3" if fp32 else "tf32",
         num_warps=4 if head_dim_pad <= 128 else 8, **common)
     if num_splits_bound > 1:
         _reduce_splits_kernel[(num_seqs, num_heads)](
