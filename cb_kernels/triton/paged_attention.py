@@ -46,6 +46,66 @@ def _decode_splits(seq_len, window, USE_WINDOW: tl.constexpr, TILE_N: tl.constex
     return lo, num_splits, split_len
 
 
+@triton.jit
+def _attend_rows(q_ptr, tok, head, m_row, pos_q, lo, hi, p_bt, k_ptr, v_ptr, i_kvh, scale, softcap,
+                 window, stride_qt, stride_qh, stride_qd, stride_kb, stride_kt, stride_kh,
+                 stride_kd, stride_vb, stride_vt, stride_vh, stride_vd, HEAD_DIM: tl.constexpr,
+                 HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                 TILE_N: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+                 DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online softmax of BLOCK_M query rows (token tok, head head, position pos_q; m_row marks
+    real rows) over keys lo..hi-1 of kv head i_kvh. Returns the unnormalised fp32 acc
+    [BLOCK_M, HEAD_DIM_PAD], the row max (log2 units) and the row sum.
+    """
+    o_d = tl.arange(0, HEAD_DIM_PAD)
+    o_n = tl.arange(0, TILE_N)
+    m_d = o_d < HEAD_DIM
+    p_q = q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + o_d[None, :] * stride_qd
+    b_q = tl.load(p_q, mask=m_row[:, None] & m_d[None, :], other=0.0)
+    if DOT_FP32:
+        b_q = b_q.to(tl.float32)
+    b_m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    b_l = tl.zeros([BLOCK_M], tl.float32)
+    b_acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    for start in range(lo, hi, TILE_N):
+        pos = start + o_n
+        m_key = pos < hi
+        # Masked loads keep unused slots (possibly NaN) and stale block-table entries out.
+        blk = tl.load(p_bt + pos // BLOCK_SIZE, mask=m_key, other=0).to(tl.int64)
+        slot = (pos % BLOCK_SIZE).to(tl.int64)
+        m_kv = m_key[:, None] & m_d[None, :]
+        p_k = (k_ptr + blk[:, None] * stride_kb + slot[:, None] * stride_kt + i_kvh * stride_kh
+               + o_d[None, :] * stride_kd)
+        b_k = tl.load(p_k, mask=m_kv, other=0.0)
+        if DOT_FP32:
+            b_k = b_k.to(tl.float32)
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)
+        if USE_SOFTCAP:
+            # c * tanh(s / c) with tanh(x) = 1 - 2 / (exp(2x) + 1): exact at both infinities.
+            b_s = b_s * (scale / softcap)
+            b_s = softcap * (1.0 - 2.0 / (tl.exp2(b_s * (2.0 * LOG2E)) + 1.0)) * LOG2E
+        else:
+            b_s = b_s * (scale * LOG2E)
+        m_s = m_row[:, None] & m_key[None, :] & (pos[None, :] <= pos_q[:, None])
+        if USE_WINDOW:
+            m_s = m_s & (pos[None, :] > pos_q[:, None] - window)
+        b_s = tl.where(m_s, b_s, float("-inf"))
+        m_new = tl.maximum(b_m, tl.max(b_s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # row fully masked so far
+        b_p = tl.where(m_s, tl.exp2(b_s - m_safe[:, None]), 0.0)
+        alpha = tl.exp2(b_m - m_safe)
+        b_l = b_l * alpha + tl.sum(b_p, 1)
+        p_v = (v_ptr + blk[:, None] * stride_vb + slot[:, None] * stride_vt + i_kvh * stride_vh
+               + o_d[None, :] * stride_vd)
+        b_v = tl.load(p_v, mask=m_kv, other=0.0)
+        if DOT_FP32:
+            b_v = b_v.to(tl.float32)
+        b_acc = b_acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v,
+                                                input_precision=DOT_PRECISION)
+        b_m = m_new
+    return b_acc, b_m, b_l
+
+
 @triton.jit(do_not_specialize=["num_seqs"])
 def _paged_attention_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, seq_lens_ptr, cu_q_ptr, part_out_ptr, part_ml_ptr,
@@ -54,9 +114,9 @@ def _paged_attention_kernel(
         stride_vb, stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od, stride_bt,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
-        IS_DECODE: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-        SPLIT_MIN: tl.constexpr, MAX_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr,
-        DOT_PRECISION: tl.constexpr):
+        IS_DECODE: tl.constexpr, ALL_DECODE: tl.constexpr, USE_WINDOW: tl.constexpr,
+        USE_SOFTCAP: tl.constexpr, SPLIT_MIN: tl.constexpr, MAX_SPLITS: tl.constexpr,
+        DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
     i_kvh = tl.program_id(1)
     if IS_DECODE:
         i_seq = tl.program_id(0)
@@ -79,99 +139,71 @@ def _paged_attention_kernel(
     q_start = tl.load(cu_q_ptr + i_seq)
     q_len = tl.load(cu_q_ptr + i_seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + i_seq)
-    if IS_DECODE:
-        if q_len != 1:
-            return
-    else:
-        if q_len <= 1:
-            return
-        if i_qblock * BLOCK_Q >= q_len:
-            return
-
     o_m = tl.arange(0, BLOCK_M)
     o_d = tl.arange(0, HEAD_DIM_PAD)
-    o_n = tl.arange(0, TILE_N)
     m_d = o_d < HEAD_DIM
-    q_tok = i_qblock * BLOCK_Q + o_m // GROUP            # index inside this sequence's q tokens
-    head = i_kvh * GROUP + o_m % GROUP
-    m_row = (o_m < BLOCK_Q * GROUP) & (q_tok < q_len)
-    pos_q = seq_len - q_len + q_tok                       # absolute position of each row's query
-
-    if IS_DECODE:
-        lo, num_splits, split_len = _decode_splits(seq_len, window, USE_WINDOW, TILE_N, SPLIT_MIN,
-                                                   MAX_SPLITS)
-        if i_split >= num_splits:
-            return
-        lo = lo + i_split * split_len
-        hi = tl.minimum(seq_len, lo + split_len)
-    else:
-        lo = 0
-        if USE_WINDOW:
-            lo = tl.maximum(seq_len - q_len + i_qblock * BLOCK_Q - window + 1, 0)
-        hi = seq_len - q_len + tl.minimum((i_qblock + 1) * BLOCK_Q, q_len)
-
-    tok = (q_start + q_tok).to(tl.int64)
-    p_q = (q_ptr + tok[:, None] * stride_qt + head.to(tl.int64)[:, None] * stride_qh
-           + o_d[None, :] * stride_qd)
-    b_q = tl.load(p_q, mask=m_row[:, None] & m_d[None, :], other=0.0)
-    if DOT_FP32:
-        b_q = b_q.to(tl.float32)
-
-    b_m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    b_l = tl.zeros([BLOCK_M], tl.float32)
-    b_acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    head = (i_kvh * GROUP + o_m % GROUP).to(tl.int64)
     p_bt = bt_ptr + i_seq.to(tl.int64) * stride_bt
-    for start in range(lo, hi, TILE_N):
-        pos = start + o_n
-        m_key = pos < hi
-        blk = tl.load(p_bt + pos // BLOCK_SIZE, mask=m_key, other=0).to(tl.int64)
-        slot = (pos % BLOCK_SIZE).to(tl.int64)
-        m_kv = m_key[:, None] & m_d[None, :]
-        p_k = (k_ptr + blk[:, None] * stride_kb + slot[:, None] * stride_kt + i_kvh * stride_kh
-               + o_d[None, :] * stride_kd)
-        b_k = tl.load(p_k, mask=m_kv, other=0.0)
-        if DOT_FP32:
-            b_k = b_k.to(tl.float32)
-        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)
-        if USE_SOFTCAP:
-            # c * tanh(s / c) with tanh(x) = 1 - 2 / (exp(2x) + 1): exact at both infinities.
-            b_s = b_s * (scale / softcap)
-            b_s = softcap * (1.0 - 2.0 / (tl.exp2(b_s * (2.0 * LOG2E)) + 1.0)) * LOG2E
-        else:
-            b_s = b_s * (scale * LOG2E)
-        m_s = m_row[:, None] & m_key[None, :] & (pos[None, :] <= pos_q[:, None])
-        if USE_WINDOW:
-            m_s = m_s & (pos[None, :] > pos_q[:, None] - window)
-        b_s = tl.where(m_s, b_s, float("-inf"))
-        m_new = tl.maximum(b_m, tl.max(b_s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # fully masked row so far
-        b_p = tl.where(m_s, tl.exp2(b_s - m_safe[:, None]), 0.0)
-        alpha = tl.exp2(b_m - m_safe)
-        b_l = b_l * alpha + tl.sum(b_p, 1)
-        p_v = (v_ptr + blk[:, None] * stride_vb + slot[:, None] * stride_vt + i_kvh * stride_vh
-               + o_d[None, :] * stride_vd)
-        b_v = tl.load(p_v, mask=m_kv, other=0.0)
-        if DOT_FP32:
-            b_v = b_v.to(tl.float32)
-        b_acc = b_acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v,
-                                                input_precision=DOT_PRECISION)
-        b_m = m_new
-
-    m_out = m_row[:, None] & m_d[None, :]
-    p_o = (out_ptr + tok[:, None] * stride_ot + head.to(tl.int64)[:, None] * stride_oh
-           + o_d[None, :] * stride_od)
     if IS_DECODE:
-        if num_splits == 1:
-            b_o = b_acc / tl.where(b_l == 0.0, 1.0, b_l)[:, None]
-            tl.store(p_o, b_o.to(out_ptr.dtype.element_ty), mask=m_out)
-        else:
-            row = (i_seq.to(tl.int64) * num_heads + head) * num_splits_bound + i_split
-            tl.store(part_out_ptr + row[:, None] * HEAD_DIM + o_d[None, :], b_acc, mask=m_out)
-            tl.store(part_ml_ptr + row * 2, b_m, mask=m_row)
-            tl.store(part_ml_ptr + row * 2 + 1, b_l, mask=m_row)
+        # q_len == 1: split i_split of the token's keys. With ALL_DECODE (no prefill launch, as
+        # num_tokens == num_seqs) a sequence with q_len > 1 (possible only when another has none)
+        # is covered here too: its tokens i_split, i_split + bound, ..., each over all its keys.
+        lo_d, num_splits, split_len = _decode_splits(seq_len, window, USE_WINDOW, TILE_N,
+                                                     SPLIT_MIN, MAX_SPLITS)
+        t_end = tl.where((q_len == 1) & (i_split < num_splits), 1, 0)
+        if ALL_DECODE:
+            t_end = tl.where(q_len > 1, q_len, t_end)
+        partial = (q_len == 1) & (num_splits > 1)
+        for t in range(tl.where(q_len == 1, 0, i_split), t_end, num_splits_bound):
+            pos_t = seq_len - q_len + t
+            lo = 0
+            if USE_WINDOW:
+                lo = tl.maximum(pos_t - window + 1, 0)
+            lo = tl.where(q_len == 1, lo_d + i_split * split_len, lo)
+            hi = tl.where(q_len == 1, tl.minimum(seq_len, lo + split_len), pos_t + 1)
+            m_row = o_m < GROUP
+            tok = tl.zeros([BLOCK_M], tl.int64) + (q_start + t)
+            pos_q = tl.zeros([BLOCK_M], tl.int32) + pos_t
+            b_acc, b_m, b_l = _attend_rows(
+                q_ptr, tok, head, m_row, pos_q, lo, hi, p_bt, k_ptr, v_ptr, i_kvh, scale,
+                softcap, window, stride_qt, stride_qh, stride_qd, stride_kb, stride_kt, stride_kh,
+                stride_kd, stride_vb, stride_vt, stride_vh, stride_vd, HEAD_DIM, HEAD_DIM_PAD,
+                BLOCK_SIZE, BLOCK_M, TILE_N, USE_WINDOW, USE_SOFTCAP, DOT_FP32, DOT_PRECISION)
+            m_out = m_row[:, None] & m_d[None, :]
+            if partial:
+                row = (i_seq.to(tl.int64) * num_heads + head) * num_splits_bound + i_split
+                tl.store(part_out_ptr + row[:, None] * HEAD_DIM + o_d[None, :], b_acc, mask=m_out)
+                tl.store(part_ml_ptr + row * 2, b_m, mask=m_row)
+                tl.store(part_ml_ptr + row * 2 + 1, b_l, mask=m_row)
+            else:
+                _store_out(out_ptr, tok, head, b_acc, b_l, m_out, stride_ot, stride_oh, stride_od,
+                           HEAD_DIM_PAD)
     else:
-        b_o = b_acc / tl.where(b_l == 0.0, 1.0, b_l)[:, None]
-        tl.store(p_o, b_o.to(out_ptr.dtype.element_ty), mask=m_out)
+        if (q_len > 1) & (i_qblock * BLOCK_Q < q_len):
+            q_tok = i_qblock * BLOCK_Q + o_m // GROUP    # index among this sequence's q tokens
+            m_row = (o_m < BLOCK_Q * GROUP) & (q_tok < q_len)
+            pos_q = seq_len - q_len + q_tok               # absolute position of each row's query
+            lo = 0
+            if USE_WINDOW:
+                lo = tl.maximum(seq_len - q_len + i_qblock * BLOCK_Q - window + 1, 0)
+            hi = seq_len - q_len + tl.minimum((i_qblock + 1) * BLOCK_Q, q_len)
+            tok = (q_start + q_tok).to(tl.int64)
+            b_acc, b_m, b_l = _attend_rows(
+                q_ptr, tok, head, m_row, pos_q, lo, hi, p_bt, k_ptr, v_ptr, i_kvh, scale,
+                softcap, window, stride_qt, stride_qh, stride_qd, stride_kb, stride_kt, stride_kh,
+                stride_kd, stride_vb, stride_vt, stride_vh, stride_vd, HEAD_DIM, HEAD_DIM_PAD,
+                BLOCK_SIZE, BLOCK_M, TILE_N, USE_WINDOW, USE_SOFTCAP, DOT_FP32, DOT_PRECISION)
+            _store_out(out_ptr, tok, head, b_acc, b_l, m_row[:, None] & m_d[None, :], stride_ot,
+                       stride_oh, stride_od, HEAD_DIM_PAD)
+
+
+@triton.jit
+def _store_out(out_ptr, tok, head, b_acc, b_l, m_out, stride_ot, stride_oh, stride_od,
+               HEAD_DIM_PAD: tl.constexpr):
+    o_d = tl.arange(0, HEAD_DIM_PAD)
+    b_o = b_acc / tl.where(b_l == 0.0, 1.0, b_l)[:, None]
+    p_o = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + o_d[None, :] * stride_od
+    tl.store(p_o, b_o.to(out_ptr.dtype.element_ty), mask=m_out)
 
 
 @triton.jit
@@ -269,7 +301,8 @@ def _launch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scal
         *q.stride(), *k_cache.stride()[:4], *v_cache.stride()[:4], *out.stride(),
         block_tables.stride(0),
         BLOCK_SIZE=block_size, GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q,
-        IS_DECODE=is_decode, USE_SOFTCAP=softcap is not None,
+        IS_DECODE=is_decode, ALL_DECODE=is_decode and num_tokens == num_seqs,
+        USE_SOFTCAP=softcap is not None,
         # The interpreter multiplies bf16 bit patterns in tl.dot, so it gets fp32 operands; on
         # GPU fp16/bf16 stay native (tensor cores); fp32 takes tf32x3 (three tf32 products, near
         # fp32 accuracy) since plain tf32 loses ~3 digits and "ieee" spilled 7 KB of stack.
@@ -297,8 +330,9 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_seqle
     """
     if block_tables.shape[0] == 0 or q.shape[0] == 0:
         return
-    # num_tokens == num_seqs means every sequence decodes one token (q_len >= 1 each): the prefill
-    # launch would only return, so it is skipped. Shapes only: no host read of device values.
+    # At num_tokens == num_seqs the batch is (almost surely) all decodes and the prefill launch
+    # is skipped; the decode launch then also covers any sequence with q_len > 1 (ALL_DECODE).
+    # Shapes only: no host read of device values.
     paged_attention_prefill_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out,
                                    scale, sliding_window, softcap)
     _launch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale, sliding_window,
