@@ -40,9 +40,9 @@ def _decode_splits(seq_len, window, USE_WINDOW: tl.constexpr, TILE_N: tl.constex
     if USE_WINDOW:
         lo = tl.maximum(seq_len - window, 0)
     span = seq_len - lo
-    num_splits = tl.minimum(tl.cdiv(span, SPLIT_MIN), MAX_SPLITS)
-    num_splits = tl.maximum(num_splits, 1)
-    split_len = tl.cdiv(tl.cdiv(span, num_splits), TILE_N) * TILE_N
+    num_splits = tl.maximum(tl.minimum(tl.cdiv(span, SPLIT_MIN), MAX_SPLITS), 1)
+    split_len = tl.maximum(tl.cdiv(tl.cdiv(span, num_splits), TILE_N) * TILE_N, TILE_N)
+    num_splits = tl.maximum(tl.cdiv(span, split_len), 1)   # rounding up may empty the last ones
     return lo, num_splits, split_len
 
 
