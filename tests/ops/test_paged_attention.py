@@ -237,3 +237,12 @@ def test_bad_input_raises_naming_it(change, error, words):
 def test_valid_call_of_bad_input_table_runs():
     out = ops.paged_attention(**_valid())
     assert out.shape == (3, 4, 16) and not out.isnan().any()
+
+
+def test_traces_under_torch_compile():
+    """fullgraph: the wrapper's checks run on fake tensors and the registered op is traced."""
+    case = CASES[6]
+    args = build(case)
+    compiled = torch.compile(lambda *a: ops.paged_attention(*a, backend="cpu"),
+                             backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(*args), reference(case), atol=2e-5, rtol=1e-5)
