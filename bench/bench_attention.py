@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from cb_kernels import ops
-from cb_kernels.ops.paged_attention import run_backend
+from cb_kernels.ops.paged_attention import DEFAULT_CUDA_BACKEND, run_backend
 from cb_kernels.ops.reference import ref_paged_attention
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -88,20 +88,24 @@ def sync(device):
 
 
 def best_time(fn, device, reps, copy=None):
-    """Min seconds of fn over reps (and of copy, run before each rep, when given)."""
+    """Min seconds of one fn call over reps (and of copy, run before each rep, when given).
+    On CUDA a rep is 10 back-to-back calls between two syncs, so launch gaps do not count."""
+    inner = 10 if device == "cuda" else 1
     fn()
     sync(device)
     best, best_copy = float("inf"), float("inf")
     for _ in range(reps):
         if copy is not None:
             t = time.perf_counter()
-            copy()
+            for _ in range(inner):
+                copy()
             sync(device)
-            best_copy = min(best_copy, time.perf_counter() - t)
+            best_copy = min(best_copy, (time.perf_counter() - t) / inner)
         t = time.perf_counter()
-        fn()
+        for _ in range(inner):
+            fn()
         sync(device)
-        best = min(best, time.perf_counter() - t)
+        best = min(best, (time.perf_counter() - t) / inner)
     return best, best_copy
 
 
@@ -111,7 +115,7 @@ def shapes(args):
         prefill = [("prefill 1x512", [(512, 512)]),
                    ("mixed 16 decodes x1024 + chunk 128 of 1024", [(1024, 1)] * 16 + [(1024, 128)])]
     else:
-        decode = [(b, c) for b in (1, 4, 16, 64) for c in (512, 2048, 8192)]
+        decode = [(b, c) for b in (1, 4, 16, 64) for c in (512, 2048, 4096, 8192)]
         prefill = [("prefill 1x1024", [(1024, 1024)]), ("prefill 4x512", [(512, 512)] * 4),
                    ("mixed 16 decodes x1024 + chunk 128 of 1024", [(1024, 1)] * 16 + [(1024, 128)])]
     rows = [(f"decode b{b} ctx{c}", [(c, 1)] * b) for b, c in decode]
@@ -158,7 +162,7 @@ def dispatch_overhead(device):
     """Microseconds per call of a 1-token decode: direct, public wrapper, torch.ops."""
     inputs = make_batch([(16, 1)], 4, 1, 64, 16, torch.float32, device)
     out = torch.empty_like(inputs[0])
-    backend = "cpu" if device == "cpu" else ops.paged_attention.__globals__["DEFAULT_CUDA_BACKEND"]
+    backend = "cpu" if device == "cpu" else DEFAULT_CUDA_BACKEND
     calls = {
         "direct run_backend": lambda: run_backend(backend, *inputs, out, 0.125, 0, 0.0),
         "ops.paged_attention": lambda: ops.paged_attention(*inputs, out=out, backend=backend),
