@@ -193,7 +193,6 @@ struct Plan {
   std::vector<Item> items;
   std::vector<Merge> merges;
   std::vector<float> partials;  // grows to the largest batch seen, never shrinks
-  int64_t max_rows = 0;
   int64_t work = 0;  // sum over items of rows x keys
 };
 
@@ -392,7 +391,6 @@ void run_merge(const Ctx& c, const Plan& plan, const Merge& mg, float* acc) {
 void make_plan(const PagedAttentionParams& p, int64_t group, Plan& plan) {
   plan.items.clear();
   plan.merges.clear();
-  plan.max_rows = 0;
   plan.work = 0;
   const int32_t chunk = static_cast<int32_t>(std::max<int64_t>(1, kMaxRows / group));
   int64_t offset = 0;
@@ -407,12 +405,12 @@ void make_plan(const PagedAttentionParams& p, int64_t group, Plan& plan) {
       const int32_t k0 = lo / kPartition, k1 = (hi - 1) / kPartition;
       const int32_t parts = k1 - k0 + 1;
       const int64_t rows = (i1 - i0) * group;
-      plan.max_rows = std::max(plan.max_rows, rows);
       plan.work += rows * (hi - lo) * p.num_kv_heads;
       if (parts > 1) plan.merges.push_back({static_cast<int64_t>(plan.items.size()), p.num_kv_heads, parts});
       for (int32_t k = k0; k <= k1; ++k) {
         for (int32_t h = 0; h < p.num_kv_heads; ++h) {
-          Item it{s, h, i0, i1, std::max(lo, k * kPartition), std::min(hi, (k + 1) * kPartition), -1};
+          const int32_t end = static_cast<int32_t>(std::min<int64_t>(hi, (k + 1) * int64_t{kPartition}));
+          Item it{s, h, i0, i1, std::max(lo, k * kPartition), end, -1};
           if (parts > 1) {
             it.partial = offset;
             offset += rows * (p.head_dim + 2);
