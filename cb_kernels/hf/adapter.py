@@ -63,10 +63,11 @@ def _engine_attention(module, query, key, value, attention_mask, scaling=None, d
     k_cache, v_cache = step.k_caches[layer], step.v_caches[layer]
     window = kwargs["sliding_window"] if "sliding_window" in kwargs else step.sliding_windows[layer]
     softcap = kwargs["softcap"] if "softcap" in kwargs else step.softcap
-    # [1, H, T, D] -> [T, H, D]; the kernels want the head_dim rows packed per token.
-    q = query[0].transpose(0, 1).to(k_cache.dtype).contiguous()
-    k = key[0].transpose(0, 1).to(k_cache.dtype).contiguous()
-    v = value[0].transpose(0, 1).to(k_cache.dtype).contiguous()
+    # [1, H, T, D] -> [T, H, D] views: the kernels take any strides with head_dim packed, so
+    # no copy unless the KV cache has another dtype than the model.
+    q = query[0].transpose(0, 1).to(k_cache.dtype)
+    k = key[0].transpose(0, 1).to(k_cache.dtype)
+    v = value[0].transpose(0, 1).to(k_cache.dtype)
     ops.write_kv(k, v, k_cache, v_cache, step.slot_mapping)
     out = ops.paged_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens,
                               step.cu_seqlens_q, scale=scaling, sliding_window=window,
