@@ -22,7 +22,9 @@ logger = logging.getLogger("cb_kernels.engine")
 class Engine:
     """Continuous batching for one transformers causal LM (see DESIGN.md, "Engine API").
 
-    Not thread-safe: call it from one thread.
+    The model runs as given (call model.eval() first if it has dropout layers); its config is
+    switched to our attention only for the duration of each step. `seed` seeds the generator of
+    sampled requests that have no seed of their own. Not thread-safe: call it from one thread.
     """
 
     def __init__(self, model, config: Optional[EngineConfig] = None, tokenizer=None, seed: int = 0):
@@ -204,7 +206,7 @@ class Engine:
                 self._next_id += 1
         return entries
 
-    def generate(self, prompts, params=None, use_tqdm: bool = False) -> list:
+    def generate(self, prompts, params=None) -> list:
         """Run `prompts` to completion; returns their RequestOutputs in prompt order. A prompt
         that add_request rejects gets an output with finish_reason "error" and the message."""
         entries = self._add_all(prompts, params)

@@ -74,6 +74,8 @@ def resolve(config: EngineConfig, shape: ModelShape) -> ResolvedConfig:
     if config.block_size is None:
         chosen["block_size"] = f"{block_size}"
     dtype = getattr(torch, config.dtype) if config.dtype else shape.dtype
+    if config.dtype is None:
+        chosen["dtype"] = f"{dtype} (the model's)"
     max_batch_tokens = config.max_batch_tokens
     if max_batch_tokens is None:
         max_batch_tokens = CUDA_MAX_BATCH_TOKENS if on_cuda else CPU_MAX_BATCH_TOKENS
@@ -107,15 +109,23 @@ def resolve(config: EngineConfig, shape: ModelShape) -> ResolvedConfig:
             logger.warning("overlap='on' needs CUDA streams; running synchronously on %s",
                            shape.device)
         overlap = "on" if on_cuda else "off"
+        chosen["overlap"] = f"{overlap} ({shape.device.type})"
     preemption = config.preemption
+    if preemption == "auto":
+        chosen["preemption"] = "auto (swap when the host pool has room and copying is cheaper)"
     cpu_offload_gib = _host_pool_gib(config, num_blocks * kv_bytes_per_block(shape, block_size, dtype))
+    if config.cpu_offload_gib is None:
+        chosen["cpu_offload_gib"] = (f"{cpu_offload_gib:.3f} GiB (half the usable host memory, "
+                                     f"cgroup-aware, capped at the device pool and "
+                                     f"{AUTO_HOST_POOL_MAX_GIB} GiB)" if cpu_offload_gib else
+                                     "0 (preemption='recompute')")
     resolved = ResolvedConfig(block_size=block_size, num_blocks=num_blocks,
                               max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs,
                               cpu_offload_gib=cpu_offload_gib, preemption=preemption,
                               prefix_caching=config.prefix_caching, overlap=overlap,
                               attention_backend=config.attention_backend, dtype=dtype)
     for name, why in chosen.items():
-        logger.info("EngineConfig.%s=None -> %s", name, why)
+        logger.info("EngineConfig.%s auto -> %s", name, why)
     return resolved
 
 
@@ -135,8 +145,6 @@ def _host_pool_gib(config: EngineConfig, device_pool_bytes: int) -> float:
     nbytes = host_pool_bytes(config.cpu_offload_gib)
     if config.cpu_offload_gib is None:
         nbytes = min(nbytes, device_pool_bytes, AUTO_HOST_POOL_MAX_GIB * GiB)
-        logger.info("EngineConfig.cpu_offload_gib=None -> %.3f GiB (capped at the device pool, "
-                    "%.3f GiB)", nbytes / GiB, device_pool_bytes / GiB)
     return nbytes / GiB
 
 

@@ -145,7 +145,10 @@ def _swap_blocks(src_caches, dst_caches, block_mapping, *, stream, backend, cuda
     dst_caches = check_pool_list(dst_caches, "dst_caches")
     check_same_geometry(src_caches, dst_caches, "src_caches", "dst_caches")
     src_dev, dst_dev = src_caches[0].device, dst_caches[0].device
-    same_pool = any(s.data_ptr() == d.data_ptr() for s, d in zip(src_caches, dst_caches))
+    # Views of one storage on both sides (one pool, maybe interleaved): a destination must then
+    # never be a source, or the result would depend on copy order.
+    same_pool = any(s.untyped_storage().data_ptr() == d.untyped_storage().data_ptr()
+                    for s, d in zip(src_caches, dst_caches))
     n = check_block_mapping(block_mapping, src_caches[0].shape[0], dst_caches[0].shape[0], same_pool)
     cuda_devs = {d for d in (src_dev, dst_dev) if d.type == "cuda"}
     if len(cuda_devs) > 1:
@@ -193,7 +196,8 @@ def _run_block_copy(chosen, src_caches, dst_caches, block_mapping, stream, cuda_
 
 
 def _torch_block_copy(src_caches, dst_caches, block_mapping, stream) -> None:
-    """Pure-torch copy: one gather, one transfer and one scatter per tensor (transformers' way).
+    """Pure-torch copy: one gather, one transfer and one scatter per tensor (transformers' way;
+    indexing rather than index_copy_, which has no float8 kernel on CPU).
 
     Gathering first means no pair can read another pair's output, like the kernels.
     """
@@ -203,7 +207,7 @@ def _torch_block_copy(src_caches, dst_caches, block_mapping, stream) -> None:
         src_ids = block_mapping[:, 0].to(src_caches[0].device)
         dst_ids = block_mapping[:, 1].to(dst_caches[0].device)
         for s, d in zip(src_caches, dst_caches):
-            d.index_copy_(0, dst_ids, s.index_select(0, src_ids).to(d.device))
+            d[dst_ids] = s[src_ids].to(d.device)
 
 
 def _as_stream(stream, device):

@@ -34,10 +34,13 @@ def make_model(kind: str = "llama", seed: int = 0, **overrides):
         "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM,
                    {"head_dim": 16, "sliding_window": 24, "attn_logit_softcapping": 5.0,
                     "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 16}),
+        "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM,
+                   {"head_dim": 16, "sliding_window": 24, "query_pre_attn_scalar": 16,
+                    "layer_types": ["sliding_attention", "full_attention"]}),
     }
     cfg_cls, model_cls, extra = families[kind]
     kwargs = {**common, **extra, **overrides}
-    attn = "eager" if kind == "gemma2" else "sdpa"   # softcap needs eager in transformers
+    attn = "eager" if kind.startswith("gemma") else "sdpa"   # what transformers recommends
     return _finish(model_cls(cfg_cls(**kwargs, attn_implementation=attn)))
 
 
