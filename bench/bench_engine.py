@@ -205,7 +205,8 @@ def main(argv=None) -> int:
     if args.pressure:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from bench_offload import run_pressure
-        rows = run_pressure(num_prompts=args.requests or (8 if args.quick else 32),
+        rows = run_pressure("cuda" if torch.cuda.is_available() else "cpu",
+                            num_prompts=args.requests or (8 if args.quick else 32),
                             max_new_tokens=32 if args.quick else 64)
         if args.json:
             with open(args.json, "w") as f:
