@@ -94,6 +94,10 @@ class Engine:
         """Run one batch; returns the RequestOutputs of the requests that ended in it (plus
         those cancelled since the last step)."""
         batch = self.scheduler.schedule()
+        if not batch.seqs and self.scheduler.has_unfinished():
+            # Cannot happen while add_request rejects requests that never fit (see scheduler.py);
+            # raising beats spinning forever in generate() if that proof ever breaks.
+            raise RuntimeError(f"the scheduler found nothing to run: {self.stats()}")
         if batch.seqs:
             self._steps += 1
             try:
