@@ -246,3 +246,15 @@ def test_traces_under_torch_compile():
     compiled = torch.compile(lambda *a: ops.paged_attention(*a, backend="cpu"),
                              backend="aot_eager", fullgraph=True)
     torch.testing.assert_close(compiled(*args), reference(case), atol=2e-5, rtol=1e-5)
+
+
+def test_unchecked_hot_path_matches_checked():
+    from cb_kernels.ops.paged_attention import paged_attention_unchecked
+
+    case = CASES[8]  # sliding window
+    args = build(case)
+    out = torch.empty_like(args[0])
+    got = paged_attention_unchecked(*args, out, scale=case.head_dim ** -0.5,
+                                    sliding_window=case.sliding_window, backend="cpu")
+    assert got is out
+    assert torch.equal(out, ops.paged_attention(*args, **kwargs(case)))
