@@ -150,6 +150,8 @@ def _paged_attention_kernel(
         # is covered here too: its tokens i_split, i_split + bound, ..., each over all its keys.
         lo_d, num_splits, split_len = _decode_splits(seq_len, window, USE_WINDOW, TILE_N,
                                                      SPLIT_MIN, MAX_SPLITS)
+        # Only a seq_len beyond the block table (unchecked on device) could exceed the grid.
+        num_splits = tl.minimum(num_splits, num_splits_bound)
         t_end = tl.where((q_len == 1) & (i_split < num_splits), 1, 0)
         if ALL_DECODE:
             t_end = tl.where(q_len > 1, q_len, t_end)
@@ -221,6 +223,7 @@ def _reduce_splits_kernel(out_ptr, seq_lens_ptr, cu_q_ptr, part_out_ptr, part_ml
         return
     seq_len = tl.load(seq_lens_ptr + i_seq)
     _, num_splits, _ = _decode_splits(seq_len, window, USE_WINDOW, TILE_N, SPLIT_MIN, MAX_SPLITS)
+    num_splits = tl.minimum(num_splits, num_splits_bound)
     if num_splits == 1:
         return
     o_s = tl.arange(0, SPLITS_PAD)
