@@ -53,14 +53,39 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """
     scale_f, window, cap = check_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
                                       scale, sliding_window, softcap, out)
-    check_values(q.shape[0], k_cache, block_tables, seq_lens, cu_seqlens_q)
+    compiling = torch.compiler.is_compiling()
+    if not compiling:  # traced tensors have no values to read
+        check_values(q.shape[0], k_cache, block_tables, seq_lens, cu_seqlens_q)
     name = _backend.resolve_backend(backend, q.device, SUPPORTED_BACKENDS, DEFAULT_CUDA_BACKEND,
                                     "paged_attention")
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    run_backend(name, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale_f,
-                window, cap)
+    # Eager calls skip the dispatcher: through torch.ops the op costs ~X us more per call
+    # (measured in tests/ops/test_paged_attention.py::test_dispatch_overhead); torch.compile
+    # must see the registered op to trace it.
+    if compiling:
+        torch.ops.cb_kernels.paged_attention(q, k_cache, v_cache, block_tables, seq_lens,
+                                             cu_seqlens_q, out, scale_f, window, cap, name)
+    else:
+        run_backend(name, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale_f,
+                    window, cap)
     return out
+
+
+@torch.library.custom_op("cb_kernels::paged_attention", mutates_args=("out",))
+def _paged_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                        cu_seqlens_q: torch.Tensor, out: torch.Tensor, scale: float,
+                        sliding_window: int, softcap: float, backend: str) -> None:
+    """The registered op: arguments as `run_backend` takes them (0 = off), `out` written."""
+    run_backend(backend, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale,
+                sliding_window, softcap)
+
+
+@_paged_attention_op.register_fake
+def _(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale, sliding_window,
+      softcap, backend) -> None:
+    return None
 
 
 def run_backend(name: str, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out,
@@ -91,7 +116,9 @@ def run_backend(name: str, q, k_cache, v_cache, block_tables, seq_lens, cu_seqle
        softcap)
 
 
-def _run_cpu(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale, window, cap):
+def _run_cpu(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale, window, cap,
+             portable: bool = False):
+    """The C++ kernel; `portable=True` forces its generic (non-AVX2) variant, for tests."""
     if not hasattr(_C, "paged_attention"):
         raise RuntimeError("the 'cpu' paged_attention kernel is not compiled into cb_kernels._C "
                            "(rebuild the extension)")
@@ -104,4 +131,4 @@ def _run_cpu(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, sca
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        _backend.DTYPE_CODES[q.dtype], scale, window, cap)
+        _backend.DTYPE_CODES[q.dtype], scale, window, cap, portable)
