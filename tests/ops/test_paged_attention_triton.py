@@ -207,6 +207,39 @@ def test_triton_kernel_compiles_for_sm90_without_spills():
         assert "STACK:0 " in line, line
 
 
+# ---- The "cuda" backend's host side: runs everywhere.
+
+def test_cuda_backend_argument_checks():
+    from cb_kernels.ops.paged_attention_cuda import check_cuda_args
+    c = Case("ok", (1,), (20,), head_dim=64)
+    q, k_cache, v_cache, *_ = make_inputs(c)
+    check_cuda_args(q, k_cache, v_cache)
+    with pytest.raises(ValueError, match="head_dim"):
+        check_cuda_args(q[..., :48], k_cache[..., :48], v_cache[..., :48])
+    with pytest.raises(ValueError, match="power-of-two block_size"):
+        check_cuda_args(q, k_cache[:, :12], v_cache[:, :12])
+    with pytest.raises(ValueError, match="16-byte aligned rows in k_cache"):
+        shifted = torch.empty(k_cache.numel() + 1, dtype=k_cache.dtype)[1:].view(k_cache.shape)
+        check_cuda_args(q, shifted, v_cache)
+
+
+def test_cuda_split_bound_is_monotone_and_capped():
+    from cb_kernels import _C
+    bounds = [_C.paged_attention_cuda_max_splits(n) for n in range(0, 40000, 37)]
+    assert bounds == sorted(bounds) and bounds[0] == 1 and max(bounds) == 32
+    assert _C.paged_attention_cuda_max_splits(256) == 1
+    assert _C.paged_attention_cuda_max_splits(257) == 2
+
+
+def test_cuda_kernel_without_cuda_build_raises():
+    from cb_kernels import _C
+    if _C.build_info["cuda_compiled"]:
+        pytest.skip("this build has CUDA kernels (the GPU tests cover them)")
+    with pytest.raises(RuntimeError, match="built without CUDA"):
+        _C.paged_attention_cuda(*([0] * 9), 1, 1, 1, 64, 16, *([0] * 11), 1, 0, 1.0, 0, 0.0,
+                                True, 0)
+
+
 # ---- GPU: the CUDA kernel and Triton on the device (skipped where no GPU exists).
 
 GPU_CASES = [
