@@ -182,15 +182,19 @@ __device__ __forceinline__ void attend(const PagedAttentionParams& p, Shared<T, 
             float kf[kVec];
             Elem<T>::unpack(raw[u][v], kf);
 #pragma unroll
-            for (int h = 0; h < kMaxHeads; ++h)
+            for (int h = 0; h < kMaxHeads; ++h) {
+              if (h >= num_h) break;  // CTA-uniform: groups under 8 heads skip the spare rows
 #pragma unroll
               for (int e = 0; e < kVec; ++e) sc[h] += s.q[h][vi * kVec + e] * kf[e];
+            }
           }
         }
 #pragma unroll
-        for (int h = 0; h < kMaxHeads; ++h)
+        for (int h = 0; h < kMaxHeads; ++h) {
+          if (h >= num_h) break;  // uniform, so every lane of the warp still joins the shuffles
 #pragma unroll
           for (int o = L::kLanes / 2; o > 0; o /= 2) sc[h] += __shfl_xor_sync(0xffffffffu, sc[h], o);
+        }
         const int c = grp + (u0 + u) * L::kGroups;
         if (glane == 0) {
 #pragma unroll
@@ -257,6 +261,7 @@ __device__ __forceinline__ void attend(const PagedAttentionParams& p, Shared<T, 
           Elem<T>::unpack(raw[u][v], vf);
 #pragma unroll
           for (int h = 0; h < kMaxHeads; ++h) {
+            if (h >= num_h) break;
             const float ph = s.p[h][c];
 #pragma unroll
             for (int e = 0; e < kVec; ++e) acc[h][v * kVec + e] += ph * vf[e];
