@@ -46,9 +46,9 @@ def make_inputs(c: Case, device="cpu", seed=0, spare_blocks=3):
         for j in range(math.ceil(n / c.block_size)):
             b = perm.pop()
             block_tables[s, j] = b
-            used = min(c.block_size, n - j * c.block_size)
-            k_cache[b, :used] = torch.randn(used, c.num_kv_heads, c.head_dim, generator=g).to(c.dtype)
-            v_cache[b, :used] = torch.randn(used, c.num_kv_heads, c.head_dim, generator=g).to(c.dtype)
+            rows = (min(c.block_size, n - j * c.block_size), c.num_kv_heads, c.head_dim)
+            k_cache[b, :rows[0]] = torch.randn(rows, generator=g).to(c.dtype)
+            v_cache[b, :rows[0]] = torch.randn(rows, generator=g).to(c.dtype)
     cu = torch.zeros(num_seqs + 1, dtype=torch.int32)
     cu[1:] = torch.tensor(c.q_lens).cumsum(0)
     q = torch.randn(int(cu[-1]), c.num_heads, c.head_dim, generator=g).to(c.dtype)

@@ -78,7 +78,8 @@ def test_triton_pool_over_32768_blocks():
     num_blocks, block_size, kvh, head_dim = 33000, 16, 1, 64
     stride_b = 65536   # elements per block (as for 32 kv heads x 128 dims)
     base = torch.empty(num_blocks * stride_b, dtype=torch.float16)
-    shape, strides = (num_blocks, block_size, kvh, head_dim), (stride_b, kvh * head_dim, head_dim, 1)
+    shape = (num_blocks, block_size, kvh, head_dim)
+    strides = (stride_b, kvh * head_dim, head_dim, 1)
     k_cache = base.as_strided(shape, strides)
     v_cache = base.as_strided(shape, strides, storage_offset=block_size * kvh * head_dim)
     g = torch.Generator().manual_seed(1)
