@@ -72,6 +72,40 @@ def test_triton_decode_is_batch_invariant():
     assert torch.equal(out_all[3], out_one[0])
 
 
+def test_triton_launcher_reads_no_device_values(monkeypatch):
+    """CUDA graphs need launches whose grid and arguments come from shapes only: with the kernels
+    replaced by recorders, the launcher runs with every tensor-to-host read raising."""
+    import cb_kernels.triton.paged_attention as tpa
+    launches = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append((self.name, grid, kw.get("IS_DECODE")))
+
+    monkeypatch.setattr(tpa, "_paged_attention_kernel", Recorder("attention"))
+    monkeypatch.setattr(tpa, "_reduce_splits_kernel", Recorder("reduce"))
+    c = Case("mixed", (1, 17, 5, 1), (63, 17, 40, 1000))
+    q, k_cache, v_cache, bt, seq_lens, cu = make_inputs(c)
+
+    def no_host_read(*args, **kwargs):
+        raise AssertionError("the launcher read a tensor value on the host")
+
+    for name in ("item", "tolist", "__int__", "__index__", "__bool__", "__float__", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, no_host_read)
+    tpa.paged_attention_triton(q, k_cache, v_cache, bt, seq_lens, cu, torch.empty_like(q),
+                               0.125, 600, 30.0)
+    monkeypatch.undo()
+    num_tokens, num_seqs, block_q = q.shape[0], bt.shape[0], 64 // 2
+    splits = min(tpa.MAX_SPLITS, math.ceil(min(bt.shape[1] * c.block_size, 600) / tpa.SPLIT_MIN))
+    assert splits == 3
+    assert launches == [("attention", (num_tokens // block_q + num_seqs, 2, 1), False),
+                        ("attention", (num_seqs, 2, splits), True),
+                        ("reduce", (num_seqs, 4), None)]
+
+
 def test_triton_pool_over_32768_blocks():
     """Block ids above 32768 with 64 KiB-element blocks: offsets pass 2**31 elements (int64 math).
     The pool is a lazily-committed allocation: only the touched blocks get memory."""
