@@ -119,8 +119,8 @@ def shapes(args):
         decode = [(b, c) for b in (1, 4, 16, 64) for c in (512, 2048, 4096, 8192)]
         prefill = [("prefill 1x1024", [(1024, 1024)]), ("prefill 4x512", [(512, 512)] * 4),
                    ("mixed 16 decodes x1024 + chunk 128 of 1024", [(1024, 1)] * 16 + [(1024, 128)])]
-    rows = [(f"decode b{b} ctx{c}", [(c, 1)] * b) for b, c in decode]
-    return rows + prefill
+    rows = [(f"decode b{b} ctx{c}", [(c, 1)] * b) for b, c in decode] + prefill
+    return [r for r in rows if not args.only or any(o in r[0] for o in args.only)]
 
 
 def bench_rows(args, threads):
@@ -191,6 +191,8 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--copy-mib", type=int, default=None, help="copy size (default 128 / 1024)")
     p.add_argument("--quick", action="store_true", help="a few shapes only")
+    p.add_argument("--only", nargs="*", default=None,
+                   help='rows whose name contains one of these, e.g. --only "decode b16 ctx2048"')
     p.add_argument("--no-baselines", action="store_true", help="skip reference and gather+SDPA")
     p.add_argument("--json", default=None, help="write the result rows to this path")
     args = p.parse_args(argv)
