@@ -163,7 +163,8 @@ inline void to_float(const void* src, DType dtype, int64_t n, float* dst) {
     int64_t i = 0;
 #if defined(__F16C__)
     for (; i + 8 <= n; i += 8)
-      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i))));
+      _mm256_storeu_ps(dst + i,
+                       _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i))));
 #endif
     for (; i < n; ++i) dst[i] = fp16_to_float(s[i]);
   }
@@ -270,8 +271,10 @@ void run_item(const Ctx& c, const Item& it, float* partials) {
     int64_t bi = lo / p.block_size, off = lo % p.block_size;
     for (int32_t pos = lo; pos < hi; ++pos) {
       const int64_t block = table[bi];
-      ko[pos - lo] = (block * p.k_stride_block + off * p.k_stride_token + it.kv_head * p.k_stride_head) * c.esize;
-      vo[pos - lo] = (block * p.v_stride_block + off * p.v_stride_token + it.kv_head * p.v_stride_head) * c.esize;
+      ko[pos - lo] = (block * p.k_stride_block + off * p.k_stride_token +
+                      it.kv_head * p.k_stride_head) * c.esize;
+      vo[pos - lo] = (block * p.v_stride_block + off * p.v_stride_token +
+                      it.kv_head * p.v_stride_head) * c.esize;
       if (++off == p.block_size) {
         off = 0;
         ++bi;
@@ -387,7 +390,8 @@ void run_merge(const Ctx& c, const Plan& plan, const Merge& mg, float* acc) {
     const float inv = 1.0f / l;
     for (int64_t d = 0; d < dim; ++d) acc[d] *= inv;
     const int64_t tok = q_begin + first.i0 + r / group, head = first.kv_head * group + r % group;
-    from_float(acc, dim, p.dtype, ob + (tok * p.out_stride_token + head * p.out_stride_head) * c.esize);
+    from_float(acc, dim, p.dtype,
+               ob + (tok * p.out_stride_token + head * p.out_stride_head) * c.esize);
   }
 }
 
@@ -411,10 +415,12 @@ void make_plan(const PagedAttentionParams& p, int64_t group, Plan& plan) {
       const int32_t parts = k1 - k0 + 1;
       const int64_t rows = (i1 - i0) * group;
       plan.work += rows * (hi - lo) * p.num_kv_heads;
-      if (parts > 1) plan.merges.push_back({static_cast<int64_t>(plan.items.size()), p.num_kv_heads, parts});
+      if (parts > 1)
+        plan.merges.push_back({static_cast<int64_t>(plan.items.size()), p.num_kv_heads, parts});
       for (int32_t k = k0; k <= k1; ++k) {
         for (int32_t h = 0; h < p.num_kv_heads; ++h) {
-          const int32_t end = static_cast<int32_t>(std::min<int64_t>(hi, (k + 1) * int64_t{kPartition}));
+          const int32_t end =
+              static_cast<int32_t>(std::min<int64_t>(hi, (k + 1) * int64_t{kPartition}));
           Item it{s, h, i0, i1, std::max(lo, k * kPartition), end, -1};
           if (parts > 1) {
             it.partial = offset;
@@ -434,7 +440,8 @@ void make_plan(const PagedAttentionParams& p, int64_t group, Plan& plan) {
 
 Status paged_attention(const PagedAttentionParams& p) {
   if (p.num_tokens == 0 || p.num_seqs == 0) return Status::Ok();
-  if (!p.q || !p.k_cache || !p.v_cache || !p.block_tables || !p.seq_lens || !p.cu_seqlens_q || !p.out)
+  if (!p.q || !p.k_cache || !p.v_cache || !p.block_tables || !p.seq_lens || !p.cu_seqlens_q ||
+      !p.out)
     return Status::Error("paged_attention: a tensor pointer is null");
   if (p.num_heads <= 0 || p.num_kv_heads <= 0 || p.head_dim <= 0 || p.block_size <= 0 ||
       p.num_heads % p.num_kv_heads != 0)

@@ -118,8 +118,9 @@ def test_cpu_batch_and_threads_do_not_change_results():
     full = ops.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu, backend="cpu")
     for i in range(len(case.seqs)):
         lo, hi = int(cu[i]), int(cu[i + 1])
+        cu_one = torch.tensor([0, hi - lo], dtype=torch.int32)
         alone = ops.paged_attention(q[lo:hi], k_cache, v_cache, block_tables[i:i + 1],
-                                    seq_lens[i:i + 1], torch.tensor([0, hi - lo], dtype=torch.int32))
+                                    seq_lens[i:i + 1], cu_one)
         assert torch.equal(alone, full[lo:hi]), f"sequence {i} changed with its batch"
     old = torch.get_num_threads()
     try:
@@ -194,7 +195,8 @@ BAD_INPUTS = [  # (id, changes to the valid call, exception, words the message m
     ("q-not-tensor", dict(q=[[0.0]]), TypeError, "q must be a torch.Tensor"),
     ("q-int-dtype", dict(q=torch.zeros(3, 4, 16, dtype=torch.int32)), TypeError, "q must be"),
     ("q-2d", dict(q=torch.zeros(3, 64)), ValueError, "q must have 3 dimensions"),
-    ("q-last-stride", dict(q=torch.zeros(3, 16, 4).transpose(1, 2)), ValueError, "q must have unit"),
+    ("q-last-stride", dict(q=torch.zeros(3, 16, 4).transpose(1, 2)), ValueError,
+     "q must have unit"),
     ("k-dtype", dict(k_cache=torch.zeros(4, 8, 2, 16, dtype=torch.float16)), TypeError, "k_cache"),
     ("v-dtype", dict(v_cache=torch.zeros(4, 8, 2, 16, dtype=torch.bfloat16)), TypeError, "v_cache"),
     ("v-shape", dict(v_cache=torch.zeros(5, 8, 2, 16)), ValueError, "v_cache shape"),
@@ -202,7 +204,8 @@ BAD_INPUTS = [  # (id, changes to the valid call, exception, words the message m
     ("head-dim", dict(k_cache=torch.zeros(4, 8, 2, 8), v_cache=torch.zeros(4, 8, 2, 8)),
      ValueError, "head_dim"),
     ("gqa-ratio", dict(q=torch.zeros(3, 3, 16)), ValueError, "multiple of k_cache num_kv_heads"),
-    ("k-device", dict(k_cache=torch.zeros(4, 8, 2, 16, device="meta")), ValueError, "k_cache is on"),
+    ("k-device", dict(k_cache=torch.zeros(4, 8, 2, 16, device="meta")), ValueError,
+     "k_cache is on"),
     ("block-tables-int64", dict(block_tables=torch.zeros(2, 2, dtype=torch.int64)), TypeError,
      "block_tables must have dtype torch.int32"),
     ("seq-lens-int64", dict(seq_lens=torch.tensor([9, 2])), TypeError, "seq_lens must have dtype"),
