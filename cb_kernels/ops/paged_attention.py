@@ -21,6 +21,9 @@ from cb_kernels.ops.reference import ref_paged_attention
 # the CUDA kernel's fp32 FMAs cost about as much time as its memory traffic (estimate for group 8,
 # head_dim 128 on an H200: ~560 ns of FMAs vs ~900 ns of loads per 64-key chunk per SM).
 DEFAULT_CUDA_BACKEND = "triton"
+# CPU tensors default to "cpu", the C++ kernel: 10-74x the reference and 2-93x transformers'
+# gather + SDPA on every bench row (bench/RESULTS.md); Triton runs on CPU only interpreted
+# (549 ms against 0.2 ms for a 512-token decode).
 SUPPORTED_BACKENDS = ("cuda", "triton", "cpu", "torch")
 
 
