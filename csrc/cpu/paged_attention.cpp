@@ -48,6 +48,14 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 
+// Lane shuffle of two vectors (indices into their concatenation): GCC before 12 only has
+// __builtin_shuffle, clang only __builtin_shufflevector.
+#if defined(__clang__) || __GNUC__ >= 12
+#define CBK_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define CBK_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, v8i{__VA_ARGS__})
+#endif
+
 inline v8f load8(const float* p) {
   v8f v;
   __builtin_memcpy(&v, p, sizeof(v));
@@ -64,8 +72,8 @@ inline float hmax(v8f v) {
 }
 
 inline float hsum(v8f v) {
-  const v8f a = v + __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
-  const v8f b = a + __builtin_shufflevector(a, a, 2, 3, 0, 1, 6, 7, 4, 5);
+  const v8f a = v + CBK_SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+  const v8f b = a + CBK_SHUFFLE(a, a, 2, 3, 0, 1, 6, 7, 4, 5);
   return b[0] + b[1];
 }
 
@@ -109,14 +117,14 @@ inline v8f dot8(const float* q, const float* const* k, int64_t dim8) {
   }
   v8f x[4];
   for (int i = 0; i < 4; ++i)
-    x[i] = __builtin_shufflevector(acc[2 * i], acc[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
-           __builtin_shufflevector(acc[2 * i], acc[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+    x[i] = CBK_SHUFFLE(acc[2 * i], acc[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
+           CBK_SHUFFLE(acc[2 * i], acc[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
   v8f y[2];
   for (int i = 0; i < 2; ++i)
-    y[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
-           __builtin_shufflevector(x[2 * i], x[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
-  return __builtin_shufflevector(y[0], y[1], 0, 1, 2, 3, 8, 9, 10, 11) +
-         __builtin_shufflevector(y[0], y[1], 4, 5, 6, 7, 12, 13, 14, 15);
+    y[i] = CBK_SHUFFLE(x[2 * i], x[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+           CBK_SHUFFLE(x[2 * i], x[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  return CBK_SHUFFLE(y[0], y[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+         CBK_SHUFFLE(y[0], y[1], 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
 // o[0 .. 8*NV) = o * alpha + sum_j p[j] * v[j][0 .. 8*NV), accumulators kept in registers.
