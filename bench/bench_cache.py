@@ -115,10 +115,12 @@ def bench_block_ops(args, block_tokens: int, timer: Timer, stream) -> list[dict]
                             "transformers": transformers_way(pool, host.caches, dev_idx, host_idx)}, args.repeats)
         rows.append(row("swap_out" + name, block_tokens, block_bytes, pairs, nbytes, t, {"pinned": host.pinned}))
         t = measure(timer, {"op": swap_in, "memcpy": lambda: flat_dev.copy_(flat_host, non_blocking=True),
-                            "transformers": transformers_way(host.caches, pool, host_idx, dev_idx)}, args.repeats)
+                            "transformers": transformers_way(host.caches, pool, host_idx, dev_idx)},
+                    args.repeats)
         rows.append(row("swap_in" + name, block_tokens, block_bytes, pairs, nbytes, t, {"pinned": host.pinned}))
-    src_ids, dst_ids = dev_ids[: pairs // 2], torch.tensor([b for b in range(num_blocks)
-                                                           if b not in set(dev_ids[: pairs // 2].tolist())][: pairs // 2])
+    src_ids = dev_ids[: pairs // 2]  # copy-on-write: half the pairs, into blocks no pair reads
+    taken = set(src_ids.tolist())
+    dst_ids = torch.tensor([b for b in range(num_blocks) if b not in taken][: pairs // 2])
     cow = torch.stack([src_ids, dst_ids], 1)
     half = num_tensors // 2
     flat_dev2 = torch.zeros_like(flat_dev[: nbytes * (pairs // 2) // pairs])

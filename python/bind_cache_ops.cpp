@@ -19,8 +19,8 @@ using Stride3 = std::array<int64_t, 3>;
 
 cbk::WriteKvParams write_kv_params(uintptr_t key, uintptr_t value, uintptr_t k_cache, uintptr_t v_cache,
                                    uintptr_t slot_mapping, int64_t num_tokens, int64_t num_kv_heads,
-                                   int64_t block_size, int64_t row_bytes, Stride2 key_stride, Stride2 value_stride,
-                                   Stride3 k_cache_stride, Stride3 v_cache_stride) {
+                                   int64_t block_size, int64_t num_slots, int64_t row_bytes, Stride2 key_stride,
+                                   Stride2 value_stride, Stride3 k_cache_stride, Stride3 v_cache_stride) {
   if (num_tokens < 0 || num_kv_heads <= 0 || block_size <= 0 || row_bytes <= 0)
     throw std::invalid_argument("write_kv: num_tokens >= 0 and num_kv_heads, block_size, row_bytes > 0");
   cbk::WriteKvParams p;
@@ -32,6 +32,7 @@ cbk::WriteKvParams write_kv_params(uintptr_t key, uintptr_t value, uintptr_t k_c
   p.num_tokens = num_tokens;
   p.num_kv_heads = num_kv_heads;
   p.block_size = block_size;
+  p.num_slots = num_slots;
   p.row_bytes = row_bytes;
   for (int i = 0; i < 2; ++i) {
     p.key_stride[i] = key_stride[i];
@@ -76,10 +77,10 @@ void bind_cache_ops_cuda(py::module_& m) {
   m.def(
       "write_kv_cuda",
       [](uintptr_t key, uintptr_t value, uintptr_t k_cache, uintptr_t v_cache, uintptr_t slot_mapping,
-         int64_t num_tokens, int64_t num_kv_heads, int64_t block_size, int64_t row_bytes, Stride2 key_stride,
-         Stride2 value_stride, Stride3 k_cache_stride, Stride3 v_cache_stride, uintptr_t stream) {
+         int64_t num_tokens, int64_t num_kv_heads, int64_t block_size, int64_t num_slots, int64_t row_bytes,
+         Stride2 key_stride, Stride2 value_stride, Stride3 k_cache_stride, Stride3 v_cache_stride, uintptr_t stream) {
         const auto p = write_kv_params(key, value, k_cache, v_cache, slot_mapping, num_tokens, num_kv_heads,
-                                       block_size, row_bytes, key_stride, value_stride, k_cache_stride,
+                                       block_size, num_slots, row_bytes, key_stride, value_stride, k_cache_stride,
                                        v_cache_stride);
         py::gil_scoped_release nogil;
         cbk::throw_if_error(cbk::cuda::write_kv(p, cbk::as_ptr<void>(stream)));
@@ -135,10 +136,10 @@ void bind_cache_ops(py::module_& m) {
   m.def(
       "write_kv",
       [](uintptr_t key, uintptr_t value, uintptr_t k_cache, uintptr_t v_cache, uintptr_t slot_mapping,
-         int64_t num_tokens, int64_t num_kv_heads, int64_t block_size, int64_t row_bytes, Stride2 key_stride,
-         Stride2 value_stride, Stride3 k_cache_stride, Stride3 v_cache_stride) {
+         int64_t num_tokens, int64_t num_kv_heads, int64_t block_size, int64_t num_slots, int64_t row_bytes,
+         Stride2 key_stride, Stride2 value_stride, Stride3 k_cache_stride, Stride3 v_cache_stride) {
         const auto p = write_kv_params(key, value, k_cache, v_cache, slot_mapping, num_tokens, num_kv_heads,
-                                       block_size, row_bytes, key_stride, value_stride, k_cache_stride,
+                                       block_size, num_slots, row_bytes, key_stride, value_stride, k_cache_stride,
                                        v_cache_stride);
         py::gil_scoped_release nogil;
         cbk::throw_if_error(cbk::cpu::write_kv(p));

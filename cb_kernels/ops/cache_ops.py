@@ -15,8 +15,8 @@ import torch
 from cb_kernels import _C
 from cb_kernels.ops import reference
 from cb_kernels.ops._backend import (cuda_kernels_error, resolve_backend, sync_threads, triton_error)
-from cb_kernels.ops._cache_checks import (block_layout, check_block_mapping, check_pool_list,
-                                          check_same_geometry, check_slot_values, check_write_kv)
+from cb_kernels.ops._cache_checks import (Pool, check_block_mapping, check_pool_list, check_same_geometry,
+                                          check_slot_values, check_write_kv, pools_overlap)
 
 WRITE_KV_BACKENDS = ("cuda", "triton", "cpu", "torch")
 COPY_BLOCKS_BACKENDS = ("cuda", "cpu", "torch")
@@ -39,7 +39,9 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping, *, backend=None) -> Non
     key, value : [num_tokens, num_kv_heads, head_dim], any strides with head_dim packed.
     k_cache, v_cache : [num_blocks, block_size, num_kv_heads, head_dim], same dtype as key; any
         strides with head_dim packed (transformers' per-layer views work in place).
-    slot_mapping : int64 [num_tokens] on the caches' device; -1 skips the token.
+    slot_mapping : int64 [num_tokens] on the caches' device; -1 skips the token. Slots outside
+        the pool or written twice raise ValueError; on CUDA that check costs one host sync (it is
+        skipped while a CUDA graph is captured, and the kernels then skip out-of-pool slots).
     backend : None (fastest here), "cuda", "triton", "cpu" or "torch" (the reference).
     """
     if torch.compiler.is_compiling():
@@ -77,7 +79,7 @@ def run_write_kv(chosen, key, value, k_cache, v_cache, slot_mapping) -> None:
 def _write_kv_args(key, value, k_cache, v_cache, slot_mapping) -> tuple:
     es = key.element_size()
     return (key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(),
-            key.shape[0], key.shape[1], k_cache.shape[1], key.shape[2] * es,
+            key.shape[0], key.shape[1], k_cache.shape[1], k_cache.shape[0] * k_cache.shape[1], key.shape[2] * es,
             (key.stride(0) * es, key.stride(1) * es), (value.stride(0) * es, value.stride(1) * es),
             tuple(s * es for s in k_cache.stride()[:3]), tuple(s * es for s in v_cache.stride()[:3]))
 
@@ -99,26 +101,23 @@ def copy_blocks(k_caches, v_caches, block_mapping, *, backend=None) -> None:
         _copy_blocks(k_caches, v_caches, block_mapping, backend)
 
 
-def _check_copy_pool(k_caches, v_caches) -> tuple[list, list]:
-    k_caches = check_pool_list(k_caches, "k_caches")
-    v_caches = check_pool_list(v_caches, "v_caches")
-    check_same_geometry(k_caches, v_caches, "k_caches", "v_caches")
-    if v_caches[0].device != k_caches[0].device or v_caches[0].shape[0] != k_caches[0].shape[0]:
-        raise ValueError(f"v_caches ({v_caches[0].shape[0]} blocks on {v_caches[0].device}) must share the pool "
-                         f"of k_caches ({k_caches[0].shape[0]} blocks on {k_caches[0].device})")
-    return k_caches, v_caches
+def _check_copy_pool(k_caches, v_caches) -> Pool:
+    k_pool = check_pool_list(k_caches, "k_caches")
+    v_pool = check_pool_list(v_caches, "v_caches")
+    check_same_geometry(k_pool.tensors, v_pool.tensors, "k_caches", "v_caches")
+    if v_pool.device != k_pool.device or v_pool.num_blocks != k_pool.num_blocks:
+        raise ValueError(f"v_caches ({v_pool.num_blocks} blocks on {v_pool.device}) must share the pool "
+                         f"of k_caches ({k_pool.num_blocks} blocks on {k_pool.device})")
+    return Pool(*(a + b for a, b in zip(k_pool[:3], v_pool[:3])), k_pool.num_blocks, k_pool.device)
 
 
 def _copy_blocks(k_caches, v_caches, block_mapping, backend) -> None:
-    k_caches, v_caches = _check_copy_pool(k_caches, v_caches)
-    num_blocks = k_caches[0].shape[0]
-    n = check_block_mapping(block_mapping, num_blocks, num_blocks, same_pool=True)
-    device = k_caches[0].device
-    chosen = resolve_backend(backend, device, COPY_BLOCKS_BACKENDS, _default_cuda(COPY_BLOCKS_BACKENDS),
+    pool = _check_copy_pool(k_caches, v_caches)
+    n = check_block_mapping(block_mapping, pool.num_blocks, pool.num_blocks, same_pool=True)
+    chosen = resolve_backend(backend, pool.device, COPY_BLOCKS_BACKENDS, _default_cuda(COPY_BLOCKS_BACKENDS),
                              "copy_blocks")
     if n:
-        caches = k_caches + v_caches
-        _run_block_copy(chosen, caches, caches, block_mapping, None)
+        _run_block_copy(chosen, pool, pool, block_mapping, None)
 
 
 def swap_blocks(src_caches, dst_caches, block_mapping, *, stream=None) -> None:
@@ -141,18 +140,17 @@ def _swap_blocks(src_caches, dst_caches, block_mapping, *, stream, backend, cuda
     """swap_blocks with a backend choice, for tests and benchmarks. cuda_method: "auto", "batch"
     (cuMemcpyBatchAsync), "kernel" (copy kernel over mapped pinned memory) or "memcpy" (one
     cudaMemcpyAsync per run of blocks); device <-> device copies always take the kernel."""
-    src_caches = check_pool_list(src_caches, "src_caches")
-    dst_caches = check_pool_list(dst_caches, "dst_caches")
-    check_same_geometry(src_caches, dst_caches, "src_caches", "dst_caches")
-    src_dev, dst_dev = src_caches[0].device, dst_caches[0].device
-    # Views of one storage on both sides (one pool, maybe interleaved): a destination must then
-    # never be a source, or the result would depend on copy order.
-    same_pool = any(s.untyped_storage().data_ptr() == d.untyped_storage().data_ptr()
-                    for s, d in zip(src_caches, dst_caches))
-    n = check_block_mapping(block_mapping, src_caches[0].shape[0], dst_caches[0].shape[0], same_pool)
+    src = check_pool_list(src_caches, "src_caches")
+    dst = check_pool_list(dst_caches, "dst_caches")
+    check_same_geometry(src.tensors, dst.tensors, "src_caches", "dst_caches")
+    src_dev, dst_dev = src.device, dst.device
+    # Views of one pool on both sides: a destination must then never be a source, or the result
+    # would depend on copy order.
+    n = check_block_mapping(block_mapping, src.num_blocks, dst.num_blocks, same_pool=pools_overlap(src, dst))
     cuda_devs = {d for d in (src_dev, dst_dev) if d.type == "cuda"}
     if len(cuda_devs) > 1:
-        raise ValueError(f"src_caches on {src_dev} and dst_caches on {dst_dev}: swaps between two GPUs are not supported")
+        raise ValueError(f"src_caches on {src_dev} and dst_caches on {dst_dev}: "
+                         f"swaps between two GPUs are not supported")
     if not cuda_devs and stream is not None:
         raise ValueError("stream must be None when neither src_caches nor dst_caches is on CUDA")
     if stream is not None and not isinstance(stream, int) and not hasattr(stream, "cuda_stream"):
@@ -165,7 +163,7 @@ def _swap_blocks(src_caches, dst_caches, block_mapping, *, stream, backend, cuda
     else:
         chosen = resolve_backend(backend, device, SWAP_BLOCKS_BACKENDS, "cuda", "swap_blocks")
     if n:
-        _run_block_copy(chosen, src_caches, dst_caches, block_mapping, stream, cuda_method)
+        _run_block_copy(chosen, src, dst, block_mapping, stream, cuda_method)
 
 
 def _stream_handle(stream, device: torch.device) -> int:
@@ -174,25 +172,22 @@ def _stream_handle(stream, device: torch.device) -> int:
     return stream if isinstance(stream, int) else stream.cuda_stream
 
 
-def _run_block_copy(chosen, src_caches, dst_caches, block_mapping, stream, cuda_method="auto") -> None:
-    """dst_caches[i][dst] = src_caches[i][src] for every pair, on checked arguments."""
+def _run_block_copy(chosen, src: Pool, dst: Pool, block_mapping, stream, cuda_method="auto") -> None:
+    """dst.tensors[i][d] = src.tensors[i][s] for every pair (s, d), on checked arguments."""
     if chosen == "torch":
-        _torch_block_copy(src_caches, dst_caches, block_mapping, stream)
+        _torch_block_copy(src.tensors, dst.tensors, block_mapping, stream)
         return
-    layouts_src = [block_layout(t, "src") for t in src_caches]
-    layouts_dst = [block_layout(t, "dst") for t in dst_caches]
-    args = ([t.data_ptr() for t in src_caches], [t.data_ptr() for t in dst_caches],
-            [b for b, _ in layouts_src], [s for _, s in layouts_src], [s for _, s in layouts_dst],
-            block_mapping.data_ptr(), block_mapping.shape[0])
+    args = (src.ptrs(), dst.ptrs(), src.block_bytes, src.block_strides, dst.block_strides, block_mapping.data_ptr(),
+            block_mapping.shape[0])
     if chosen == "cpu":
         sync_threads()
         _C.copy_blocks(*args)
     else:
         from cb_kernels.ops import _cuda_cache
-        device = next(t.device for t in (src_caches[0], dst_caches[0]) if t.is_cuda)
+        device = dst.device if src.device.type == "cpu" else src.device
         handle = _stream_handle(stream, device)
-        if not _cuda_cache.block_copy(src_caches, dst_caches, block_mapping, handle, args, cuda_method):
-            _torch_block_copy(src_caches, dst_caches, block_mapping, handle)
+        if not _cuda_cache.block_copy(src.tensors, dst.tensors, block_mapping, handle, args, cuda_method):
+            _torch_block_copy(src.tensors, dst.tensors, block_mapping, handle)
 
 
 def _torch_block_copy(src_caches, dst_caches, block_mapping, stream) -> None:
@@ -202,7 +197,9 @@ def _torch_block_copy(src_caches, dst_caches, block_mapping, stream) -> None:
     Gathering first means no pair can read another pair's output, like the kernels.
     """
     cuda = next((t.device for t in (src_caches[0], dst_caches[0]) if t.is_cuda), None)
-    ctx = torch.cuda.stream(_as_stream(stream, cuda)) if cuda is not None and stream is not None else contextlib.nullcontext()
+    ctx = contextlib.nullcontext()
+    if cuda is not None and stream is not None:
+        ctx = torch.cuda.stream(_as_stream(stream, cuda))
     with ctx:
         src_ids = block_mapping[:, 0].to(src_caches[0].device)
         dst_ids = block_mapping[:, 1].to(dst_caches[0].device)

@@ -6,6 +6,7 @@ torch; here pinning is a speed-up, never a requirement.
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 
@@ -38,7 +39,7 @@ class HostPool:
     """
 
     def __init__(self, like, num_blocks: int, *, pin_memory: bool | None = None):
-        like = check_pool_list(like, "like")
+        like = check_pool_list(like, "like").tensors
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int):
             raise TypeError(f"num_blocks must be an int, got {type(num_blocks).__name__}")
         if num_blocks <= 0:
@@ -53,14 +54,16 @@ class HostPool:
         want_pinned = torch.cuda.is_available() if pin_memory is None else pin_memory
         raw, self.pinned = _allocate(total + _ALIGN, want_pinned)
         start = -raw.data_ptr() % _ALIGN
-        self._buffer = raw[start:start + total]
         self.num_blocks = num_blocks
         self.nbytes = total
-        self.caches = [
-            self._buffer[off:off + num_blocks * t[0].numel() * t.element_size()].view(t.dtype)
-            .view(num_blocks, *t.shape[1:])
-            for off, t in zip(offsets, like)
-        ]
+        self.caches = []
+        for off, t in zip(offsets, like):
+            nbytes = num_blocks * t[0].numel() * t.element_size()
+            view = raw[start + off:start + off + nbytes].view(t.dtype).view(num_blocks, *t.shape[1:])
+            # Each view keeps the registered buffer (and so its pinning) alive on its own: callers
+            # may keep `caches` and drop the pool.
+            view._cbk_host_buffer = raw
+            self.caches.append(view)
 
     @property
     def block_nbytes(self) -> int:
@@ -73,10 +76,37 @@ class HostPool:
 
 
 def _allocate(nbytes: int, pinned: bool) -> tuple[torch.Tensor, bool]:
-    """A uint8 buffer, page-locked when asked and possible."""
-    if pinned:
-        try:
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), True
-        except (RuntimeError, AssertionError) as e:  # CPU-only torch, no driver, or a locked-memory limit
-            logger.warning("HostPool: pinned memory unavailable (%s); using plain memory, swaps will be slower", e)
-    return torch.empty(nbytes, dtype=torch.uint8), False
+    """A uint8 buffer, page-locked when asked and possible.
+
+    Pinning goes through cudaHostRegister on plain memory, not `pin_memory=True`: torch's pinned
+    allocator rounds every request up to a power of two, so a 40 GiB pool would lock 64 GiB.
+    """
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    if not pinned:
+        return buf, False
+    why = _register(buf)
+    if why:
+        logger.warning("HostPool: pinned memory unavailable (%s); using plain memory, swaps will be slower", why)
+        return buf, False
+    return buf, True
+
+
+def _register(buf: torch.Tensor) -> str:
+    """Page-lock `buf` until it is freed; "" on success, else why not."""
+    try:
+        cudart = torch.cuda.cudart()
+        # Portable | Mapped: usable from every device, and readable by the swap copy kernel.
+        rc = int(cudart.cudaHostRegister(buf.data_ptr(), buf.numel(), 0x1 | 0x2))
+    except (RuntimeError, AssertionError, AttributeError) as e:  # CPU-only torch, no driver
+        return str(e)
+    if rc != 0:
+        return f"cudaHostRegister failed with CUDA error {rc} (a locked-memory limit?)"
+    weakref.finalize(buf, _unregister, cudart, buf.data_ptr())
+    return ""
+
+
+def _unregister(cudart, ptr: int) -> None:
+    try:
+        cudart.cudaHostUnregister(ptr)
+    except Exception:  # interpreter shutdown after CUDA teardown: the process frees it anyway
+        pass

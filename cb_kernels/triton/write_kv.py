@@ -11,7 +11,7 @@ import triton.language as tl
 @triton.jit
 def _write_kv_kernel(
     p_key, p_value, p_k_cache, p_v_cache, p_slot_mapping,
-    block_size,
+    block_size, num_slots,
     s_key_t, s_key_h, s_value_t, s_value_h,
     s_kc_b, s_kc_o, s_kc_h, s_vc_b, s_vc_o, s_vc_h,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -23,7 +23,9 @@ def _write_kv_kernel(
     o_d = tl.arange(0, BLOCK_D)
     # slot -1 masks every lane, so the program stores nothing (and reads nothing). The slot is
     # broadcast to the tile first: the interpreter rejects a mask built from a scalar bool.
-    m_slot = (tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.int64) + slot) >= 0
+    # Slots past the pool are skipped too (the wrapper cannot check them inside a CUDA graph).
+    b_slot = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.int64) + slot
+    m_slot = (b_slot >= 0) & (b_slot < num_slots)
     m_hd = (o_h[:, None] < NUM_KV_HEADS) & (o_d[None, :] < HEAD_DIM) & m_slot
     i_block = slot // block_size
     i_off = slot % block_size
@@ -51,7 +53,7 @@ def triton_write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tenso
         return
     _write_kv_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping,
-        k_cache.shape[1],
+        k_cache.shape[1], k_cache.shape[0] * k_cache.shape[1],
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

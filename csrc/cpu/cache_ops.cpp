@@ -84,7 +84,7 @@ Status write_kv(const WriteKvParams& p) {
 #pragma omp parallel for schedule(static) if (parallel)
   for (int64_t t = 0; t < p.num_tokens; ++t) {
     const int64_t slot = p.slot_mapping[t];
-    if (slot < 0) continue;
+    if (slot < 0 || slot >= p.num_slots) continue;
     const int64_t block = slot / bs, off = slot % bs;
     const char* ks = p.key + t * p.key_stride[0];
     const char* vs = p.value + t * p.value_stride[0];

@@ -49,7 +49,7 @@ __global__ void write_kv_kernel(WriteKvParams p) {
   using V = typename VecOf<W>::T;
   const int64_t t = blockIdx.x;
   const int64_t slot = p.slot_mapping[t];
-  if (slot < 0) return;
+  if (slot < 0 || slot >= p.num_slots) return;
   const int64_t block = slot / p.block_size, off = slot % p.block_size;
   const int64_t per_row = p.row_bytes / W;
   const int64_t total = per_row * p.num_kv_heads;

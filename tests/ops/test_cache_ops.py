@@ -104,6 +104,17 @@ def test_write_kv_all_skipped_and_empty_leave_cache_untouched():
     assert same_bits(k_cache, before)
 
 
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_write_kv_kernels_skip_slots_past_the_pool_when_unchecked(backend):
+    """Inside a CUDA graph the wrapper cannot check slot values; the kernels must still never write
+    out of bounds."""
+    key, value, k_cache, v_cache, _ = _write_inputs(3, 2, 16, 4, torch.float32, False)
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    cache_ops.run_write_kv(backend, key, value, k_cache, v_cache, torch.tensor([num_slots, 10**9, 1]))
+    assert same_bits(k_cache[0, 1], key[2]) and same_bits(v_cache[0, 1], value[2])
+    assert int(torch.isnan(k_cache).logical_not().sum()) == key[2].numel()
+
+
 # ---------------------------------------------------------------- copy_blocks
 @pytest.mark.parametrize("interleaved", [False, True], ids=["packed", "interleaved"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -226,7 +237,8 @@ def _bad_cases():
         ("copy-src-is-dst", c(torch.tensor([[0, 1], [1, 2]])), ValueError, "both a source and a destination"),
         ("copy-mapping-int32", c(m.int()), TypeError, "block_mapping must be int64"),
         ("copy-mapping-shape", c(torch.tensor([0, 1])), ValueError, r"block_mapping must be \[n, 2\]"),
-        ("copy-mapping-strided", c(torch.tensor([[0, 9, 1, 9]])[:, ::2]), ValueError, "block_mapping must be contiguous"),
+        ("copy-mapping-strided", c(torch.tensor([[0, 9, 1, 9]])[:, ::2]), ValueError,
+         "block_mapping must be contiguous"),
         ("copy-layers-mismatch", c(m, v=vc[:1]), ValueError, "k_caches has 2 tensors but v_caches has 1"),
         ("copy-dtype-mismatch", c(m, v=[t.half() for t in vc]), TypeError, r"k_caches\[0\] is torch.float32"),
         ("copy-not-a-list", c(m, k=kc[0]), TypeError, "k_caches must be a list"),
@@ -235,7 +247,8 @@ def _bad_cases():
         ("copy-block-not-packed", c(m, k=[t.transpose(1, 2) for t in kc]), ValueError, "packed inside each block"),
         ("copy-backend", lambda: ops.copy_blocks(kc, vc, m, backend="triton"), ValueError, "no 'triton' backend"),
         ("swap-geometry", s(m, dst=[nan_empty(3, 4, 2, 4) for _ in range(4)]), ValueError, r"blocks of shape"),
-        ("swap-dtype", s(m, dst=[nan_empty(3, 4, 2, 8, dtype=torch.float16) for _ in range(4)]), TypeError, "dst_caches"),
+        ("swap-dtype", s(m, dst=[nan_empty(3, 4, 2, 8, dtype=torch.float16) for _ in range(4)]), TypeError,
+         r"src_caches\[0\] is torch.float32 but dst_caches\[0\] is torch.float16"),
         ("swap-count", s(m, dst=host[:3]), ValueError, "src_caches has 4 tensors but dst_caches has 3"),
         ("swap-dst-out-of-range", s(torch.tensor([[0, 3]])), ValueError, r"destination block id 3, outside \[0, 3\)"),
         ("swap-src-out-of-range", s(torch.tensor([[6, 0]])), ValueError, r"source block id 6, outside \[0, 6\)"),
@@ -256,6 +269,21 @@ BAD = _bad_cases()
 def test_bad_input_raises_naming_the_argument(call, exc, match):
     with pytest.raises(exc, match=match):
         call()
+
+
+@pytest.mark.parametrize("num_tokens", [5, 300], ids=["list-check", "torch-check"])
+def test_bad_slots_are_caught_on_both_check_paths(num_tokens):
+    key, value, k_cache, v_cache, _ = _write_inputs(num_tokens, 1, 8, 16, torch.float32, False)
+    slots = torch.arange(num_tokens)
+    slots[-1] = slots[0]
+    with pytest.raises(ValueError, match="slot_mapping writes one slot twice"):
+        ops.write_kv(key, value, k_cache, v_cache, slots)
+    slots[-1] = k_cache.shape[0] * k_cache.shape[1]
+    with pytest.raises(ValueError, match=f"slot_mapping has slot {int(slots[-1])}, outside"):
+        ops.write_kv(key, value, k_cache, v_cache, slots)
+    slots[-1] = -1
+    ops.write_kv(key, value, k_cache, v_cache, slots)
+    assert same_bits(k_cache.view(-1, 1, 8)[:num_tokens - 1], key[:-1])
 
 
 def test_mapping_on_device_is_rejected_before_any_copy():
@@ -341,3 +369,11 @@ def test_custom_ops_pass_opcheck_on_cuda():
     torch.library.opcheck(torch.ops.cb_kernels.write_kv.default, (key, value, k_caches[0], v_caches[0], slots, "cuda"))
     torch.library.opcheck(torch.ops.cb_kernels.copy_blocks.default,
                           (k_caches, v_caches, torch.tensor([[0, 1], [2, 5]]), "cuda"))
+
+
+@pytest.mark.gpu
+def test_host_pool_pins_its_buffer_and_the_kernel_can_map_it():
+    like = [torch.empty(10, 16, 8, 128, dtype=torch.bfloat16, device="cuda") for _ in range(3)]
+    pool = ops.HostPool(like, 300)  # 300 x 3 x 32 KiB: not a power of two
+    assert pool.pinned and all(t.is_pinned() for t in pool.caches)
+    assert all(_C.cuda_host_device_pointer(t[7].data_ptr()) != 0 for t in pool.caches)

@@ -21,6 +21,9 @@ struct WriteKvParams {
   int64_t num_tokens = 0;
   int64_t num_kv_heads = 0;
   int64_t block_size = 0;
+  int64_t num_slots = 0;              // num_blocks * block_size; slots outside [0, num_slots) are
+                                      // skipped, so a bad slot inside a CUDA graph replay (where
+                                      // the wrapper cannot check) never writes out of bounds
   int64_t row_bytes = 0;              // head_dim * element size
   int64_t key_stride[2] = {0, 0};     // bytes between tokens, heads
   int64_t value_stride[2] = {0, 0};
