@@ -30,14 +30,15 @@ BASELINE_MAX_BYTES = 300 * 2**20  # beyond this KV size the baselines would need
 
 
 def make_batch(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, device, seed=0):
-    """seqs: list of (seq_len, q_len). Blocks are shuffled over the pool, as after many steps."""
-    g = torch.Generator().manual_seed(seed)
+    """seqs: list of (seq_len, q_len). Blocks are shuffled over the pool, as after many steps.
+    Values are drawn on the device itself (a 1 GB pool drawn on the CPU takes seconds)."""
+    torch.manual_seed(seed)
     counts = [math.ceil(s / block_size) for s, _ in seqs]
     num_blocks = sum(counts)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=g).to(device, dtype)
-    v_cache = torch.randn(shape, generator=g).to(device, dtype)
-    order = torch.randperm(num_blocks, generator=g).to(torch.int32)
+    k_cache = torch.randn(shape, device=device, dtype=dtype)
+    v_cache = torch.randn(shape, device=device, dtype=dtype)
+    order = torch.randperm(num_blocks).to(torch.int32)
     block_tables = torch.zeros(len(seqs), max(counts), dtype=torch.int32)
     start = 0
     for i, n in enumerate(counts):
@@ -45,7 +46,7 @@ def make_batch(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, devic
         start += n
     q_lens = torch.tensor([q for _, q in seqs])
     cu = torch.cat([torch.zeros(1, dtype=torch.long), q_lens.cumsum(0)]).to(torch.int32)
-    q = torch.randn(int(cu[-1]), num_heads, head_dim, generator=g).to(device, dtype)
+    q = torch.randn(int(cu[-1]), num_heads, head_dim, device=device, dtype=dtype)
     seq_lens = torch.tensor([s for s, _ in seqs], dtype=torch.int32)
     return q, k_cache, v_cache, block_tables.to(device), seq_lens.to(device), cu.to(device)
 
@@ -118,8 +119,8 @@ def shapes(args):
         decode = [(b, c) for b in (1, 4, 16, 64) for c in (512, 2048, 4096, 8192)]
         prefill = [("prefill 1x1024", [(1024, 1024)]), ("prefill 4x512", [(512, 512)] * 4),
                    ("mixed 16 decodes x1024 + chunk 128 of 1024", [(1024, 1)] * 16 + [(1024, 128)])]
-    rows = [(f"decode b{b} ctx{c}", [(c, 1)] * b) for b, c in decode]
-    return rows + prefill
+    rows = [(f"decode b{b} ctx{c}", [(c, 1)] * b) for b, c in decode] + prefill
+    return [r for r in rows if not args.only or any(o in r[0] for o in args.only)]
 
 
 def bench_rows(args, threads):
@@ -190,6 +191,8 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--copy-mib", type=int, default=None, help="copy size (default 128 / 1024)")
     p.add_argument("--quick", action="store_true", help="a few shapes only")
+    p.add_argument("--only", nargs="*", default=None,
+                   help='rows whose name contains one of these, e.g. --only "decode b16 ctx2048"')
     p.add_argument("--no-baselines", action="store_true", help="skip reference and gather+SDPA")
     p.add_argument("--json", default=None, help="write the result rows to this path")
     args = p.parse_args(argv)

@@ -193,6 +193,8 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=None)
     p.add_argument("--skip", default="", help="comma list of contenders to skip: "
                    "hf_default,hf_tuned,padded,cold")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="rounds over all contenders; each reports its best round")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's choice); 1 gives stable numbers on a "
                         "machine shared with other jobs")
@@ -225,24 +227,32 @@ def main(argv=None) -> int:
     def record(name, times, tokens, ref):
         seconds, cpu = times
         match = sum(a == b for a, b in zip(tokens, ref)) if ref is not None else None
+        best = res["results"].get(name)
+        if best is not None:      # keep the best round of each contender (by wall time)
+            best["rounds"] += 1
+            if seconds >= best["seconds"]:
+                return
         res["results"][name] = {"seconds": seconds, "cpu_seconds": cpu,
                                 "tok_per_s": useful / seconds, "tok_per_cpu_s": useful / cpu,
-                                "identical_requests": match}
+                                "identical_requests": match,
+                                "rounds": best["rounds"] if best else 1}
         print(f"{name:>22}: {useful / seconds:8.1f} tok/s wall ({seconds:6.2f} s), "
               f"{useful / cpu:8.1f} tok/s of process CPU time ({cpu:6.2f} s)"
               + (f", identical tokens {match}/{n}" if match is not None else ""), flush=True)
 
-    times, ours, stats = run_engine(model, prompts, outputs)
-    res["engine_stats"] = stats
-    record("cb_kernels", times, ours, None)
-    if "padded" not in skip:
-        record("padded_generate", *run_padded_generate(model, prompts, outputs), ours)
-    if "hf_default" not in skip:
-        record("generate_batch_default", *run_generate_batch(model, prompts, outputs), ours)
-    if "hf_tuned" not in skip:
-        from transformers import ContinuousBatchingConfig
-        tuned = ContinuousBatchingConfig(max_batch_tokens=512, num_blocks=64)
-        record("generate_batch_tuned", *run_generate_batch(model, prompts, outputs, tuned), ours)
+    for _ in range(args.repeats):   # rounds alternate the contenders: load drifts hit all alike
+        times, ours, stats = run_engine(model, prompts, outputs)
+        res["engine_stats"] = stats
+        record("cb_kernels", times, ours, None)
+        if "padded" not in skip:
+            record("padded_generate", *run_padded_generate(model, prompts, outputs), ours)
+        if "hf_default" not in skip:
+            record("generate_batch_default", *run_generate_batch(model, prompts, outputs), ours)
+        if "hf_tuned" not in skip:
+            from transformers import ContinuousBatchingConfig
+            tuned = ContinuousBatchingConfig(max_batch_tokens=512, num_blocks=64)
+            record("generate_batch_tuned", *run_generate_batch(model, prompts, outputs, tuned),
+                   ours)
     base = res["results"].get("padded_generate")
     if base:
         for r in res["results"].values():

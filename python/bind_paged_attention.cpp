@@ -24,7 +24,8 @@ void bind_paged_attention(py::module_& m) {
         p.block_size = block_size;
         return cbk::paged_attention_index_error(p);
       },
-      "\"\" or why the index tensors (host memory) are invalid; see cb_kernels.ops.paged_attention.",
+      "\"\" or why the index tensors (host memory) are invalid; see "
+      "cb_kernels.ops.paged_attention.",
       py::arg("block_tables"), py::arg("seq_lens"), py::arg("cu_seqlens_q"), py::arg("num_seqs"),
       py::arg("max_blocks_per_seq"), py::arg("block_table_stride"), py::arg("num_tokens"),
       py::arg("num_blocks"), py::arg("block_size"));

@@ -106,6 +106,10 @@ class Engine:
         for seq in self.scheduler.failed:     # a swap failed: that request alone ends
             self._end(seq, "error", seq.error)
         self.scheduler.failed.clear()
+        if not batch.seqs and self.scheduler.has_unfinished():
+            # Cannot happen while add_request rejects requests that never fit (see scheduler.py);
+            # raising beats spinning forever in generate() if that proof ever breaks.
+            raise RuntimeError(f"the scheduler found nothing to run: {self.stats()}")
         if batch.seqs:
             self._steps += 1
             start = time.perf_counter()
@@ -176,9 +180,8 @@ class Engine:
         del self._seqs[seq.request_id]
         self._ended.append(self._output(seq, seq.output_token_ids))
 
-    def _output(self, seq: Sequence, token_ids: list) -> RequestOutput:
-        text = None
-        if self.tokenizer is not None:
+    def _output(self, seq: Sequence, token_ids: list, text: Optional[str] = None) -> RequestOutput:
+        if text is None and self.tokenizer is not None:
             text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
         return RequestOutput(seq.request_id, seq.prompt_token_ids, list(token_ids), text,
                              seq.finish_reason, seq.error, seq.metrics)
@@ -239,10 +242,19 @@ class Engine:
                 if not new and rid not in ended:
                     continue
                 seq.num_streamed_tokens += len(new)
-                yield self._output(seq, new)
+                yield self._output(seq, new, self._text_delta(seq))
                 if rid in ended:
                     del live[rid]
         self._ended += others
+
+    def _text_delta(self, seq: Sequence) -> Optional[str]:
+        """New text since the last delta. Decoding all output tokens and cutting off what was
+        sent keeps the spaces and multi-token characters that decoding a delta alone loses."""
+        if self.tokenizer is None:
+            return None
+        full = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        sent, seq.streamed_text = seq.streamed_text, full
+        return full[len(sent):] if full.startswith(sent) else full
 
     # -- introspection --------------------------------------------------------------------------
     def check_invariants(self) -> None:

@@ -21,6 +21,9 @@ from cb_kernels.ops.reference import ref_paged_attention
 # the CUDA kernel's fp32 FMAs cost about as much time as its memory traffic (estimate for group 8,
 # head_dim 128 on an H200: ~560 ns of FMAs vs ~900 ns of loads per 64-key chunk per SM).
 DEFAULT_CUDA_BACKEND = "triton"
+# CPU tensors default to "cpu", the C++ kernel: 10-74x the reference and 2-93x transformers'
+# gather + SDPA on every bench row (bench/RESULTS.md); Triton runs on CPU only interpreted
+# (549 ms against 0.2 ms for a 512-token decode).
 SUPPORTED_BACKENDS = ("cuda", "triton", "cpu", "torch")
 
 
@@ -70,6 +73,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     else:
         run_backend(name, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale_f,
                     window, cap)
+    return out
+
+
+def paged_attention_unchecked(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, *,
+                              scale: float, sliding_window: int | None = None,
+                              softcap: float | None = None, backend: str) -> torch.Tensor:
+    """The engine's hot path: `paged_attention` without checks or backend choice (~7 us a call
+    instead of ~25 us). Only for arguments that passed `paged_attention` once with the same
+    shapes, dtypes and index tensors (e.g. layer 0 of a step checks, the other layers skip);
+    `backend` must be a concrete name ("cpu", "triton", "cuda", "torch"). Writes and returns out.
+    """
+    run_backend(backend, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale,
+                sliding_window or 0, softcap or 0.0)
     return out
 
 

@@ -50,7 +50,11 @@ def paged_attention_cuda(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens
     if num_seqs == 0 or num_tokens == 0:
         return
     if num_tokens > num_seqs:
-        from cb_kernels.triton.paged_attention import paged_attention_prefill_triton
+        try:
+            from cb_kernels.triton.paged_attention import paged_attention_prefill_triton
+        except ImportError as e:
+            raise RuntimeError("backend='cuda' runs q_len > 1 sequences with the Triton kernel, "
+                               f"which cannot be imported here: {e}") from e
         paged_attention_prefill_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
                                        out, scale, sliding_window, softcap)
     span = max_blocks * block_size

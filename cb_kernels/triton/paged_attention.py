@@ -150,6 +150,8 @@ def _paged_attention_kernel(
         # is covered here too: its tokens i_split, i_split + bound, ..., each over all its keys.
         lo_d, num_splits, split_len = _decode_splits(seq_len, window, USE_WINDOW, TILE_N,
                                                      SPLIT_MIN, MAX_SPLITS)
+        # Only a seq_len beyond the block table (unchecked on device) could exceed the grid.
+        num_splits = tl.minimum(num_splits, num_splits_bound)
         t_end = tl.where((q_len == 1) & (i_split < num_splits), 1, 0)
         if ALL_DECODE:
             t_end = tl.where(q_len > 1, q_len, t_end)
@@ -221,6 +223,7 @@ def _reduce_splits_kernel(out_ptr, seq_lens_ptr, cu_q_ptr, part_out_ptr, part_ml
         return
     seq_len = tl.load(seq_lens_ptr + i_seq)
     _, num_splits, _ = _decode_splits(seq_len, window, USE_WINDOW, TILE_N, SPLIT_MIN, MAX_SPLITS)
+    num_splits = tl.minimum(num_splits, num_splits_bound)
     if num_splits == 1:
         return
     o_s = tl.arange(0, SPLITS_PAD)
@@ -249,16 +252,20 @@ def _tiles(group: int, head_dim_pad: int, is_decode: bool, on_gpu: bool,
     tl.dot needs every dimension >= 16 on GPU, so a decode tile has at least 16 rows even when
     the group is smaller (the spare rows are masked). Prefill tiles take 64 rows (BLOCK_Q tokens x
     GROUP heads). Sizes were checked by compiling for sm_90 without a GPU (triton.compile +
-    cuobjdump -res-usage): bf16/fp16 at these tiles use 98-206 registers and no stack for head_dim
-    64..256; fp32 (tf32x3 dots) spilled at 64x64 tiles and needs 32x32 (191-253 regs, no stack).
+    cuobjdump -res-usage, see test_triton_kernel_compiles_for_sm90_without_spills): bf16 decode
+    with head_dim 128 and group 8 takes 225 registers at 64-key tiles and 136-159 at 32 (more
+    programs per SM for a bandwidth-bound loop); bf16/fp16 prefill uses 183-228 and no stack for
+    head_dim 64..256; fp32 (tf32x3 dots) spilled at 64x64 tiles and needs 32x32 (<= 253 regs).
     Under the interpreter each tile step costs Python overhead, so tiles are as wide as allowed.
     """
     if not on_gpu:
         block_m, tile_n = (16 if is_decode else 64), 64
     elif fp32:
         block_m, tile_n = (16 if is_decode else 32), 32
+    elif is_decode:
+        block_m, tile_n = 16, 32
     else:
-        block_m, tile_n = (16 if is_decode else 64), (64 if head_dim_pad <= 128 else 32)
+        block_m, tile_n = 64, (64 if head_dim_pad <= 128 else 32)
     block_m = max(block_m, _next_pow2(group))
     block_q = 1 if is_decode else block_m // group
     return block_m, block_q, tile_n

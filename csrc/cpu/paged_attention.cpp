@@ -11,6 +11,11 @@
 // The math runs in fp32 on 8-float GCC vectors: the AVX2 variant compiles them to 256-bit
 // FMAs, the generic one to SSE pairs. fp16/bf16 K/V tiles are converted to fp32 scratch once per
 // tile, so the query rows sharing a tile pay the conversion once.
+//
+// Measured on the 2-core EPYC (Zen 4, 2.6 GHz): with K/V in cache the time grows in step with
+// head_dim at ~1.1 cycles per 8-wide FMA (QK and PV both), so the loops run at the FMA rate;
+// letting two rows share each V load changed nothing and was dropped. Decode with K/V in DRAM is
+// bound by memory: see the prefetch note in run_item and bench/RESULTS.md.
 #include "cb_kernels/paged_attention.h"
 
 #include <omp.h>
@@ -43,6 +48,14 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 
+// Lane shuffle of two vectors (indices into their concatenation): GCC before 12 only has
+// __builtin_shuffle, clang only __builtin_shufflevector.
+#if defined(__clang__) || __GNUC__ >= 12
+#define CBK_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define CBK_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, v8i{__VA_ARGS__})
+#endif
+
 inline v8f load8(const float* p) {
   v8f v;
   __builtin_memcpy(&v, p, sizeof(v));
@@ -59,8 +72,8 @@ inline float hmax(v8f v) {
 }
 
 inline float hsum(v8f v) {
-  const v8f a = v + __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
-  const v8f b = a + __builtin_shufflevector(a, a, 2, 3, 0, 1, 6, 7, 4, 5);
+  const v8f a = v + CBK_SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+  const v8f b = a + CBK_SHUFFLE(a, a, 2, 3, 0, 1, 6, 7, 4, 5);
   return b[0] + b[1];
 }
 
@@ -104,14 +117,14 @@ inline v8f dot8(const float* q, const float* const* k, int64_t dim8) {
   }
   v8f x[4];
   for (int i = 0; i < 4; ++i)
-    x[i] = __builtin_shufflevector(acc[2 * i], acc[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
-           __builtin_shufflevector(acc[2 * i], acc[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+    x[i] = CBK_SHUFFLE(acc[2 * i], acc[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
+           CBK_SHUFFLE(acc[2 * i], acc[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
   v8f y[2];
   for (int i = 0; i < 2; ++i)
-    y[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
-           __builtin_shufflevector(x[2 * i], x[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
-  return __builtin_shufflevector(y[0], y[1], 0, 1, 2, 3, 8, 9, 10, 11) +
-         __builtin_shufflevector(y[0], y[1], 4, 5, 6, 7, 12, 13, 14, 15);
+    y[i] = CBK_SHUFFLE(x[2 * i], x[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+           CBK_SHUFFLE(x[2 * i], x[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  return CBK_SHUFFLE(y[0], y[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+         CBK_SHUFFLE(y[0], y[1], 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
 // o[0 .. 8*NV) = o * alpha + sum_j p[j] * v[j][0 .. 8*NV), accumulators kept in registers.
@@ -158,7 +171,8 @@ inline void to_float(const void* src, DType dtype, int64_t n, float* dst) {
     int64_t i = 0;
 #if defined(__F16C__)
     for (; i + 8 <= n; i += 8)
-      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i))));
+      _mm256_storeu_ps(dst + i,
+                       _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i))));
 #endif
     for (; i < n; ++i) dst[i] = fp16_to_float(s[i]);
   }
@@ -265,8 +279,10 @@ void run_item(const Ctx& c, const Item& it, float* partials) {
     int64_t bi = lo / p.block_size, off = lo % p.block_size;
     for (int32_t pos = lo; pos < hi; ++pos) {
       const int64_t block = table[bi];
-      ko[pos - lo] = (block * p.k_stride_block + off * p.k_stride_token + it.kv_head * p.k_stride_head) * c.esize;
-      vo[pos - lo] = (block * p.v_stride_block + off * p.v_stride_token + it.kv_head * p.v_stride_head) * c.esize;
+      ko[pos - lo] = (block * p.k_stride_block + off * p.k_stride_token +
+                      it.kv_head * p.k_stride_head) * c.esize;
+      vo[pos - lo] = (block * p.v_stride_block + off * p.v_stride_token +
+                      it.kv_head * p.v_stride_head) * c.esize;
       if (++off == p.block_size) {
         off = 0;
         ++bi;
@@ -382,7 +398,8 @@ void run_merge(const Ctx& c, const Plan& plan, const Merge& mg, float* acc) {
     const float inv = 1.0f / l;
     for (int64_t d = 0; d < dim; ++d) acc[d] *= inv;
     const int64_t tok = q_begin + first.i0 + r / group, head = first.kv_head * group + r % group;
-    from_float(acc, dim, p.dtype, ob + (tok * p.out_stride_token + head * p.out_stride_head) * c.esize);
+    from_float(acc, dim, p.dtype,
+               ob + (tok * p.out_stride_token + head * p.out_stride_head) * c.esize);
   }
 }
 
@@ -406,10 +423,12 @@ void make_plan(const PagedAttentionParams& p, int64_t group, Plan& plan) {
       const int32_t parts = k1 - k0 + 1;
       const int64_t rows = (i1 - i0) * group;
       plan.work += rows * (hi - lo) * p.num_kv_heads;
-      if (parts > 1) plan.merges.push_back({static_cast<int64_t>(plan.items.size()), p.num_kv_heads, parts});
+      if (parts > 1)
+        plan.merges.push_back({static_cast<int64_t>(plan.items.size()), p.num_kv_heads, parts});
       for (int32_t k = k0; k <= k1; ++k) {
         for (int32_t h = 0; h < p.num_kv_heads; ++h) {
-          const int32_t end = static_cast<int32_t>(std::min<int64_t>(hi, (k + 1) * int64_t{kPartition}));
+          const int32_t end =
+              static_cast<int32_t>(std::min<int64_t>(hi, (k + 1) * int64_t{kPartition}));
           Item it{s, h, i0, i1, std::max(lo, k * kPartition), end, -1};
           if (parts > 1) {
             it.partial = offset;
@@ -429,7 +448,8 @@ void make_plan(const PagedAttentionParams& p, int64_t group, Plan& plan) {
 
 Status paged_attention(const PagedAttentionParams& p) {
   if (p.num_tokens == 0 || p.num_seqs == 0) return Status::Ok();
-  if (!p.q || !p.k_cache || !p.v_cache || !p.block_tables || !p.seq_lens || !p.cu_seqlens_q || !p.out)
+  if (!p.q || !p.k_cache || !p.v_cache || !p.block_tables || !p.seq_lens || !p.cu_seqlens_q ||
+      !p.out)
     return Status::Error("paged_attention: a tensor pointer is null");
   if (p.num_heads <= 0 || p.num_kv_heads <= 0 || p.head_dim <= 0 || p.block_size <= 0 ||
       p.num_heads % p.num_kv_heads != 0)

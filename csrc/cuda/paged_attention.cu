@@ -166,7 +166,8 @@ __device__ __forceinline__ void attend(const PagedAttentionParams& p, Shared<T, 
         for (int v = 0; v < L::kVecsPerLane; ++v) {
           const int vi = glane + v * L::kLanes;
           raw[u][v] = make_uint4(0u, 0u, 0u, 0u);
-          if (c < n && vi < L::kNumVecs) raw[u][v] = __ldg(reinterpret_cast<const uint4*>(kbase + off + vi * kVec));
+          if (c < n && vi < L::kNumVecs)
+            raw[u][v] = __ldg(reinterpret_cast<const uint4*>(kbase + off + vi * kVec));
         }
       }
 #pragma unroll
@@ -181,15 +182,19 @@ __device__ __forceinline__ void attend(const PagedAttentionParams& p, Shared<T, 
             float kf[kVec];
             Elem<T>::unpack(raw[u][v], kf);
 #pragma unroll
-            for (int h = 0; h < kMaxHeads; ++h)
+            for (int h = 0; h < kMaxHeads; ++h) {
+              if (h >= num_h) break;  // CTA-uniform: groups under 8 heads skip the spare rows
 #pragma unroll
               for (int e = 0; e < kVec; ++e) sc[h] += s.q[h][vi * kVec + e] * kf[e];
+            }
           }
         }
 #pragma unroll
-        for (int h = 0; h < kMaxHeads; ++h)
+        for (int h = 0; h < kMaxHeads; ++h) {
+          if (h >= num_h) break;  // uniform, so every lane of the warp still joins the shuffles
 #pragma unroll
           for (int o = L::kLanes / 2; o > 0; o /= 2) sc[h] += __shfl_xor_sync(0xffffffffu, sc[h], o);
+        }
         const int c = grp + (u0 + u) * L::kGroups;
         if (glane == 0) {
 #pragma unroll
@@ -242,7 +247,8 @@ __device__ __forceinline__ void attend(const PagedAttentionParams& p, Shared<T, 
         for (int v = 0; v < L::kVecsPerLane; ++v) {
           const int vi = glane + v * L::kLanes;
           raw[u][v] = make_uint4(0u, 0u, 0u, 0u);
-          if (c < n && vi < L::kNumVecs) raw[u][v] = __ldg(reinterpret_cast<const uint4*>(vbase + off + vi * kVec));
+          if (c < n && vi < L::kNumVecs)
+            raw[u][v] = __ldg(reinterpret_cast<const uint4*>(vbase + off + vi * kVec));
         }
       }
 #pragma unroll
@@ -255,6 +261,7 @@ __device__ __forceinline__ void attend(const PagedAttentionParams& p, Shared<T, 
           Elem<T>::unpack(raw[u][v], vf);
 #pragma unroll
           for (int h = 0; h < kMaxHeads; ++h) {
+            if (h >= num_h) break;
             const float ph = s.p[h][c];
 #pragma unroll
             for (int e = 0; e < kVec; ++e) acc[h][v * kVec + e] += ph * vf[e];
@@ -299,7 +306,10 @@ __device__ __forceinline__ void attend(const PagedAttentionParams& p, Shared<T, 
   __syncthreads();
 }
 
-// grid (num_seqs, num_kv_heads * head groups, max_splits), kThreads threads.
+// grid (num_seqs, num_kv_heads * head groups, max_splits), kThreads threads. sm_90 build:
+// 157-168 registers for fp16/bf16 (3 CTAs per SM), 113-124 for fp32, no spills; asking for
+// 4 CTAs per SM (__launch_bounds__(kThreads, 4)) caps them at 128 with 16-32 bytes of spills,
+// which only a GPU timing can judge (bench/gpu_check.sh).
 template <typename T, int HEAD_DIM>
 __global__ void __launch_bounds__(kThreads) decode_kernel(const PagedAttentionParams p) {
   __shared__ Shared<T, HEAD_DIM> s;
@@ -317,7 +327,8 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const PagedAttentionPa
   const int window = p.sliding_window;
   const int lo_d = window > 0 ? max(0, seq_len - window) : 0;
   const int split_len = static_cast<int>(decode_split_len(seq_len - lo_d));
-  const int num_splits = static_cast<int>(decode_num_splits(seq_len - lo_d));
+  // Clamped to the grid: only a seq_len beyond the block table (unchecked on device) exceeds it.
+  const int num_splits = static_cast<int>(min(decode_num_splits(seq_len - lo_d), p.max_splits));
   // q_len == 1: this CTA's split. all_decode and q_len > 1: tokens split, split + gridDim.z, ...
   // each over all its keys (see the header).
   int t = 0, t_end = 0;
@@ -350,19 +361,21 @@ __global__ void __launch_bounds__(kThreads) reduce_kernel(const PagedAttentionPa
   if (p.cu_seqlens_q[seq + 1] - q_start != 1) return;
   const int seq_len = p.seq_lens[seq];
   const int lo = p.sliding_window > 0 ? max(0, seq_len - p.sliding_window) : 0;
-  const int num_splits = static_cast<int>(decode_num_splits(seq_len - lo));
+  const int num_splits = static_cast<int>(min(decode_num_splits(seq_len - lo), p.max_splits));
   if (num_splits == 1) return;  // the decode kernel wrote the output itself
   const int64_t base = (seq * p.num_heads + head) * p.max_splits;
   float m_max = kNegInf;
   for (int i = 0; i < num_splits; ++i) m_max = fmaxf(m_max, p.part_ml[(base + i) * 2]);
   float denom = 0.f;
-  for (int i = 0; i < num_splits; ++i) denom += exp2f(p.part_ml[(base + i) * 2] - m_max) * p.part_ml[(base + i) * 2 + 1];
+  for (int i = 0; i < num_splits; ++i)
+    denom += exp2f(p.part_ml[(base + i) * 2] - m_max) * p.part_ml[(base + i) * 2 + 1];
   T* out = static_cast<T*>(p.out);
   for (int d = threadIdx.x; d < p.head_dim; d += kThreads) {
     float sum = 0.f;
     for (int i = 0; i < num_splits; ++i)
       sum += exp2f(p.part_ml[(base + i) * 2] - m_max) * p.part_out[(base + i) * p.head_dim + d];
-    out[q_start * p.stride_ot + head * p.stride_oh + d] = Elem<T>::from_float(denom > 0.f ? sum / denom : 0.f);
+    out[q_start * p.stride_ot + head * p.stride_oh + d] =
+        Elem<T>::from_float(denom > 0.f ? sum / denom : 0.f);
   }
 }
 
@@ -370,11 +383,13 @@ template <typename T, int HEAD_DIM>
 Status launch(const PagedAttentionParams& p, cudaStream_t stream) {
   const int64_t group = p.num_heads / p.num_kv_heads;
   const int64_t head_groups = (group + kMaxHeads - 1) / kMaxHeads;
-  const dim3 grid(static_cast<unsigned>(p.num_seqs), static_cast<unsigned>(p.num_kv_heads * head_groups),
+  const dim3 grid(static_cast<unsigned>(p.num_seqs),
+                  static_cast<unsigned>(p.num_kv_heads * head_groups),
                   static_cast<unsigned>(p.max_splits));
   decode_kernel<T, HEAD_DIM><<<grid, kThreads, 0, stream>>>(p);
   if (p.max_splits > 1) {
-    reduce_kernel<T><<<dim3(static_cast<unsigned>(p.num_seqs), static_cast<unsigned>(p.num_heads)), kThreads, 0, stream>>>(p);
+    const dim3 reduce_grid(static_cast<unsigned>(p.num_seqs), static_cast<unsigned>(p.num_heads));
+    reduce_kernel<T><<<reduce_grid, kThreads, 0, stream>>>(p);
   }
   const cudaError_t err = cudaGetLastError();
   return err == cudaSuccess ? Status::Ok() : Status::Error(cudaGetErrorString(err));
@@ -400,19 +415,24 @@ bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 =
 Status paged_attention_decode(const PagedAttentionParams& p, void* stream) {
   if (p.num_seqs == 0) return Status::Ok();
   if (p.num_kv_heads <= 0 || p.num_heads % p.num_kv_heads != 0)
-    return Status::Error("paged_attention_decode: num_heads must be a positive multiple of num_kv_heads");
+    return Status::Error(
+        "paged_attention_decode: num_heads must be a positive multiple of num_kv_heads");
   if (p.block_size <= 0 || (p.block_size & (p.block_size - 1)) != 0)
     return Status::Error("paged_attention_decode: block_size must be a power of two");
-  if (p.max_splits < 1 || p.max_splits > kDecodeMaxSplits || (p.max_splits > 1 && (!p.part_out || !p.part_ml)))
-    return Status::Error("paged_attention_decode: max_splits out of range or split workspace missing");
-  if (p.num_seqs > 0x7fffffff || p.num_kv_heads * ((p.num_heads / p.num_kv_heads + kMaxHeads - 1) / kMaxHeads) > 65535 ||
-      p.num_heads > 65535)
+  if (p.max_splits < 1 || p.max_splits > kDecodeMaxSplits ||
+      (p.max_splits > 1 && (!p.part_out || !p.part_ml)))
+    return Status::Error(
+        "paged_attention_decode: max_splits out of range or split workspace missing");
+  const int64_t head_groups = (p.num_heads / p.num_kv_heads + kMaxHeads - 1) / kMaxHeads;
+  if (p.num_seqs > 0x7fffffff || p.num_kv_heads * head_groups > 65535 || p.num_heads > 65535)
     return Status::Error("paged_attention_decode: too many sequences or heads for one launch");
   const int64_t es = dtype_size(p.dtype);
   const int64_t strides[] = {p.stride_kb, p.stride_kt, p.stride_kh, p.stride_vb, p.stride_vt, p.stride_vh};
   bool ok = aligned16(p.k_cache) && aligned16(p.v_cache);
   for (int64_t st : strides) ok = ok && (st * es) % 16 == 0;
-  if (!ok) return Status::Error("paged_attention_decode: k_cache/v_cache need 16-byte aligned rows (data pointer and strides)");
+  if (!ok)
+    return Status::Error(
+        "paged_attention_decode: k_cache/v_cache need 16-byte aligned rows (pointer and strides)");
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   switch (p.dtype) {
     case DType::kFloat32: return launch_head_dim<float>(p, s);

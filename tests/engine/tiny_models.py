@@ -79,3 +79,15 @@ def run_checked(engine, on_step=None, max_steps: int = 100_000):
     for out in engine.step():     # cancellations after the last step
         outputs[out.request_id] = out
     return outputs
+
+
+def make_tokenizer():
+    """A 500-word whitespace tokenizer (ids match the tiny models' vocabulary), built offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, **{f"w{i}": i for i in range(1, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")     # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")

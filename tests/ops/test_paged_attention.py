@@ -44,8 +44,16 @@ def require(backend: str) -> str:
 
 # Under the Triton interpreter (no GPU) only the cases marked interpreter=True run: all 17 took
 # 20 s of CPU (49 s wall on the shared 2-core box), the subset ~8 s. With a GPU every case runs.
-MATRIX = [pytest.param(b, c, id=f"{b}-{c.id}") for b in BACKENDS for c in CASES
-          if b != "triton" or c.interpreter or torch.cuda.is_available()]
+# GPU runs carry the gpu mark, so bench/gpu_check.sh (`pytest -m gpu`) selects them.
+GPU = torch.cuda.is_available()
+
+
+def gpu_marks(backend: str) -> list:
+    return [pytest.mark.gpu] if backend == "cuda" or (backend == "triton" and GPU) else []
+
+
+MATRIX = [pytest.param(b, c, id=f"{b}-{c.id}", marks=gpu_marks(b)) for b in BACKENDS
+          for c in CASES if b != "triton" or c.interpreter or GPU]
 
 
 @pytest.mark.parametrize("backend,case", MATRIX)
@@ -110,8 +118,9 @@ def test_cpu_batch_and_threads_do_not_change_results():
     full = ops.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu, backend="cpu")
     for i in range(len(case.seqs)):
         lo, hi = int(cu[i]), int(cu[i + 1])
+        cu_one = torch.tensor([0, hi - lo], dtype=torch.int32)
         alone = ops.paged_attention(q[lo:hi], k_cache, v_cache, block_tables[i:i + 1],
-                                    seq_lens[i:i + 1], torch.tensor([0, hi - lo], dtype=torch.int32))
+                                    seq_lens[i:i + 1], cu_one)
         assert torch.equal(alone, full[lo:hi]), f"sequence {i} changed with its batch"
     old = torch.get_num_threads()
     try:
@@ -123,7 +132,8 @@ def test_cpu_batch_and_threads_do_not_change_results():
         torch.set_num_threads(old)
 
 
-@pytest.mark.parametrize("backend", ["cpu", "triton", "cuda"])
+@pytest.mark.parametrize("backend", [pytest.param(b, marks=gpu_marks(b))
+                                     for b in ("cpu", "triton", "cuda")])
 def test_pool_beyond_int32_offsets(backend):
     """Blocks past 2**31 elements into the cache (140k blocks of 16k elements, fp16): every
     address must be computed in 64 bits. The pool is 4.6 GB of untouched virtual memory."""
@@ -185,7 +195,8 @@ BAD_INPUTS = [  # (id, changes to the valid call, exception, words the message m
     ("q-not-tensor", dict(q=[[0.0]]), TypeError, "q must be a torch.Tensor"),
     ("q-int-dtype", dict(q=torch.zeros(3, 4, 16, dtype=torch.int32)), TypeError, "q must be"),
     ("q-2d", dict(q=torch.zeros(3, 64)), ValueError, "q must have 3 dimensions"),
-    ("q-last-stride", dict(q=torch.zeros(3, 16, 4).transpose(1, 2)), ValueError, "q must have unit"),
+    ("q-last-stride", dict(q=torch.zeros(3, 16, 4).transpose(1, 2)), ValueError,
+     "q must have unit"),
     ("k-dtype", dict(k_cache=torch.zeros(4, 8, 2, 16, dtype=torch.float16)), TypeError, "k_cache"),
     ("v-dtype", dict(v_cache=torch.zeros(4, 8, 2, 16, dtype=torch.bfloat16)), TypeError, "v_cache"),
     ("v-shape", dict(v_cache=torch.zeros(5, 8, 2, 16)), ValueError, "v_cache shape"),
@@ -193,7 +204,8 @@ BAD_INPUTS = [  # (id, changes to the valid call, exception, words the message m
     ("head-dim", dict(k_cache=torch.zeros(4, 8, 2, 8), v_cache=torch.zeros(4, 8, 2, 8)),
      ValueError, "head_dim"),
     ("gqa-ratio", dict(q=torch.zeros(3, 3, 16)), ValueError, "multiple of k_cache num_kv_heads"),
-    ("k-device", dict(k_cache=torch.zeros(4, 8, 2, 16, device="meta")), ValueError, "k_cache is on"),
+    ("k-device", dict(k_cache=torch.zeros(4, 8, 2, 16, device="meta")), ValueError,
+     "k_cache is on"),
     ("block-tables-int64", dict(block_tables=torch.zeros(2, 2, dtype=torch.int64)), TypeError,
      "block_tables must have dtype torch.int32"),
     ("seq-lens-int64", dict(seq_lens=torch.tensor([9, 2])), TypeError, "seq_lens must have dtype"),
@@ -246,3 +258,15 @@ def test_traces_under_torch_compile():
     compiled = torch.compile(lambda *a: ops.paged_attention(*a, backend="cpu"),
                              backend="aot_eager", fullgraph=True)
     torch.testing.assert_close(compiled(*args), reference(case), atol=2e-5, rtol=1e-5)
+
+
+def test_unchecked_hot_path_matches_checked():
+    from cb_kernels.ops.paged_attention import paged_attention_unchecked
+
+    case = CASES[8]  # sliding window
+    args = build(case)
+    out = torch.empty_like(args[0])
+    got = paged_attention_unchecked(*args, out, scale=case.head_dim ** -0.5,
+                                    sliding_window=case.sliding_window, backend="cpu")
+    assert got is out
+    assert torch.equal(out, ops.paged_attention(*args, **kwargs(case)))

@@ -53,8 +53,9 @@ inline std::string paged_attention_index_error(const PagedAttentionParams& p) {
              " > cu_seqlens_q[" + str(i + 1) + "]=" + str(cu[i + 1]);
     if (seq_len < 0) return "seq_lens[" + str(i) + "]=" + str(seq_len) + " is negative";
     if (q_len > seq_len)
-      return "sequence " + str(i) + " has " + str(q_len) + " q tokens (cu_seqlens_q) but seq_lens[" +
-             str(i) + "]=" + str(seq_len) + ": q tokens must be the last positions of the sequence";
+      return "sequence " + str(i) + " has " + str(q_len) + " q tokens (cu_seqlens_q) but " +
+             "seq_lens[" + str(i) + "]=" + str(seq_len) +
+             ": q tokens must be the last positions of the sequence";
     if (seq_len > INT32_MAX - p.block_size)
       return "seq_lens[" + str(i) + "]=" + str(seq_len) + " must stay below 2**31 - block_size";
     const int64_t needed = (seq_len + p.block_size - 1) / p.block_size;
