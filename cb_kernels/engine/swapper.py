@@ -1,0 +1,114 @@
+"""Swapper: the Scheduler's bridge to the OffloadManager (swap a victim out, bring it back).
+
+A swapped sequence keeps its token state (`num_computed_tokens`) but holds no device block: the
+KV of its computed tokens (the first `blocks_for(num_computed_tokens)` blocks of its table,
+shared prefix blocks included, so that coming back never depends on the prefix cache) lives in
+host blocks keyed by its seq_id. Swap-in gives it fresh device blocks for all its tokens and
+copies the KV into the leading ones; the sequence then resumes exactly where it stopped.
+"""
+from __future__ import annotations
+
+import logging
+
+from cb_kernels.engine.block_manager import BlockManager
+from cb_kernels.engine.offload import OffloadError, OffloadManager
+from cb_kernels.engine.preemption import PreemptionPolicy
+from cb_kernels.engine.sequence import Sequence, SequenceStatus
+
+__all__ = ["Swapper", "OffloadError", "make_swapper"]
+
+logger = logging.getLogger("cb_kernels.engine")
+
+
+class Swapper:
+    def __init__(self, block_manager: BlockManager, offload: OffloadManager,
+                 policy: PreemptionPolicy):
+        self.block_manager = block_manager
+        self.offload = offload
+        self.policy = policy
+
+    def freed_blocks(self, seq: Sequence) -> int:
+        """Device blocks that preempting `seq` returns: those it alone references."""
+        refs = self.block_manager.ref_counts
+        return sum(1 for b in seq.block_table if refs[b] == 1)
+
+    def num_swap_blocks(self, seq: Sequence) -> int:
+        return self.block_manager.blocks_for(seq.num_computed_tokens)
+
+    def choose(self, seq: Sequence) -> str:
+        """"swap" or "recompute" for the victim `seq` (see PreemptionPolicy.choose)."""
+        return self.policy.choose(num_tokens=seq.num_computed_tokens,
+                                  swap_blocks=self.num_swap_blocks(seq),
+                                  freed_blocks=self.freed_blocks(seq),
+                                  block_bytes=self.offload.block_bytes,
+                                  host_free_blocks=self.offload.num_free_host_blocks)
+
+    def swap_out(self, seq: Sequence) -> None:
+        """Move `seq`'s computed KV to the host and free its device blocks.
+
+        Raises OffloadError when the copy fails; `seq` then still holds its device blocks and
+        no host block (the caller fails the request and frees them).
+        """
+        n = self.num_swap_blocks(seq)
+        self.offload.swap_out(seq.seq_id, seq.block_table[:n])
+        if self.offload.last_copy is not None:
+            self.policy.record_copy(*self.offload.last_copy)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.SWAPPED
+
+    def blocks_to_swap_in(self, seq: Sequence) -> int:
+        """Device blocks `seq` needs to come back (every token it has, computed or not)."""
+        return self.block_manager.blocks_for(seq.num_tokens)
+
+    def swap_in(self, seq: Sequence) -> None:
+        """Give `seq` device blocks again and copy its KV back; the caller checked the room.
+
+        Raises OffloadError when the copy fails; every block (device and host) is returned then.
+        """
+        bm = self.block_manager
+        num_computed, num_cached = seq.num_computed_tokens, seq.metrics.num_cached_tokens
+        bm.allocate(seq, [])
+        seq.num_computed_tokens, seq.metrics.num_cached_tokens = num_computed, num_cached
+        n = len(self.offload.host_blocks(seq.seq_id))
+        try:
+            self.offload.swap_in(seq.seq_id, seq.block_table[:n])
+        except OffloadError:
+            bm.free(seq)
+            raise
+        seq.status = SequenceStatus.RUNNING
+
+    def drop(self, seq: Sequence) -> None:
+        """Forget a swapped `seq` that ended (cancelled) without coming back."""
+        self.offload.free(seq.seq_id)
+
+    def check_invariants(self, swapped) -> None:
+        """The host pool is consistent and its owners are exactly the swapped sequences."""
+        self.offload.check_invariants()
+        owners = self.offload.owners()
+        ids = {seq.seq_id for seq in swapped}
+        assert set(owners) == ids, f"host blocks owned by {sorted(owners)}, swapped seqs {sorted(ids)}"
+        for seq in swapped:
+            assert seq.status is SequenceStatus.SWAPPED and not seq.block_table, \
+                f"{seq} is not swapped cleanly"
+            assert owners[seq.seq_id] == self.num_swap_blocks(seq), \
+                f"{seq} holds {owners[seq.seq_id]} host blocks"
+
+
+def make_swapper(block_manager: BlockManager, device_caches: list, cpu_offload_gib: float,
+                 preemption: str, orchestrator) -> Swapper | None:
+    """The Swapper of an engine, or None when it recomputes only (no pool, or no room for one
+    block of `device_caches`, the per-layer K and V tensors [num_blocks, block_size, ...])."""
+    if preemption == "recompute" or not cpu_offload_gib:
+        return None
+    block_bytes = sum(t[0].numel() * t.element_size() for t in device_caches)
+    num_host_blocks = int(cpu_offload_gib * (1 << 30)) // block_bytes
+    if num_host_blocks == 0:
+        logger.warning("cpu_offload_gib=%.3g holds no %d-byte block; preemption recomputes",
+                       cpu_offload_gib, block_bytes)
+        return None
+    offload = OffloadManager(device_caches, num_host_blocks, orchestrator=orchestrator)
+    policy = PreemptionPolicy(preemption, device_caches[0].device.type)
+    logger.info("CPU swap pool: %d blocks (%.3f GiB, pinned=%s), preemption=%r", num_host_blocks,
+                num_host_blocks * block_bytes / (1 << 30),
+                bool(offload.host_caches and offload.host_caches[0].is_pinned()), preemption)
+    return Swapper(block_manager, offload, policy)

@@ -1,0 +1,151 @@
+"""`paged_attention`: causal varlen attention over a paged KV cache (prefill, chunked prefill and
+decode mixed in one call), with GQA, sliding window and logit softcap.
+
+Backends: "cpu" (C++ in csrc/cpu/paged_attention.cpp), "triton" (cb_kernels/triton), "cuda"
+(csrc/cuda), "torch" (the reference in ops/reference.py).
+"""
+from __future__ import annotations
+
+import torch
+
+from cb_kernels import _C
+from cb_kernels.ops import _backend
+from cb_kernels.ops._paged_attention_checks import check_args, check_values
+from cb_kernels.ops.reference import ref_paged_attention
+
+# Default backend for CUDA tensors: a reasoned default, pending bench/gpu_check.sh numbers (no
+# GPU was available when it was chosen). Triton because (1) it is present wherever torch's CUDA
+# wheels are (they depend on triton) while the "cuda" kernels exist only in builds made with nvcc;
+# (2) it covers every head_dim/block_size the API allows; (3) its decode tile runs Q.K^T and P.V
+# on tensor cores, which FlashInfer reports pays off from GQA group 4 up (Llama-3 uses 4-8), where
+# the CUDA kernel's fp32 FMAs cost about as much time as its memory traffic (estimate for group 8,
+# head_dim 128 on an H200: ~560 ns of FMAs vs ~900 ns of loads per 64-key chunk per SM).
+DEFAULT_CUDA_BACKEND = "triton"
+# CPU tensors default to "cpu", the C++ kernel: 10-74x the reference and 2-93x transformers'
+# gather + SDPA on every bench row (bench/RESULTS.md); Triton runs on CPU only interpreted
+# (549 ms against 0.2 ms for a 512-token decode).
+SUPPORTED_BACKENDS = ("cuda", "triton", "cpu", "torch")
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    cu_seqlens_q: torch.Tensor, *, scale: float | None = None,
+                    sliding_window: int | None = None, softcap: float | None = None,
+                    out: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor:
+    """Attention of each sequence's new tokens over its whole KV, read through its block table.
+
+    Parameters
+    ----------
+    q : ``[num_tokens, num_heads, head_dim]`` float32, float16 or bfloat16, the new tokens of
+        every sequence packed one sequence after the other.
+    k_cache, v_cache : ``[num_blocks, block_size, num_kv_heads, head_dim]``, q's dtype; any
+        strides with a unit last one (transformers' per-layer views work in place).
+    block_tables : int32 ``[num_seqs, max_blocks_per_seq]``; row i lists the blocks of sequence
+        i in order (only the first ceil(seq_lens[i] / block_size) entries are read).
+    seq_lens : int32 ``[num_seqs]``, KV length of each sequence including its new tokens.
+    cu_seqlens_q : int32 ``[num_seqs + 1]``; the q tokens of sequence i are
+        ``q[cu_seqlens_q[i]:cu_seqlens_q[i+1]]``, its last positions, attended causally.
+    scale : softmax scale, default ``head_dim ** -0.5``.
+    sliding_window : W; a query at position p sees positions p-W+1 .. p.
+    softcap : c; scores become ``c * tanh(scores / c)`` after scaling.
+    out : optional ``[num_tokens, num_heads, head_dim]`` in q's dtype, written in place.
+    backend : "cpu", "triton", "cuda", "torch" or None (fastest for the device).
+
+    Returns ``out`` (a new tensor when not given). Index values (block ids, lengths) are checked
+    for CPU tensors only; on CUDA that would sync the host with the device on every call.
+    """
+    scale_f, window, cap = check_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
+                                      scale, sliding_window, softcap, out)
+    compiling = torch.compiler.is_compiling()
+    if not compiling:  # traced tensors have no values to read
+        check_values(q.shape[0], k_cache, block_tables, seq_lens, cu_seqlens_q)
+    name = _backend.resolve_backend(backend, q.device, SUPPORTED_BACKENDS, DEFAULT_CUDA_BACKEND,
+                                    "paged_attention")
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    # Eager calls skip the dispatcher: a 1-token decode on one thread takes ~7 us through
+    # run_backend and ~160 us through torch.ops.cb_kernels.paged_attention (the Python custom-op
+    # layers: autograd, ADInplaceOrView, dynamo-disable), measured by bench/bench_attention.py.
+    # torch.compile must see the registered op to trace it, so traced calls take it.
+    if compiling:
+        torch.ops.cb_kernels.paged_attention(q, k_cache, v_cache, block_tables, seq_lens,
+                                             cu_seqlens_q, out, scale_f, window, cap, name)
+    else:
+        run_backend(name, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale_f,
+                    window, cap)
+    return out
+
+
+def paged_attention_unchecked(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, *,
+                              scale: float, sliding_window: int | None = None,
+                              softcap: float | None = None, backend: str) -> torch.Tensor:
+    """The engine's hot path: `paged_attention` without checks or backend choice (~7 us a call
+    instead of ~25 us). Only for arguments that passed `paged_attention` once with the same
+    shapes, dtypes and index tensors (e.g. layer 0 of a step checks, the other layers skip);
+    `backend` must be a concrete name ("cpu", "triton", "cuda", "torch"). Writes and returns out.
+    """
+    run_backend(backend, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale,
+                sliding_window or 0, softcap or 0.0)
+    return out
+
+
+@torch.library.custom_op("cb_kernels::paged_attention", mutates_args=("out",))
+def _paged_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                        cu_seqlens_q: torch.Tensor, out: torch.Tensor, scale: float,
+                        sliding_window: int, softcap: float, backend: str) -> None:
+    """The registered op: arguments as `run_backend` takes them (0 = off), `out` written."""
+    run_backend(backend, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale,
+                sliding_window, softcap)
+
+
+@_paged_attention_op.register_fake
+def _(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale, sliding_window,
+      softcap, backend) -> None:
+    return None
+
+
+def run_backend(name: str, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out,
+                scale: float, window: int, cap: float) -> None:
+    """Write attention into `out` with one backend; arguments already checked (0 = off)."""
+    if q.shape[0] == 0:
+        return
+    if name == "cpu":
+        _run_cpu(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale, window, cap)
+        return
+    sliding_window = window or None
+    softcap = cap or None
+    if name == "torch":
+        out.copy_(ref_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
+                                      scale=scale, sliding_window=sliding_window, softcap=softcap))
+        return
+    if name == "triton":
+        try:
+            from cb_kernels.triton.paged_attention import paged_attention_triton as fn
+        except ImportError as e:
+            raise RuntimeError(f"the 'triton' paged_attention kernel is not available: {e}") from e
+    else:
+        try:
+            from cb_kernels.ops.paged_attention_cuda import paged_attention_cuda as fn
+        except ImportError as e:
+            raise RuntimeError(f"the 'cuda' paged_attention kernel is not available: {e}") from e
+    fn(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale, sliding_window,
+       softcap)
+
+
+def _run_cpu(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale, window, cap,
+             portable: bool = False):
+    """The C++ kernel; `portable=True` forces its generic (non-AVX2) variant, for tests."""
+    if not hasattr(_C, "paged_attention"):
+        raise RuntimeError("the 'cpu' paged_attention kernel is not compiled into cb_kernels._C "
+                           "(rebuild the extension)")
+    _backend.sync_threads()
+    _C.paged_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        seq_lens.data_ptr(), cu_seqlens_q.data_ptr(), out.data_ptr(),
+        q.shape[0], q.shape[1], q.shape[2], block_tables.shape[0], block_tables.shape[1],
+        k_cache.shape[0], k_cache.shape[1], k_cache.shape[2],
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        _backend.DTYPE_CODES[q.dtype], scale, window, cap, portable)

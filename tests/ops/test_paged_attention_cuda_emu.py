@@ -1,0 +1,126 @@
+"""The CUDA decode kernel's logic, run on the CPU against ops/reference.py.
+
+csrc/cuda/paged_attention.cu is compiled as C++ with the stand-ins in tests/ops/cuda_emu (a CTA
+runs as 128 threads with barriers for __syncthreads and the warp shuffles), so its indexing,
+chunking, splits, reduce, GQA head groups and masking are checked on machines without a GPU.
+What the emulation cannot show (speed, coalescing, compiler-specific behaviour) the `gpu` tests in
+test_paged_attention_triton.py cover on a GPU.
+"""
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from cb_kernels import _C
+from cb_kernels.ops._backend import DTYPE_CODES
+from cb_kernels.ops.reference import ref_paged_attention
+from paged_attention_inputs import TOL, Case, make_inputs
+
+ROOT = Path(__file__).resolve().parents[2]
+LAUNCHES = {
+    "decode_kernel<T, HEAD_DIM><<<grid, kThreads, 0, stream>>>(p);":
+        "emu_launch(decode_kernel<T, HEAD_DIM>, grid, kThreads, p);",
+    "reduce_kernel<T><<<reduce_grid, kThreads, 0, stream>>>(p);":
+        "emu_launch(reduce_kernel<T>, reduce_grid, kThreads, p);",
+}
+ENTRY = """
+extern "C" const char* emu_paged_attention_decode(const cbk::cuda::PagedAttentionParams* p) {
+  return cbk::cuda::paged_attention_decode(*p, nullptr).message;
+}
+"""
+
+
+class Params(ctypes.Structure):  # mirrors cbk::cuda::PagedAttentionParams
+    _fields_ = (
+        [(n, ctypes.c_void_p) for n in ("q", "k_cache", "v_cache", "out", "block_tables",
+                                        "seq_lens", "cu_seqlens_q", "part_out", "part_ml")]
+        + [(n, ctypes.c_int64) for n in (
+            "num_seqs", "num_heads", "num_kv_heads", "head_dim", "block_size", "stride_qt",
+            "stride_qh", "stride_ot", "stride_oh", "stride_kb", "stride_kt", "stride_kh",
+            "stride_vb", "stride_vt", "stride_vh", "stride_bt", "max_splits")]
+        + [("dtype", ctypes.c_int32), ("scale", ctypes.c_float), ("sliding_window", ctypes.c_int32),
+           ("softcap", ctypes.c_float), ("all_decode", ctypes.c_bool)])
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    cxx = shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no g++ to build the emulated CUDA kernel")
+    src = (ROOT / "csrc/cuda/paged_attention.cu").read_text()
+    for launch, call in LAUNCHES.items():
+        assert src.count(launch) == 1, f"launch changed in paged_attention.cu: {launch}"
+        src = src.replace(launch, call)
+    out = tmp_path_factory.mktemp("cuda_emu")
+    (out / "paged_attention_emu.cpp").write_text(src + ENTRY)
+    lib = out / "libpaged_attention_emu.so"
+    r = subprocess.run([cxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread",
+                        f"-I{ROOT / 'tests/ops/cuda_emu'}", f"-I{ROOT / 'csrc/include'}",
+                        str(out / "paged_attention_emu.cpp"), "-o", str(lib)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-4000:]
+    dll = ctypes.CDLL(str(lib))
+    dll.emu_paged_attention_decode.restype = ctypes.c_char_p
+    return dll
+
+
+def run_emulated(dll, c: Case) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """(out, reference, rows the kernel owns: q_len == 1 ones, or every row at num_tokens ==
+    num_seqs)."""
+    q, k_cache, v_cache, bt, seq_lens, cu = make_inputs(c)
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs, max_blocks = bt.shape
+    out = torch.full_like(q, float("nan"))
+    span = max_blocks * c.block_size if c.window is None else min(max_blocks * c.block_size,
+                                                                   c.window)
+    max_splits = _C.paged_attention_cuda_max_splits(span)
+    part_out = torch.full((num_seqs, num_heads, max_splits, head_dim), float("nan"))
+    part_ml = torch.full((num_seqs, num_heads, max_splits, 2), float("nan"))
+    p = Params(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), bt.data_ptr(),
+               seq_lens.data_ptr(), cu.data_ptr(), part_out.data_ptr(), part_ml.data_ptr(),
+               num_seqs, num_heads, k_cache.shape[2], head_dim, c.block_size, q.stride(0),
+               q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3],
+               *v_cache.stride()[:3], bt.stride(0), max_splits, DTYPE_CODES[c.dtype],
+               head_dim ** -0.5, c.window or 0, c.softcap or 0.0, num_tokens == num_seqs)
+    err = dll.emu_paged_attention_decode(ctypes.byref(p))
+    assert err is None, err.decode()
+    ref = ref_paged_attention(q, k_cache, v_cache, bt, seq_lens, cu, sliding_window=c.window,
+                              softcap=c.softcap)
+    q_lens = (cu[1:] - cu[:-1]).tolist()
+    rows = (list(range(num_tokens)) if num_tokens == num_seqs
+            else [int(cu[i]) for i, n in enumerate(q_lens) if n == 1])
+    return out, ref, rows
+
+
+# ~0.5-8 s each: the emulation starts 128 threads per CTA.
+CASES = [
+    Case("decode-1", (1,), (1,)),
+    Case("gqa2-d64-fp32-splits", (1, 1, 1), (17, 63, 300)),
+    Case("gqa8-d128-bf16-splits", (1, 1), (1000, 70), num_heads=8, num_kv_heads=1,
+         head_dim=128, dtype=torch.bfloat16),
+    Case("gqa16-d256-fp16-bs256", (1, 1), (300, 30), num_heads=16, num_kv_heads=1, head_dim=256,
+         block_size=256, dtype=torch.float16),
+    Case("gqa6-d96-bs8", (1, 1), (280, 9), num_heads=6, num_kv_heads=1, head_dim=96,
+         block_size=8),
+    Case("gqa1-d80-bf16", (1,), (520,), num_heads=2, num_kv_heads=2, head_dim=80,
+         dtype=torch.bfloat16),
+    Case("window-softcap", (1, 1), (1100, 5), window=300, softcap=5.0),
+    Case("interleaved-kv-views", (1, 1), (100, 30), interleaved=True),
+    Case("mixed-decode-rows", (1, 5, 1), (63, 17, 400)),
+    Case("qlen0-all-decode", (0, 2, 1), (5, 30, 40)),
+    Case("qlen0-window", (2, 0), (600, 0), window=100),
+]
+
+
+@pytest.mark.parametrize("c", CASES, ids=lambda c: c.id)
+def test_emulated_cuda_decode_matches_reference(emulated, c):
+    out, ref, rows = run_emulated(emulated, c)
+    assert rows
+    assert not out[rows].isnan().any()
+    torch.testing.assert_close(out[rows].float(), ref[rows].float(), atol=TOL[c.dtype],
+                               rtol=TOL[c.dtype])
