@@ -1,1 +1,83 @@
 """Pure-torch references of every op: slow, obviously right, and the tests' oracle."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def ref_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                        cu_seqlens_q: torch.Tensor, *, scale: float | None = None,
+                        sliding_window: int | None = None,
+                        softcap: float | None = None) -> torch.Tensor:
+    """Causal attention of varlen queries over a paged KV cache, one sequence at a time, fp32 math.
+
+    q:            [num_tokens, num_heads, head_dim]
+    k_cache:      [num_blocks, block_size, num_kv_heads, head_dim] (v_cache the same)
+    block_tables: int [num_seqs, max_blocks_per_seq]; seq_lens: int [num_seqs] (KV length,
+    new tokens included); cu_seqlens_q: int [num_seqs + 1]. The q tokens of sequence i are its
+    last q_len positions. Returns [num_tokens, num_heads, head_dim] in q.dtype.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    scale = head_dim ** -0.5 if scale is None else scale
+    out = torch.zeros(num_tokens, num_heads, head_dim, dtype=torch.float32, device=q.device)
+    for i in range(block_tables.shape[0]):
+        q_start, q_end = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1])
+        seq_len, q_len = int(seq_lens[i]), q_end - q_start
+        if q_len == 0:
+            continue
+        blocks = block_tables[i, :math.ceil(seq_len / block_size)].long()
+        # Whole blocks are gathered, then cut to seq_len: slots past it (maybe NaN) never enter.
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+        k = k.repeat_interleave(group, dim=1)  # [seq_len, num_heads, head_dim]
+        v = v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[q_start:q_end].float(), k) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+        k_pos = torch.arange(seq_len, device=q.device)[None, :]
+        allowed = k_pos <= q_pos
+        if sliding_window is not None:
+            allowed &= k_pos > q_pos - sliding_window
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
+    return out.to(q.dtype)
+
+
+def ref_write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """Scatter each token's K/V into its cache slot; slot -1 skips the token.
+
+    key, value: [num_tokens, num_kv_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size,
+    num_kv_heads, head_dim] (written in place); slot_mapping: int64 [num_tokens], slot =
+    block_id * block_size + offset.
+    """
+    block_size = k_cache.shape[1]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = key[keep]
+    v_cache[blocks, offsets] = value[keep]
+
+
+def ref_copy_blocks(k_caches, v_caches, block_mapping) -> None:
+    """Copy block src to block dst in every layer's K and V cache, for each (src, dst) pair.
+
+    k_caches, v_caches: lists over layers of [num_blocks, ...]; block_mapping: int64 [n, 2].
+    """
+    ref_swap_blocks(list(k_caches) + list(v_caches), list(k_caches) + list(v_caches), block_mapping)
+
+
+def ref_swap_blocks(src_caches, dst_caches, block_mapping) -> None:
+    """dst_caches[i][dst] = src_caches[i][src] for each (src, dst) pair and every i.
+
+    src_caches, dst_caches: equal-length lists of [num_blocks, ...] (block counts may differ);
+    block_mapping: int64 [n, 2]. Copies go one block at a time so no pair reads another's output
+    through a temporary, whatever device each side is on.
+    """
+    for src, dst in block_mapping.tolist():
+        for s, d in zip(src_caches, dst_caches):
+            d[dst].copy_(s[src])

@@ -1,0 +1,241 @@
+"""Device KV blocks: reference counts, prefix caching and copy-on-write.
+
+Every block is in exactly one of three states:
+  used    ref_count > 0 (owned by one or more sequences' block tables)
+  cached  ref_count == 0 and its hash is registered: its KV is kept for a future prefix hit and
+          is evicted lazily, least recently freed first, when a fresh block is needed
+  free    ref_count == 0 and no hash
+so free + used + cached == num_blocks, which check_invariants() proves.
+
+Prefix hashes form a chain over full blocks: hash_i = blake2b(hash_{i-1} || token ids of block i)
+with the ids as little-endian int64. It is stable across processes (unlike Python's salted
+hash()), and a 128-bit digest makes a collision negligible, so hits are not re-compared token by
+token. A block's hash is registered when the step that computes its last token is scheduled:
+write_kv of every layer runs for the whole batch before that layer's attention, so a request
+admitted in the same step may already read it.
+"""
+from __future__ import annotations
+
+import hashlib
+import sys
+from array import array
+from collections import OrderedDict, deque
+
+from cb_kernels.engine.sequence import Sequence
+
+_NO_HASH = b""
+
+
+def hash_block(parent: bytes, token_ids) -> bytes:
+    """Chained prefix hash of one full block (`parent` is b"" for the first block)."""
+    data = array("q", token_ids)
+    if sys.byteorder != "little":
+        data.byteswap()
+    return hashlib.blake2b(parent + data.tobytes(), digest_size=16).digest()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hash = [_NO_HASH] * num_blocks
+        self.hash_to_block: dict = {}
+        self.free_ids = deque(range(num_blocks))
+        self.cached_lru: OrderedDict = OrderedDict()   # block id -> None, oldest first
+        self.registered_this_step: list = []
+        self.num_hit_blocks = 0
+        self.num_evicted_blocks = 0
+
+    # -- counts ---------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks a new allocation can take now (free plus evictable cached ones)."""
+        return len(self.free_ids) + len(self.cached_lru)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cached_lru)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_ids) - len(self.cached_lru)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- prefix cache ---------------------------------------------------------------------------
+    def _hashes_upto(self, seq: Sequence, num_full_blocks: int) -> list:
+        hashes, bs, tokens = seq.block_hashes, self.block_size, seq.token_ids
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            hashes.append(hash_block(hashes[-1] if i else _NO_HASH, tokens[i * bs:(i + 1) * bs]))
+        return hashes
+
+    def match_prefix(self, seq: Sequence) -> list:
+        """Block ids holding the longest cached prefix of `seq`. At least one token is always
+        left to compute, since the step must produce the logits of the last one."""
+        if not self.enable_prefix_caching:
+            return []
+        hashes = self._hashes_upto(seq, (seq.num_tokens - 1) // self.block_size)
+        hits = []
+        for h in hashes:
+            block = self.hash_to_block.get(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def commit(self, seq: Sequence, num_tokens: int) -> None:
+        """Register the hashes of the full blocks among the first `num_tokens` tokens of `seq`
+        (called when the step that computes them is scheduled)."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = num_tokens // self.block_size
+        if num_full <= seq.num_registered_blocks:
+            return
+        hashes = self._hashes_upto(seq, num_full)
+        for i in range(seq.num_registered_blocks, num_full):
+            block, h = seq.block_table[i], hashes[i]
+            if h not in self.hash_to_block and self.block_hash[block] == _NO_HASH:
+                self.hash_to_block[h] = block
+                self.block_hash[block] = h
+                self.registered_this_step.append(block)
+        seq.num_registered_blocks = num_full
+
+    def discard_step_hashes(self) -> None:
+        """Forget the hashes registered since the last begin_step(): that step failed, so their
+        KV may never have been written."""
+        for block in self.registered_this_step:
+            h = self.block_hash[block]
+            if h != _NO_HASH and self.hash_to_block.get(h) == block:
+                self._unregister(block)
+        self.registered_this_step.clear()
+
+    def begin_step(self) -> None:
+        self.registered_this_step.clear()
+
+    def _unregister(self, block: int) -> None:
+        del self.hash_to_block[self.block_hash[block]]
+        self.block_hash[block] = _NO_HASH
+        if block in self.cached_lru:
+            del self.cached_lru[block]
+            self.free_ids.append(block)
+
+    # -- allocation -----------------------------------------------------------------------------
+    def _take_block(self) -> int:
+        if self.free_ids:
+            block = self.free_ids.popleft()
+        else:
+            block, _ = self.cached_lru.popitem(last=False)
+            del self.hash_to_block[self.block_hash[block]]
+            self.block_hash[block] = _NO_HASH
+            self.num_evicted_blocks += 1
+        self.ref_counts[block] = 1
+        return block
+
+    def _ref(self, block: int) -> None:
+        if self.ref_counts[block] == 0:
+            del self.cached_lru[block]
+        self.ref_counts[block] += 1
+
+    def can_allocate(self, seq: Sequence, hits: list, reserve: int = 0) -> bool:
+        """Whether `seq` (holding no blocks) can get blocks for all its tokens, reusing `hits`
+        and leaving `reserve` blocks available for the decodes of running requests."""
+        revived = sum(1 for b in hits if self.ref_counts[b] == 0)
+        needed = self.blocks_for(seq.num_tokens) - len(hits)
+        return needed + reserve <= self.num_free_blocks - revived
+
+    def allocate(self, seq: Sequence, hits: list) -> None:
+        """Give `seq` blocks for all its tokens; the `hits` prefix is already computed."""
+        assert not seq.block_table, f"{seq} already holds blocks"
+        for block in hits:
+            self._ref(block)
+        table = list(hits)
+        for _ in range(self.blocks_for(seq.num_tokens) - len(hits)):
+            table.append(self._take_block())
+        seq.block_table = table
+        seq.num_computed_tokens = len(hits) * self.block_size
+        seq.num_registered_blocks = len(hits)
+        seq.metrics.num_cached_tokens = seq.num_computed_tokens
+        self.num_hit_blocks += len(hits)
+
+    def _needs_new_block(self, seq: Sequence) -> bool:
+        last = (seq.num_tokens - 1) // self.block_size    # block of the token written next
+        return last >= len(seq.block_table) or self.ref_counts[seq.block_table[last]] > 1
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Whether the slot of `seq`'s next token can be provided without preempting."""
+        return not self._needs_new_block(seq) or self.num_free_blocks >= 1
+
+    def append_slot(self, seq: Sequence) -> list:
+        """Make room for the KV of `seq`'s last token; returns the (src, dst) block copies that
+        copy-on-write needs (a partial last block shared after fork())."""
+        last = (seq.num_tokens - 1) // self.block_size
+        if last >= len(seq.block_table):
+            assert last == len(seq.block_table), f"{seq} skipped a block"
+            seq.block_table.append(self._take_block())
+            return []
+        old = seq.block_table[last]
+        if self.ref_counts[old] == 1:
+            return []
+        new = self._take_block()
+        self.ref_counts[old] -= 1
+        seq.block_table[last] = new
+        return [(old, new)]
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """`child` shares all of `parent`'s blocks; a shared partial block is copied when either
+        writes into it (append_slot)."""
+        for block in parent.block_table:
+            self._ref(block)
+        child.block_table = list(parent.block_table)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.block_hashes = list(parent.block_hashes)
+        child.num_registered_blocks = parent.num_registered_blocks
+
+    def free(self, seq: Sequence) -> None:
+        """Return `seq`'s blocks. Last blocks first, so the LRU evicts a request's tail before
+        its more shareable head."""
+        for block in reversed(seq.block_table):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                if self.block_hash[block] != _NO_HASH:
+                    self.cached_lru[block] = None
+                else:
+                    self.free_ids.append(block)
+        seq.block_table = []
+        seq.num_registered_blocks = 0
+
+    # -- checks ---------------------------------------------------------------------------------
+    def check_invariants(self, seqs) -> None:
+        """Raise AssertionError unless the counts and ref counts match the owners in `seqs`
+        (every sequence that holds device blocks)."""
+        owners = [0] * self.num_blocks
+        for seq in seqs:
+            assert len(set(seq.block_table)) == len(seq.block_table), f"{seq} repeats a block"
+            assert len(seq.block_table) >= self.blocks_for(seq.num_computed_tokens), \
+                f"{seq} has computed tokens outside its blocks"
+            for block in seq.block_table:
+                owners[block] += 1
+        assert owners == self.ref_counts, "ref counts differ from block-table owners: " + str(
+            [(b, o, r) for b, (o, r) in enumerate(zip(owners, self.ref_counts)) if o != r][:8])
+        free = set(self.free_ids)
+        assert len(free) == len(self.free_ids), "a block is twice in the free list"
+        cached = set(self.cached_lru)
+        assert not free & cached, "a block is both free and cached"
+        used = {b for b in range(self.num_blocks) if self.ref_counts[b] > 0}
+        assert not used & (free | cached), "a referenced block is free or cached"
+        assert len(free) + len(cached) + len(used) == self.num_blocks, (
+            f"free {len(free)} + cached {len(cached)} + used {len(used)} != {self.num_blocks}")
+        for b in free:
+            assert self.block_hash[b] == _NO_HASH, f"free block {b} keeps a hash"
+        for b in cached:
+            assert self.block_hash[b] != _NO_HASH, f"cached block {b} has no hash"
+        for h, b in self.hash_to_block.items():
+            assert self.block_hash[b] == h, f"hash map points at block {b} with another hash"
+        assert sum(1 for h in self.block_hash if h != _NO_HASH) == len(self.hash_to_block), \
+            "a block keeps a hash the map does not know"

@@ -1,0 +1,179 @@
+"""User-facing value types of the engine: EngineConfig, SamplingParams, RequestOutput.
+
+Every field is checked when the object is built, so a mistake surfaces at the line that made it,
+never inside a step. `None` in EngineConfig means "choose for me": the engine resolves it once
+(see sizing.py) and logs the chosen value.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+PREEMPTION_MODES = ("auto", "swap", "recompute")
+OVERLAP_MODES = ("auto", "on", "off")
+ATTENTION_BACKENDS = ("cuda", "triton", "cpu", "torch")
+DTYPES = ("float32", "float16", "bfloat16")
+FINISH_REASONS = ("length", "stop", "cancelled", "error")
+
+
+def _check_int(name: str, value, low: int, allow_none: bool = True) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int{' or None' if allow_none else ''}, "
+                        f"got {type(value).__name__}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+
+
+def _check_choice(name: str, value, choices, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}{' or None' if allow_none else ''}, "
+                         f"got {value!r}")
+
+
+@dataclass
+class EngineConfig:
+    """How the engine uses memory and compute. `None` = auto (resolved once, logged).
+
+    block_size: tokens per KV block (auto: 16).
+    num_blocks: KV blocks in the device pool (auto: from free memory, see sizing.py).
+    max_batch_tokens: token budget of one step, shared by decodes and prefill chunks.
+    max_num_seqs: most requests running at once (auto: min(256, max_batch_tokens)).
+    cpu_offload_gib: size of the host swap pool in GiB (auto: from available memory; 0 = none).
+    preemption: "auto", "swap" or "recompute" (what to do with a victim when blocks run out).
+    prefix_caching: reuse KV blocks of identical prompt prefixes across requests.
+    overlap: "auto", "on" or "off" (overlap host work with device compute; CPU runs "off").
+    attention_backend: backend of the paged-attention op (None = the op's default).
+    dtype: KV-cache dtype name (None = the model's dtype).
+    """
+
+    block_size: Optional[int] = None
+    num_blocks: Optional[int] = None
+    max_batch_tokens: Optional[int] = None
+    max_num_seqs: Optional[int] = None
+    cpu_offload_gib: Optional[float] = None
+    preemption: str = "auto"
+    prefix_caching: bool = True
+    overlap: str = "auto"
+    attention_backend: Optional[str] = None
+    dtype: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        _check_int("block_size", self.block_size, 1)
+        if self.block_size is not None and self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        _check_int("num_blocks", self.num_blocks, 1)
+        _check_int("max_batch_tokens", self.max_batch_tokens, 1)
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        if self.max_batch_tokens is not None and self.max_num_seqs is not None \
+                and self.max_num_seqs > self.max_batch_tokens:
+            raise ValueError(f"max_num_seqs ({self.max_num_seqs}) must be <= max_batch_tokens "
+                             f"({self.max_batch_tokens}): every running request decodes one token "
+                             "per step inside the token budget")
+        if self.cpu_offload_gib is not None:
+            if isinstance(self.cpu_offload_gib, bool) or not isinstance(self.cpu_offload_gib,
+                                                                         (int, float)):
+                raise TypeError("cpu_offload_gib must be a number or None, got "
+                                f"{type(self.cpu_offload_gib).__name__}")
+            if not math.isfinite(self.cpu_offload_gib) or self.cpu_offload_gib < 0:
+                raise ValueError(f"cpu_offload_gib must be >= 0, got {self.cpu_offload_gib}")
+        _check_choice("preemption", self.preemption, PREEMPTION_MODES)
+        if not isinstance(self.prefix_caching, bool):
+            raise TypeError(f"prefix_caching must be a bool, got {type(self.prefix_caching).__name__}")
+        _check_choice("overlap", self.overlap, OVERLAP_MODES)
+        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS,
+                      allow_none=True)
+        _check_choice("dtype", self.dtype, DTYPES, allow_none=True)
+
+
+@dataclass
+class SamplingParams:
+    """How one request picks its tokens.
+
+    temperature 0 (or top_k 1) is greedy. seed gives the request its own random generator, so
+    its samples do not depend on what else runs. Generation stops at max_new_tokens, at the
+    model's EOS (unless ignore_eos) or at any of stop_token_ids; the stop token is kept in the
+    output ids, as transformers' generate keeps it.
+    """
+
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: Optional[int] = None
+    stop_token_ids: tuple = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        _check_int("max_new_tokens", self.max_new_tokens, 1, allow_none=False)
+        for name in ("temperature", "top_p"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise TypeError(f"{name} must be a number, got {type(v).__name__}")
+            if not math.isfinite(v):
+                raise ValueError(f"{name} must be finite, got {v}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_int("top_k", self.top_k, 0, allow_none=False)
+        _check_int("seed", self.seed, 0)
+        if isinstance(self.stop_token_ids, int) or not hasattr(self.stop_token_ids, "__iter__"):
+            raise TypeError("stop_token_ids must be a sequence of ints, got "
+                            f"{type(self.stop_token_ids).__name__}")
+        self.stop_token_ids = tuple(self.stop_token_ids)
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids[i]", t, 0, allow_none=False)
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock times (time.perf_counter seconds) of one request."""
+
+    arrival_time: float = 0.0
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
+    token_times: list = field(default_factory=list)  # one time per generated token
+    num_cached_tokens: int = 0    # prompt tokens served from the prefix cache at the last admission
+    num_preemptions: int = 0
+
+    @property
+    def ttft(self) -> Optional[float]:
+        """Seconds from add_request to the first generated token."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def inter_token_times(self) -> list:
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+
+@dataclass
+class RequestOutput:
+    """What a request produced. token_ids holds generated tokens only (in stream(): only the new
+    ones of that step). finish_reason is None while the request still runs."""
+
+    request_id: str
+    prompt_token_ids: list
+    token_ids: list
+    text: Optional[str] = None
+    finish_reason: Optional[str] = None
+    error: Optional[str] = None
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,71 @@
+"""Checks a request must pass before it is queued (each names the argument and the numbers)."""
+from __future__ import annotations
+
+from cb_kernels.engine.config import RequestOutput
+
+
+def to_token_ids(prompt, tokenizer) -> list:
+    """A prompt as a list of ints: token ids (list, tuple, 1-D tensor or array) or a string
+    (needs the engine's tokenizer)."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise TypeError("prompt is a str but the Engine has no tokenizer: pass token ids, or "
+                            "Engine(model, config, tokenizer=...)")
+        return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    if hasattr(prompt, "tolist") and hasattr(prompt, "ndim"):   # torch tensor / numpy array
+        if prompt.ndim != 1:
+            raise ValueError(f"prompt must be 1-D token ids, got shape {tuple(prompt.shape)}")
+        if getattr(prompt, "is_floating_point", lambda: False)() or \
+                str(getattr(prompt, "dtype", "")).startswith(("float", "torch.float")):
+            raise TypeError(f"prompt token ids must be integers, got dtype {prompt.dtype}")
+        prompt = prompt.tolist()
+    if not isinstance(prompt, (list, tuple)):
+        raise TypeError("prompt must be a list of token ids or a str, got "
+                        f"{type(prompt).__name__}")
+    for i, t in enumerate(prompt):
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise TypeError(f"prompt[{i}] must be an int token id, got {type(t).__name__}")
+    return list(prompt)
+
+
+def check_prompt(token_ids: list, params, vocab_size: int, max_positions: int,
+                 block_manager) -> None:
+    if not token_ids:
+        raise ValueError("prompt is empty: a request needs at least one token")
+    for i, t in enumerate(token_ids):
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"prompt[{i}] = {t} is outside the vocabulary [0, {vocab_size})")
+    n, new = len(token_ids), params.max_new_tokens
+    if n > max_positions:
+        raise ValueError(f"prompt has {n} tokens, more than the model's max_position_embeddings "
+                         f"({max_positions})")
+    if n + new - 1 > max_positions:   # the last sampled token is never fed back
+        raise ValueError(f"prompt ({n} tokens) + max_new_tokens ({new}) needs {n + new - 1} "
+                         f"positions, more than the model's max_position_embeddings "
+                         f"({max_positions}); lower max_new_tokens")
+    bs, total = block_manager.block_size, block_manager.num_blocks
+    needed = block_manager.blocks_for(n + new - 1)
+    if needed > total:
+        raise ValueError(
+            f"request can never fit the KV pool: prompt ({n} tokens) + max_new_tokens ({new}) "
+            f"needs {needed} blocks of {bs} tokens, the pool has {total} blocks "
+            f"({total * bs} tokens); raise EngineConfig.num_blocks or lower max_new_tokens")
+
+
+def eos_ids_of(model) -> frozenset:
+    """EOS ids from the model's generation config, else its config."""
+    ids = None
+    gen = getattr(model, "generation_config", None)
+    if gen is not None:
+        ids = gen.eos_token_id
+    if ids is None:
+        ids = getattr(model.config, "eos_token_id", None)
+    if ids is None:
+        return frozenset()
+    return frozenset([ids] if isinstance(ids, int) else ids)
+
+
+def error_output(request_id: str, prompt, error: Exception) -> RequestOutput:
+    prompt_ids = list(prompt) if isinstance(prompt, (list, tuple)) else []
+    return RequestOutput(request_id, prompt_ids, [], None, "error",
+                         f"{type(error).__name__}: {error}")

@@ -1,0 +1,163 @@
+"""Which tokens of which requests run in the next step.
+
+One token budget per step (max_batch_tokens) is shared by decodes and prefill chunks:
+  1. running requests that decode (one token each), oldest first;
+  2. running requests whose prefill was cut into chunks, oldest first;
+  3. waiting requests in arrival order (preempted ones at the front), while the budget, the
+     max_num_seqs limit and the free blocks allow. An admitted request gets blocks for all its
+     known tokens at once; only its first chunk has to fit the budget.
+Admission stops at the first request that does not fit (no overtaking), so the oldest waiting
+request is the next one in. While requests run, admission keeps `watermark` blocks free so the
+decodes of the next steps rarely have to preempt.
+
+Preemption: when a decode needs a block and none is available, the newest running request is
+the victim (it has the least work invested, and the arrival order of the rest is kept). The
+victim may be the request asking. `_preempt` is the single place that decides what happens to a
+victim; today it recomputes (drops the blocks; the request goes back to the front of the waiting
+queue and re-prefills prompt + generated tokens, mostly from the prefix cache when its blocks
+were not evicted meanwhile).
+
+Progress: Engine.add_request rejects a request whose prompt + max_new_tokens needs more blocks
+than the whole pool. Every other request fits alone, the oldest running request can always
+preempt all newer ones, and recompute always frees blocks, so some request advances in every
+step and every request finishes.
+"""
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+
+from cb_kernels.engine.block_manager import BlockManager
+from cb_kernels.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """The plan of one step: seqs[i] computes its next num_new_tokens[i] tokens."""
+
+    seqs: list = field(default_factory=list)
+    num_new_tokens: list = field(default_factory=list)
+    blocks_to_copy: list = field(default_factory=list)     # (src, dst) copy-on-write pairs
+    num_decode_tokens: int = 0
+    num_prefill_tokens: int = 0
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_decode_tokens + self.num_prefill_tokens
+
+    def add(self, seq: Sequence, num_new_tokens: int, decode: bool) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(num_new_tokens)
+        if decode:
+            self.num_decode_tokens += num_new_tokens
+        else:
+            self.num_prefill_tokens += num_new_tokens
+
+
+def _arrival(seq: Sequence) -> int:
+    return seq.seq_id
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_batch_tokens: int, max_num_seqs: int,
+                 watermark: float = 0.01):
+        if max_num_seqs > max_batch_tokens:
+            raise ValueError(f"max_num_seqs ({max_num_seqs}) must be <= max_batch_tokens "
+                             f"({max_batch_tokens})")
+        self.block_manager = block_manager
+        self.max_batch_tokens = max_batch_tokens
+        self.max_num_seqs = max_num_seqs
+        self.watermark_blocks = int(watermark * block_manager.num_blocks)
+        self.waiting: deque = deque()
+        self.running: list = []          # sorted by arrival (seq_id)
+        self.num_preemptions = 0
+        self.num_recomputes = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        bm = self.block_manager
+        bm.begin_step()
+        batch = ScheduledBatch()
+        budget = self.max_batch_tokens
+        budget = self._schedule_decodes(batch, budget)
+        for seq in self.running:
+            if budget == 0:
+                break
+            if seq.is_decoding:
+                continue        # scheduled by _schedule_decodes, or the budget ran out there
+            n = min(seq.num_uncomputed_tokens, budget)
+            self._add(batch, seq, n, decode=False)
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            hits = bm.match_prefix(seq)
+            reserve = self.watermark_blocks if self.running else 0
+            if not bm.can_allocate(seq, hits, reserve):
+                break
+            self.waiting.popleft()
+            bm.allocate(seq, hits)
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=_arrival)
+            n = min(seq.num_uncomputed_tokens, budget)
+            self._add(batch, seq, n, decode=False)
+            budget -= n
+        return batch
+
+    def _schedule_decodes(self, batch: ScheduledBatch, budget: int) -> int:
+        bm = self.block_manager
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            if not seq.is_decoding:
+                i += 1
+                continue
+            while not bm.can_append(seq):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue        # preempted itself; running[i] is now the next request
+            batch.blocks_to_copy += bm.append_slot(seq)
+            self._add(batch, seq, 1, decode=True)
+            budget -= 1
+            i += 1
+        return budget
+
+    def _add(self, batch: ScheduledBatch, seq: Sequence, n: int, decode: bool) -> None:
+        batch.add(seq, n, decode)
+        self.block_manager.commit(seq, seq.num_computed_tokens + n)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Take `seq`'s device blocks away. Recompute: free them (the prefix cache keeps their
+        KV until evicted) and put `seq` at the front of the waiting queue."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.metrics.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        self.num_recomputes += 1
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove an ended request (finished, cancelled or failed) and return its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self.block_manager.free(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def seqs_holding_blocks(self) -> list:
+        return list(self.running)

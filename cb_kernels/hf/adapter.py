@@ -1,0 +1,225 @@
+"""Run a transformers causal LM on one engine step through the paged KV cache.
+
+The step is one packed varlen batch: input_ids and position_ids ``[1, num_tokens]`` (the new
+tokens of every scheduled sequence, one sequence after the other). Inside each attention layer
+our function replaces the model's: it writes the new K/V with `cb_kernels.ops.write_kv` and
+attends with `cb_kernels.ops.paged_attention`. No transformers cache object exists and no mask
+is built: the mask function registered for our attention name returns None.
+
+The per-step metadata (`StepInputs`) travels as the forward kwarg `cbk_step`; transformers hands
+unknown forward kwargs down to every attention call (5.17 .. 5.24). Without a cache object the
+5.23 -> 5.24 change (who calls cache.update) does not reach us: both versions pass the new,
+rotated K/V to the attention function.
+
+The user's model is not changed between steps: `config._attn_implementation` of the model's
+configs is switched to our name for the duration of one forward and restored right after, so
+model.generate() keeps working with its own attention.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from cb_kernels import ops
+
+ATTN_NAME = "cb_kernels_engine"
+
+
+@dataclass
+class StepInputs:
+    """Metadata of one step, shared by every layer.
+
+    slot_mapping: int64 [num_tokens]; block_tables: int32 [num_seqs, max_blocks_per_seq];
+    seq_lens: int32 [num_seqs] (KV length including the new tokens); cu_seqlens_q: int32
+    [num_seqs + 1]. k_caches/v_caches: per layer [num_blocks, block_size, num_kv_heads, head_dim].
+    """
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    k_caches: list
+    v_caches: list
+    sliding_windows: list        # per layer, from the model config (fallback when not passed)
+    softcap: Optional[float]
+    backend: Optional[str]
+
+
+def _engine_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                      **kwargs):
+    """query: [1, num_heads, num_tokens, head_dim]; key/value: [1, num_kv_heads, num_tokens,
+    head_dim] (new tokens only). Returns ([1, num_tokens, num_heads, head_dim], None)."""
+    step: Optional[StepInputs] = kwargs.get("cbk_step")
+    if step is None:
+        raise RuntimeError(f"attention implementation {ATTN_NAME!r} runs only inside "
+                           "cb_kernels.Engine steps")
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError("attention sinks (s_aux) are not supported by cb_kernels' "
+                                  "paged attention")
+    layer = module.layer_idx
+    k_cache, v_cache = step.k_caches[layer], step.v_caches[layer]
+    window = kwargs["sliding_window"] if "sliding_window" in kwargs else step.sliding_windows[layer]
+    softcap = kwargs["softcap"] if "softcap" in kwargs else step.softcap
+    # [1, H, T, D] -> [T, H, D]; the kernels want the head_dim rows packed per token.
+    q = query[0].transpose(0, 1).to(k_cache.dtype).contiguous()
+    k = key[0].transpose(0, 1).to(k_cache.dtype).contiguous()
+    v = value[0].transpose(0, 1).to(k_cache.dtype).contiguous()
+    ops.write_kv(k, v, k_cache, v_cache, step.slot_mapping)
+    out = ops.paged_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens,
+                              step.cu_seqlens_q, scale=scaling, sliding_window=window,
+                              softcap=softcap, backend=step.backend)
+    return out.to(query.dtype).unsqueeze(0), None
+
+
+def _no_mask(*args, **kwargs):
+    return None
+
+
+def register_attention() -> None:
+    """Add our attention name to transformers' registries (new keys only; idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_NAME, _engine_attention)
+    AttentionMaskInterface.register(ATTN_NAME, _no_mask)
+
+
+def _configs_of(model) -> list:
+    from transformers import PretrainedConfig
+
+    seen, out = set(), []
+    for m in model.modules():
+        cfg = getattr(m, "config", None)
+        if isinstance(cfg, PretrainedConfig) and id(cfg) not in seen:
+            seen.add(id(cfg))
+            out.append(cfg)
+    return out
+
+
+def _text_config(model):
+    cfg = model.config
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+class ModelAdapter:
+    """Owns the KV pool of one model and runs engine steps on it.
+
+    k_caches/v_caches: per layer [num_blocks, block_size, num_kv_heads, head_dim] on the model's
+    device (the offload manager swaps blocks of these lists).
+    """
+
+    def __init__(self, model, attention_backend: Optional[str] = None):
+        if not hasattr(model, "config") or not callable(getattr(model, "forward", None)):
+            raise TypeError(f"model must be a transformers causal LM, got {type(model).__name__}")
+        register_attention()
+        self.model = model
+        cfg = _text_config(model)
+        self.num_layers = cfg.num_hidden_layers
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.max_positions = getattr(cfg, "max_position_embeddings", None) or (1 << 31) - 1
+        emb = model.get_input_embeddings()
+        self.vocab_size = emb.num_embeddings
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        layer_types = getattr(cfg, "layer_types", None) or ["full_attention"] * self.num_layers
+        window = getattr(cfg, "sliding_window", None)
+        self.sliding_windows = [window if t == "sliding_attention" else None for t in layer_types]
+        self.softcap = getattr(cfg, "attn_logit_softcapping", None)
+        self.attention_backend = attention_backend
+        self._configs = _configs_of(model)
+        self._check_layers()
+        self.k_caches: list = []
+        self.v_caches: list = []
+        self.block_size = 0
+
+    def _check_layers(self) -> None:
+        found = {getattr(m, "layer_idx", None) for m in self.model.modules()
+                 if hasattr(m, "layer_idx") and hasattr(m, "num_key_value_groups")}
+        found.discard(None)
+        if not found:
+            raise TypeError(f"{type(self.model).__name__} has no attention modules with a "
+                            "layer_idx: cb_kernels runs models that use transformers' "
+                            "attention interface (Llama, Qwen2/3, Mistral, Gemma, ...)")
+        if max(found) >= self.num_layers:
+            raise TypeError(f"attention layer index {max(found)} >= num_hidden_layers "
+                            f"{self.num_layers}")
+
+    def allocate_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
+        shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        # Zeros, not empty: a stale NaN in a never-written slot must not reach a kernel that
+        # multiplies it by a zero weight.
+        self.k_caches = [torch.zeros(shape, dtype=dtype, device=self.device)
+                         for _ in range(self.num_layers)]
+        self.v_caches = [torch.zeros(shape, dtype=dtype, device=self.device)
+                         for _ in range(self.num_layers)]
+        self.block_size = block_size
+
+    def copy_blocks(self, pairs: list) -> None:
+        """pairs: (src, dst) block ids, copied in every layer (copy-on-write)."""
+        if pairs:
+            mapping = torch.tensor(pairs, dtype=torch.int64)
+            ops.copy_blocks(self.k_caches, self.v_caches, mapping)
+
+    def prepare(self, seqs: list, num_new_tokens: list):
+        """Pack one step. Returns (input_ids [1, T], position_ids [1, T], logits_indices [S'],
+        StepInputs, sampled) where `sampled` are the seqs that get a next token this step."""
+        bs = self.block_size
+        ids, positions, slots, seq_lens, cu, logits_idx, sampled = [], [], [], [], [0], [], []
+        max_blocks = 1
+        for seq, n in zip(seqs, num_new_tokens):
+            start = seq.num_computed_tokens
+            end = start + n
+            table = seq.block_table
+            if n == 1:
+                ids.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                ids.extend(seq.token_ids[start:end])
+                positions.extend(range(start, end))
+                pos = start
+                while pos < end:
+                    base = table[pos // bs] * bs
+                    stop = min(end, (pos // bs + 1) * bs)
+                    slots.extend(range(base + pos % bs, base + pos % bs + stop - pos))
+                    pos = stop
+            seq_lens.append(end)
+            cu.append(cu[-1] + n)
+            if end == seq.num_tokens:
+                logits_idx.append(cu[-1] - 1)
+                sampled.append(seq)
+            max_blocks = max(max_blocks, len(table))
+        tables = torch.zeros((len(seqs), max_blocks), dtype=torch.int32)
+        for i, seq in enumerate(seqs):
+            tables[i, :len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+        dev = self.device
+        step = StepInputs(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
+            block_tables=tables.to(dev, non_blocking=True),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32).to(dev, non_blocking=True),
+            k_caches=self.k_caches, v_caches=self.v_caches,
+            sliding_windows=self.sliding_windows, softcap=self.softcap,
+            backend=self.attention_backend)
+        input_ids = torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True)[None]
+        position_ids = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)[None]
+        logits_indices = torch.tensor(logits_idx, dtype=torch.int64).to(dev, non_blocking=True)
+        return input_ids, position_ids, logits_indices, step, sampled
+
+    @torch.inference_mode()
+    def forward(self, input_ids, position_ids, logits_indices, step: StepInputs) -> torch.Tensor:
+        """Returns logits [len(logits_indices), vocab_size] in fp32."""
+        saved = [cfg._attn_implementation_internal for cfg in self._configs]
+        for cfg in self._configs:
+            cfg._attn_implementation_internal = ATTN_NAME
+        try:
+            out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                             logits_to_keep=logits_indices, cbk_step=step)
+        finally:
+            for cfg, name in zip(self._configs, saved):
+                cfg._attn_implementation_internal = name
+        return out.logits[0].float()

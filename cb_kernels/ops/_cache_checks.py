@@ -1,0 +1,147 @@
+"""Argument checks of the cache ops (write_kv, copy_blocks, swap_blocks).
+
+Each raises ValueError/TypeError naming the argument. They read only shapes, strides and the
+CPU-side block mappings, so they never wait on a device, except `check_slot_values` on CUDA
+tensors (one reduction and one host sync; see its docstring).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from cb_kernels.ops._backend import check_tensor
+
+
+def block_layout(t: torch.Tensor, name: str) -> tuple[int, int]:
+    """(bytes of one block, bytes between consecutive blocks) of a cache tensor [num_blocks, ...].
+
+    The kernels copy a block as one run of bytes, so everything inside a block must be packed;
+    the block dimension itself may be strided (transformers' per-layer views are).
+    """
+    if t.dim() < 2:
+        raise ValueError(f"{name} must be [num_blocks, ...] with at least 2 dimensions, got shape {tuple(t.shape)}")
+    expected = 1
+    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
+        if size != 1 and stride != expected:
+            raise ValueError(f"{name} must be packed inside each block (dims 1.. contiguous); got shape "
+                             f"{tuple(t.shape)} with strides {t.stride()}")
+        expected *= size
+    block_elems = expected
+    if t.shape[0] > 1 and t.stride(0) < block_elems:
+        raise ValueError(f"{name}'s blocks overlap: block stride {t.stride(0)} < {block_elems} elements per block")
+    return block_elems * t.element_size(), t.stride(0) * t.element_size()
+
+
+def check_pool_list(caches, name: str) -> list[torch.Tensor]:
+    """A list of cache tensors that share one block count, one device and a packed block layout."""
+    if isinstance(caches, torch.Tensor) or not isinstance(caches, (list, tuple)):
+        raise TypeError(f"{name} must be a list of tensors (one per layer and per K/V), got {type(caches).__name__}")
+    if len(caches) == 0:
+        raise ValueError(f"{name} must not be empty")
+    for i, t in enumerate(caches):
+        check_tensor(t, f"{name}[{i}]")
+        block_layout(t, f"{name}[{i}]")
+        if t.shape[0] != caches[0].shape[0]:
+            raise ValueError(f"{name}[{i}] has {t.shape[0]} blocks but {name}[0] has {caches[0].shape[0]}: "
+                             f"the tensors of one pool share its block ids")
+        if t.device != caches[0].device:
+            raise ValueError(f"{name}[{i}] is on {t.device} but {name}[0] is on {caches[0].device}")
+    return list(caches)
+
+
+def check_same_geometry(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], name_a: str, name_b: str) -> None:
+    """Pairwise equal dtype and block shape (block counts may differ)."""
+    if len(a) != len(b):
+        raise ValueError(f"{name_a} has {len(a)} tensors but {name_b} has {len(b)}")
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x.dtype != y.dtype:
+            raise TypeError(f"{name_a}[{i}] is {x.dtype} but {name_b}[{i}] is {y.dtype}")
+        if x.shape[1:] != y.shape[1:]:
+            raise ValueError(f"{name_a}[{i}] has blocks of shape {tuple(x.shape[1:])} but {name_b}[{i}] has "
+                             f"{tuple(y.shape[1:])}")
+
+
+def check_block_mapping(block_mapping, num_src_blocks: int, num_dst_blocks: int, same_pool: bool) -> int:
+    """Validate an int64 [n, 2] CPU tensor of (src, dst) block ids; returns n.
+
+    Mappings live on the CPU: the wrappers check them without a device sync and the CUDA paths
+    turn them into host-side pointer arrays (cuMemcpyBatchAsync takes host arrays).
+    """
+    name = "block_mapping"
+    check_tensor(block_mapping, name)
+    if block_mapping.dtype != torch.int64:
+        raise TypeError(f"{name} must be int64, got {block_mapping.dtype}")
+    if block_mapping.dim() != 2 or block_mapping.shape[1] != 2:
+        raise ValueError(f"{name} must be [n, 2] of (src, dst) pairs, got shape {tuple(block_mapping.shape)}")
+    if block_mapping.device.type != "cpu":
+        raise ValueError(f"{name} must be a CPU tensor (the kernels read it on the host), got {block_mapping.device}")
+    if not block_mapping.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got strides {block_mapping.stride()}")
+    n = block_mapping.shape[0]
+    if n == 0:
+        return 0
+    src, dst = block_mapping[:, 0], block_mapping[:, 1]
+    for ids, what, limit in ((src, "source", num_src_blocks), (dst, "destination", num_dst_blocks)):
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= limit:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"{name} has {what} block id {bad}, outside [0, {limit})")
+    uniq, counts = torch.unique(dst, return_counts=True)
+    if bool((counts > 1).any()):
+        raise ValueError(f"{name} writes destination block {int(uniq[counts > 1][0])} more than once")
+    if same_pool:
+        both = torch.isin(dst, src)
+        if bool(both.any()):
+            raise ValueError(f"{name} uses block {int(dst[both][0])} as both a source and a destination; "
+                             f"the result would depend on copy order")
+    return n
+
+
+def check_write_kv(key, value, k_cache, v_cache, slot_mapping) -> torch.device:
+    for name, t, ndim in (("key", key, 3), ("value", value, 3), ("k_cache", k_cache, 4),
+                          ("v_cache", v_cache, 4), ("slot_mapping", slot_mapping, 1)):
+        check_tensor(t, name, ndim=ndim)
+    if value.shape != key.shape:
+        raise ValueError(f"value has shape {tuple(value.shape)} but key has {tuple(key.shape)}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache has shape {tuple(v_cache.shape)} but k_cache has {tuple(k_cache.shape)}")
+    if k_cache.shape[2:] != key.shape[1:]:
+        raise ValueError(f"k_cache is [num_blocks, block_size, {k_cache.shape[2]}, {k_cache.shape[3]}] but key is "
+                         f"[num_tokens, {key.shape[1]}, {key.shape[2]}]: num_kv_heads and head_dim must match")
+    for name, t in (("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != key.dtype:
+            raise TypeError(f"{name} is {t.dtype} but key is {key.dtype}: write_kv never casts")
+    for name, t in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous along head_dim (stride 1), got strides {t.stride()}")
+    if slot_mapping.dtype != torch.int64:
+        raise TypeError(f"slot_mapping must be int64, got {slot_mapping.dtype}")
+    if slot_mapping.shape[0] != key.shape[0]:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries but key has {key.shape[0]} tokens")
+    device = key.device
+    for name, t in (("value", value), ("k_cache", k_cache), ("v_cache", v_cache), ("slot_mapping", slot_mapping)):
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but key is on {device}")
+    return device
+
+
+def check_slot_values(slot_mapping: torch.Tensor, num_slots: int) -> None:
+    """Slots must be -1 or inside the pool, and no slot may be written twice.
+
+    On CUDA this costs one small reduction and one host sync (about 20 us); it is skipped while a
+    CUDA graph is being captured, where a sync is not allowed.
+    """
+    if slot_mapping.numel() == 0:
+        return
+    if slot_mapping.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    lo, hi = torch.aminmax(slot_mapping)
+    lo, hi = int(lo), int(hi)
+    if lo < -1 or hi >= num_slots:
+        bad = lo if lo < -1 else hi
+        raise ValueError(f"slot_mapping has slot {bad}, outside [-1, {num_slots}) "
+                         f"(num_blocks * block_size = {num_slots}; -1 skips a token)")
+    kept = slot_mapping[slot_mapping >= 0]
+    if torch.unique(kept).numel() != kept.numel():
+        raise ValueError("slot_mapping writes one slot twice; the result would depend on write order")

@@ -1,0 +1,196 @@
+"""KV cache ops: write_kv (scatter new K/V into slots), copy_blocks (copy-on-write inside one
+pool, every layer in one call) and swap_blocks (device pool <-> host pool, every layer in one call).
+
+Layout (DESIGN.md): a layer's cache is [num_blocks, block_size, num_kv_heads, head_dim]; a slot is
+block_id * block_size + offset; slot -1 skips a token. The C++ and CUDA kernels move bytes, so one
+kernel serves every dtype and results are bit-exact by construction.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from cb_kernels import _C
+from cb_kernels.ops import reference
+from cb_kernels.ops._backend import (cuda_kernels_error, resolve_backend, sync_threads, triton_error)
+from cb_kernels.ops._cache_checks import (block_layout, check_block_mapping, check_pool_list,
+                                          check_same_geometry, check_slot_values, check_write_kv)
+
+WRITE_KV_BACKENDS = ("cuda", "triton", "cpu", "torch")
+COPY_BLOCKS_BACKENDS = ("cuda", "cpu", "torch")
+SWAP_BLOCKS_BACKENDS = ("cuda", "cpu", "torch")
+
+
+def _default_cuda(supported) -> str:
+    if not cuda_kernels_error():
+        return "cuda"
+    if "triton" in supported and not triton_error():
+        return "triton"
+    return "torch"
+
+
+def _has_kernel(name: str) -> bool:
+    return hasattr(_C, name)
+
+
+def write_kv(key, value, k_cache, v_cache, slot_mapping, *, backend=None) -> None:
+    """Write each token's K and V into its cache slot, in place.
+
+    Parameters
+    ----------
+    key, value : [num_tokens, num_kv_heads, head_dim], any strides with head_dim packed.
+    k_cache, v_cache : [num_blocks, block_size, num_kv_heads, head_dim], same dtype as key; any
+        strides with head_dim packed (transformers' per-layer views work in place).
+    slot_mapping : int64 [num_tokens] on the caches' device; -1 skips the token.
+    backend : None (fastest here), "cuda", "triton", "cpu" or "torch" (the reference).
+    """
+    device = check_write_kv(key, value, k_cache, v_cache, slot_mapping)
+    check_slot_values(slot_mapping, k_cache.shape[0] * k_cache.shape[1])
+    chosen = resolve_backend(backend, device, WRITE_KV_BACKENDS, _default_cuda(WRITE_KV_BACKENDS), "write_kv")
+    run_write_kv(chosen, key, value, k_cache, v_cache, slot_mapping)
+
+
+def run_write_kv(chosen, key, value, k_cache, v_cache, slot_mapping) -> None:
+    """Run one backend on checked arguments (also the body of the torch.library op)."""
+    if key.shape[0] == 0:
+        return
+    if chosen == "cpu" and not _has_kernel("write_kv"):
+        chosen = "torch"
+    if chosen == "torch":
+        reference.ref_write_kv(key, value, k_cache, v_cache, slot_mapping)
+    elif chosen == "triton":
+        from cb_kernels.triton.write_kv import triton_write_kv
+        triton_write_kv(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        args = _write_kv_args(key, value, k_cache, v_cache, slot_mapping)
+        if chosen == "cpu":
+            sync_threads()
+            _C.write_kv(*args)
+        else:
+            _C.write_kv_cuda(*args, torch.cuda.current_stream(key.device).cuda_stream)
+
+
+def _write_kv_args(key, value, k_cache, v_cache, slot_mapping) -> tuple:
+    es = key.element_size()
+    return (key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(),
+            key.shape[0], key.shape[1], k_cache.shape[1], key.shape[2] * es,
+            (key.stride(0) * es, key.stride(1) * es), (value.stride(0) * es, value.stride(1) * es),
+            tuple(s * es for s in k_cache.stride()[:3]), tuple(s * es for s in v_cache.stride()[:3]))
+
+
+def copy_blocks(k_caches, v_caches, block_mapping, *, backend=None) -> None:
+    """Copy block src to block dst in every layer's K and V cache (copy-on-write of prefix forks).
+
+    Parameters
+    ----------
+    k_caches, v_caches : lists over layers of [num_blocks, block_size, num_kv_heads, head_dim]
+        (any [num_blocks, ...] packed inside a block), all in one pool: same device and block count.
+    block_mapping : int64 [n, 2] CPU tensor of (src, dst) block ids; destinations distinct and
+        never also a source.
+    backend : None, "cuda", "cpu" or "torch".
+    """
+    k_caches = check_pool_list(k_caches, "k_caches")
+    v_caches = check_pool_list(v_caches, "v_caches")
+    check_same_geometry(k_caches, v_caches, "k_caches", "v_caches")
+    if v_caches[0].device != k_caches[0].device or v_caches[0].shape[0] != k_caches[0].shape[0]:
+        raise ValueError(f"v_caches ({v_caches[0].shape[0]} blocks on {v_caches[0].device}) must share the pool "
+                         f"of k_caches ({k_caches[0].shape[0]} blocks on {k_caches[0].device})")
+    num_blocks = k_caches[0].shape[0]
+    n = check_block_mapping(block_mapping, num_blocks, num_blocks, same_pool=True)
+    device = k_caches[0].device
+    chosen = resolve_backend(backend, device, COPY_BLOCKS_BACKENDS, _default_cuda(COPY_BLOCKS_BACKENDS),
+                             "copy_blocks")
+    if n:
+        caches = k_caches + v_caches
+        _run_block_copy(chosen, caches, caches, block_mapping, None)
+
+
+def swap_blocks(src_caches, dst_caches, block_mapping, *, stream=None) -> None:
+    """Move blocks between two pools (device <-> host, or host <-> host), every tensor in one call.
+
+    Parameters
+    ----------
+    src_caches, dst_caches : equal-length lists of [num_blocks, ...] tensors (one per layer and per
+        K/V; pair i has one dtype and block shape; block counts may differ between the pools).
+        Block b of every tensor moves together. A CUDA <-> host swap wants pinned host memory
+        (`HostPool`); pageable host memory falls back to a slower, host-synchronous copy.
+    block_mapping : int64 [n, 2] CPU tensor of (src, dst) block ids, destinations distinct.
+    stream : torch.cuda.Stream, its int handle (`.cuda_stream`), or None for the current stream
+        of the CUDA side. The copies are queued on it; nothing here waits for them.
+    """
+    _swap_blocks(src_caches, dst_caches, block_mapping, stream=stream, backend=None)
+
+
+def _swap_blocks(src_caches, dst_caches, block_mapping, *, stream, backend) -> None:
+    """swap_blocks with a backend choice, for tests and benchmarks."""
+    src_caches = check_pool_list(src_caches, "src_caches")
+    dst_caches = check_pool_list(dst_caches, "dst_caches")
+    check_same_geometry(src_caches, dst_caches, "src_caches", "dst_caches")
+    src_dev, dst_dev = src_caches[0].device, dst_caches[0].device
+    same_pool = any(s.data_ptr() == d.data_ptr() for s, d in zip(src_caches, dst_caches))
+    n = check_block_mapping(block_mapping, src_caches[0].shape[0], dst_caches[0].shape[0], same_pool)
+    cuda_devs = {d for d in (src_dev, dst_dev) if d.type == "cuda"}
+    if len(cuda_devs) > 1:
+        raise ValueError(f"src_caches on {src_dev} and dst_caches on {dst_dev}: swaps between two GPUs are not supported")
+    if not cuda_devs and stream is not None:
+        raise ValueError("stream must be None when neither src_caches nor dst_caches is on CUDA")
+    if stream is not None and not isinstance(stream, int) and not hasattr(stream, "cuda_stream"):
+        raise TypeError(f"stream must be a torch.cuda.Stream, an int handle or None, got {type(stream).__name__}")
+    device = next(iter(cuda_devs)) if cuda_devs else src_dev
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"swap_blocks supports CPU and CUDA tensors, got {device}")
+    if backend is None:
+        chosen = "cpu" if device.type == "cpu" else _default_cuda(SWAP_BLOCKS_BACKENDS)
+    else:
+        chosen = resolve_backend(backend, device, SWAP_BLOCKS_BACKENDS, "cuda", "swap_blocks")
+    if n:
+        _run_block_copy(chosen, src_caches, dst_caches, block_mapping, stream)
+
+
+def _stream_handle(stream, device: torch.device) -> int:
+    if stream is None:
+        return torch.cuda.current_stream(device).cuda_stream
+    return stream if isinstance(stream, int) else stream.cuda_stream
+
+
+def _run_block_copy(chosen, src_caches, dst_caches, block_mapping, stream) -> None:
+    """dst_caches[i][dst] = src_caches[i][src] for every pair, on checked arguments."""
+    if chosen == "cpu" and not _has_kernel("copy_blocks"):
+        chosen = "torch"
+    if chosen == "torch":
+        _torch_block_copy(src_caches, dst_caches, block_mapping, stream)
+        return
+    layouts_src = [block_layout(t, "src") for t in src_caches]
+    layouts_dst = [block_layout(t, "dst") for t in dst_caches]
+    args = ([t.data_ptr() for t in src_caches], [t.data_ptr() for t in dst_caches],
+            [b for b, _ in layouts_src], [s for _, s in layouts_src], [s for _, s in layouts_dst],
+            block_mapping.data_ptr(), block_mapping.shape[0])
+    if chosen == "cpu":
+        sync_threads()
+        _C.copy_blocks(*args)
+    else:
+        from cb_kernels.ops import _cuda_cache
+        device = next(t.device for t in (src_caches[0], dst_caches[0]) if t.is_cuda)
+        _cuda_cache.block_copy(src_caches, dst_caches, block_mapping, _stream_handle(stream, device), args)
+
+
+def _torch_block_copy(src_caches, dst_caches, block_mapping, stream) -> None:
+    """Pure-torch copy: one gather, one transfer and one scatter per tensor (transformers' way).
+
+    Gathering first means no pair can read another pair's output, like the kernels.
+    """
+    cuda = next((t.device for t in (src_caches[0], dst_caches[0]) if t.is_cuda), None)
+    ctx = torch.cuda.stream(_as_stream(stream, cuda)) if cuda is not None and stream is not None else contextlib.nullcontext()
+    with ctx:
+        src_ids = block_mapping[:, 0].to(src_caches[0].device)
+        dst_ids = block_mapping[:, 1].to(dst_caches[0].device)
+        for s, d in zip(src_caches, dst_caches):
+            d.index_copy_(0, dst_ids, s.index_select(0, src_ids).to(d.device))
+
+
+def _as_stream(stream, device):
+    if isinstance(stream, int):
+        return torch.cuda.ExternalStream(stream, device=device)
+    return stream
+

@@ -1,0 +1,80 @@
+"""HostPool: the host side of CPU offload, shaped like a device pool.
+
+transformers' offload asks for `torch.empty(..., pin_memory=True)`, which raises on a CPU-only
+torch; here pinning is a speed-up, never a requirement.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from cb_kernels.ops._cache_checks import check_pool_list
+
+logger = logging.getLogger(__name__)
+
+# Each tensor's region starts on a 4 KiB boundary: page-aligned blocks keep the CPU copy on its
+# fast path and satisfy the 16-byte alignment the CUDA copy kernel wants.
+_ALIGN = 4096
+
+
+class HostPool:
+    """Host buffers with the block geometry of a device pool, allocated once.
+
+    Parameters
+    ----------
+    like : list of [num_device_blocks, ...] tensors (the device pool: one per layer and per K/V).
+        The host pool copies each tensor's dtype and block shape, not its contents.
+    num_blocks : host blocks per tensor (block ids 0 .. num_blocks-1).
+    pin_memory : None pins when CUDA is available; True asks for it. When pinning fails the pool
+        falls back to plain memory with a warning (`pinned` tells which one you got).
+
+    Attributes
+    ----------
+    caches : list of [num_blocks, ...] CPU tensors, `caches[i]` shaped like `like[i]`, views of one
+        allocation; pass it to `swap_blocks` as src_caches or dst_caches.
+    pinned : whether the buffer is page-locked.
+    nbytes : size of the whole allocation.
+    """
+
+    def __init__(self, like, num_blocks: int, *, pin_memory: bool | None = None):
+        like = check_pool_list(like, "like")
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int):
+            raise TypeError(f"num_blocks must be an int, got {type(num_blocks).__name__}")
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        if pin_memory is not None and not isinstance(pin_memory, bool):
+            raise TypeError(f"pin_memory must be a bool or None, got {type(pin_memory).__name__}")
+        offsets, total = [], 0
+        for t in like:
+            offsets.append(total)
+            nbytes = num_blocks * t[0].numel() * t.element_size()
+            total += -(-nbytes // _ALIGN) * _ALIGN
+        want_pinned = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self._buffer, self.pinned = _allocate(total, want_pinned)
+        self.num_blocks = num_blocks
+        self.nbytes = total
+        self.caches = [
+            self._buffer[off:off + num_blocks * t[0].numel() * t.element_size()].view(t.dtype)
+            .view(num_blocks, *t.shape[1:])
+            for off, t in zip(offsets, like)
+        ]
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes one block id holds across every tensor of the pool."""
+        return sum(t[0].numel() * t.element_size() for t in self.caches)
+
+    def __repr__(self) -> str:
+        return (f"HostPool(num_tensors={len(self.caches)}, num_blocks={self.num_blocks}, "
+                f"nbytes={self.nbytes}, pinned={self.pinned})")
+
+
+def _allocate(nbytes: int, pinned: bool) -> tuple[torch.Tensor, bool]:
+    """A uint8 buffer, page-locked when asked and possible."""
+    if pinned:
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), True
+        except (RuntimeError, AssertionError) as e:  # CPU-only torch, no driver, or a locked-memory limit
+            logger.warning("HostPool: pinned memory unavailable (%s); using plain memory, swaps will be slower", e)
+    return torch.empty(nbytes, dtype=torch.uint8), False

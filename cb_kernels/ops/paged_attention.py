@@ -1,0 +1,101 @@
+"""`paged_attention`: causal varlen attention over a paged KV cache (prefill, chunked prefill and
+decode mixed in one call), with GQA, sliding window and logit softcap.
+
+Backends: "cpu" (C++ in csrc/cpu/paged_attention.cpp), "triton" (cb_kernels/triton), "cuda"
+(csrc/cuda), "torch" (the reference in ops/reference.py).
+"""
+from __future__ import annotations
+
+import torch
+
+from cb_kernels import _C
+from cb_kernels.ops import _backend
+from cb_kernels.ops._paged_attention_checks import check_args, check_values
+from cb_kernels.ops.reference import ref_paged_attention
+
+# Default backend for CUDA tensors (the attn_gpu work sets it from measurements).
+DEFAULT_CUDA_BACKEND = "triton"
+SUPPORTED_BACKENDS = ("cuda", "triton", "cpu", "torch")
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    cu_seqlens_q: torch.Tensor, *, scale: float | None = None,
+                    sliding_window: int | None = None, softcap: float | None = None,
+                    out: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor:
+    """Attention of each sequence's new tokens over its whole KV, read through its block table.
+
+    Parameters
+    ----------
+    q : ``[num_tokens, num_heads, head_dim]`` float32, float16 or bfloat16, the new tokens of
+        every sequence packed one sequence after the other.
+    k_cache, v_cache : ``[num_blocks, block_size, num_kv_heads, head_dim]``, q's dtype; any
+        strides with a unit last one (transformers' per-layer views work in place).
+    block_tables : int32 ``[num_seqs, max_blocks_per_seq]``; row i lists the blocks of sequence
+        i in order (only the first ceil(seq_lens[i] / block_size) entries are read).
+    seq_lens : int32 ``[num_seqs]``, KV length of each sequence including its new tokens.
+    cu_seqlens_q : int32 ``[num_seqs + 1]``; the q tokens of sequence i are
+        ``q[cu_seqlens_q[i]:cu_seqlens_q[i+1]]``, its last positions, attended causally.
+    scale : softmax scale, default ``head_dim ** -0.5``.
+    sliding_window : W; a query at position p sees positions p-W+1 .. p.
+    softcap : c; scores become ``c * tanh(scores / c)`` after scaling.
+    out : optional ``[num_tokens, num_heads, head_dim]`` in q's dtype, written in place.
+    backend : "cpu", "triton", "cuda", "torch" or None (fastest for the device).
+
+    Returns ``out`` (a new tensor when not given). Index values (block ids, lengths) are checked
+    for CPU tensors only; on CUDA that would sync the host with the device on every call.
+    """
+    scale_f, window, cap = check_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
+                                      scale, sliding_window, softcap, out)
+    check_values(q.shape[0], k_cache, block_tables, seq_lens, cu_seqlens_q)
+    name = _backend.resolve_backend(backend, q.device, SUPPORTED_BACKENDS, DEFAULT_CUDA_BACKEND,
+                                    "paged_attention")
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    run_backend(name, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale_f,
+                window, cap)
+    return out
+
+
+def run_backend(name: str, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out,
+                scale: float, window: int, cap: float) -> None:
+    """Write attention into `out` with one backend; arguments already checked (0 = off)."""
+    if q.shape[0] == 0:
+        return
+    if name == "cpu":
+        _run_cpu(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale, window, cap)
+        return
+    sliding_window = window or None
+    softcap = cap or None
+    if name == "torch":
+        out.copy_(ref_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
+                                      scale=scale, sliding_window=sliding_window, softcap=softcap))
+        return
+    if name == "triton":
+        try:
+            from cb_kernels.triton.paged_attention import paged_attention_triton as fn
+        except ImportError as e:
+            raise RuntimeError(f"the 'triton' paged_attention kernel is not available: {e}") from e
+    else:
+        try:
+            from cb_kernels.ops.paged_attention_cuda import paged_attention_cuda as fn
+        except ImportError as e:
+            raise RuntimeError(f"the 'cuda' paged_attention kernel is not available: {e}") from e
+    fn(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale, sliding_window,
+       softcap)
+
+
+def _run_cpu(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale, window, cap):
+    if not hasattr(_C, "paged_attention"):
+        raise RuntimeError("the 'cpu' paged_attention kernel is not compiled into cb_kernels._C "
+                           "(rebuild the extension)")
+    _backend.sync_threads()
+    _C.paged_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        seq_lens.data_ptr(), cu_seqlens_q.data_ptr(), out.data_ptr(),
+        q.shape[0], q.shape[1], q.shape[2], block_tables.shape[0], block_tables.shape[1],
+        k_cache.shape[0], k_cache.shape[1], k_cache.shape[2],
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        _backend.DTYPE_CODES[q.dtype], scale, window, cap)
