@@ -1,0 +1,438 @@
+// Paged attention on CPU (see cb_kernels/paged_attention.h for the contract).
+//
+// Work items are (sequence, q chunk, KV partition, kv head). A q chunk packs up to kMaxRows
+// query rows (q tokens x the query heads of one KV head), so each K/V row is read from memory
+// once for all of them. KV partitions are fixed kPartition-token ranges of absolute positions and
+// tiles inside them fixed kTile-token ranges: how a row's scores are reduced depends only on its
+// own sequence and position, never on the batch, the q chunking or the thread count. Partitions
+// give decode with few sequences enough items to keep every thread busy; their partial results
+// (unnormalised output, running max, running sum) are merged in a second pass.
+//
+// The math runs in fp32 on 8-float GCC vectors: the AVX2 variant compiles them to 256-bit
+// FMAs, the generic one to SSE pairs. fp16/bf16 K/V tiles are converted to fp32 scratch once per
+// tile, so the query rows sharing a tile pay the conversion once.
+#include "cb_kernels/paged_attention.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "isa.h"
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+// The generic variant passes 32-byte vectors between inline functions without AVX; they never
+// cross an ABI boundary (all in this file's anonymous namespace), so GCC's ABI note is moot.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+namespace cbk {
+namespace CBK_CPU_NS {
+namespace {
+
+constexpr int kTile = 32;         // KV tokens per online-softmax step
+constexpr int kPartition = 256;   // KV tokens per work item (a multiple of kTile)
+constexpr int kMaxRows = 64;      // query rows per work item (more when one group is larger)
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+inline v8f load8(const float* p) {
+  v8f v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void store8(float* p, v8f v) { __builtin_memcpy(p, &v, sizeof(v)); }
+inline v8f splat(float x) { return v8f{x, x, x, x, x, x, x, x}; }
+inline v8f vmax(v8f a, v8f b) { return a > b ? a : b; }
+
+inline float hmax(v8f v) {
+  float m = v[0];
+  for (int i = 1; i < 8; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+inline float hsum(v8f v) {
+  const v8f a = v + __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+  const v8f b = a + __builtin_shufflevector(a, a, 2, 3, 0, 1, 6, 7, 4, 5);
+  return b[0] + b[1];
+}
+
+// exp(x) for x <= 0 (every caller subtracts a running max); -inf and x < -87.3 give 0.
+// Cephes-style: 2^n * poly(r), relative error ~2e-7.
+inline v8f exp8(v8f x) {
+  const v8i underflow = x < splat(-87.3f);
+  x = vmax(x, splat(-87.3f));
+  const v8f magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  const v8f n = (x * splat(1.44269504088896341f) + magic) - magic;
+  const v8f r = x - n * splat(0.693359375f) - n * splat(-2.12194440e-4f);
+  v8f p = splat(1.9875691500e-4f);
+  p = p * r + splat(1.3981999507e-3f);
+  p = p * r + splat(8.3334519073e-3f);
+  p = p * r + splat(4.1665795894e-2f);
+  p = p * r + splat(1.6666665459e-1f);
+  p = p * r + splat(5.0000001201e-1f);
+  p = p * r * r + r + splat(1.0f);
+  const v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
+  v8f scale;
+  __builtin_memcpy(&scale, &bits, sizeof(scale));
+  return underflow ? splat(0.0f) : p * scale;
+}
+
+// c * tanh(x / c) with tanh(y) = sign(y) (1 - e) / (1 + e), e = exp(-2|y|) (never overflows).
+inline v8f softcap8(v8f x, float cap) {
+  const v8f y = x * splat(1.0f / cap);
+  const v8f a = y < splat(0.0f) ? -y : y;
+  const v8f e = exp8(splat(-2.0f) * a);
+  const v8f t = (splat(1.0f) - e) / (splat(1.0f) + e);
+  return splat(cap) * (y < splat(0.0f) ? -t : t);
+}
+
+// Scores of one query row against 8 key rows: acc[t] holds lane partial sums of q.k_t; a
+// transposing add tree then yields all 8 sums in one vector (each sum in the same order).
+inline v8f dot8(const float* q, const float* const* k, int64_t dim8) {
+  v8f acc[8] = {};
+  for (int64_t c = 0; c < dim8; c += 8) {
+    const v8f qv = load8(q + c);
+    for (int t = 0; t < 8; ++t) acc[t] += qv * load8(k[t] + c);
+  }
+  v8f x[4];
+  for (int i = 0; i < 4; ++i)
+    x[i] = __builtin_shufflevector(acc[2 * i], acc[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
+           __builtin_shufflevector(acc[2 * i], acc[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+  v8f y[2];
+  for (int i = 0; i < 2; ++i)
+    y[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+           __builtin_shufflevector(x[2 * i], x[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  return __builtin_shufflevector(y[0], y[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(y[0], y[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+// o[0 .. 8*NV) = o * alpha + sum_j p[j] * v[j][0 .. 8*NV), accumulators kept in registers.
+template <int NV>
+inline void pv_chunk(float* o, float alpha, const float* p, const float* const* v, int j0, int j1,
+                     int64_t c0) {
+  v8f acc[NV];
+  for (int i = 0; i < NV; ++i) acc[i] = load8(o + c0 + 8 * i) * splat(alpha);
+  for (int j = j0; j < j1; ++j) {
+    const v8f pj = splat(p[j]);
+    const float* vr = v[j] + c0;
+    for (int i = 0; i < NV; ++i) acc[i] += pj * load8(vr + 8 * i);
+  }
+  for (int i = 0; i < NV; ++i) store8(o + c0 + 8 * i, acc[i]);
+}
+
+inline void pv_row(float* o, float alpha, const float* p, const float* const* v, int j0, int j1,
+                   int64_t dim8) {
+  int64_t c = 0;
+  for (; c + 64 <= dim8; c += 64) pv_chunk<8>(o, alpha, p, v, j0, j1, c);
+  if (c + 32 <= dim8) {
+    pv_chunk<4>(o, alpha, p, v, j0, j1, c);
+    c += 32;
+  }
+  if (c + 16 <= dim8) {
+    pv_chunk<2>(o, alpha, p, v, j0, j1, c);
+    c += 16;
+  }
+  if (c + 8 <= dim8) pv_chunk<1>(o, alpha, p, v, j0, j1, c);
+}
+
+// Element conversions: n elements of `dtype` at src to fp32 at dst.
+inline void to_float(const void* src, DType dtype, int64_t n, float* dst) {
+  if (dtype == DType::kFloat32) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else if (dtype == DType::kBFloat16) {
+    const uint16_t* s = static_cast<const uint16_t*>(src);
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t bits = static_cast<uint32_t>(s[i]) << 16;
+      std::memcpy(dst + i, &bits, 4);
+    }
+  } else {
+    const uint16_t* s = static_cast<const uint16_t*>(src);
+    int64_t i = 0;
+#if defined(__F16C__)
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i))));
+#endif
+    for (; i < n; ++i) dst[i] = fp16_to_float(s[i]);
+  }
+}
+
+inline void from_float(const float* src, int64_t n, DType dtype, void* dst) {
+  if (dtype == DType::kFloat32) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else if (dtype == DType::kBFloat16) {
+    uint16_t* d = static_cast<uint16_t*>(dst);
+    for (int64_t i = 0; i < n; ++i) d[i] = float_to_bf16(src[i]);
+  } else {
+    uint16_t* d = static_cast<uint16_t*>(dst);
+    for (int64_t i = 0; i < n; ++i) d[i] = float_to_fp16(src[i]);
+  }
+}
+
+// One unit of parallel work: rows of q tokens [i0, i1) (indices within the sequence's q range)
+// times the query heads of kv_head, over KV positions [kv_begin, kv_end).
+struct Item {
+  int32_t seq, kv_head, i0, i1, kv_begin, kv_end;
+  int64_t partial;  // offset of this item's partial result in the workspace; -1: write `out`
+};
+
+// A chunk whose KV range spans several partitions: its items are first, first+stride, ...
+struct Merge {
+  int64_t first, stride;
+  int32_t num_parts;
+};
+
+struct Plan {
+  std::vector<Item> items;
+  std::vector<Merge> merges;
+  std::vector<float> partials;  // grows to the largest batch seen, never shrinks
+  int64_t max_rows = 0;
+};
+
+// Per-thread scratch, reused across calls: query rows, outputs, scores, K/V tiles.
+struct Scratch {
+  std::vector<float> buf;
+  float* take(int64_t n, int64_t& used) {
+    float* p = buf.data() + used;
+    used += n;
+    return p;
+  }
+};
+
+struct Ctx {
+  const PagedAttentionParams& p;
+  int64_t group, dim8, esize;
+  bool direct_kv;  // fp32 with head_dim % 8 == 0: tiles point into the cache itself
+};
+
+inline int64_t round8(int64_t x) { return (x + 7) / 8 * 8; }
+
+void run_item(const Ctx& c, const Item& it, float* partials) {
+  const PagedAttentionParams& p = c.p;
+  const int64_t dim = p.head_dim, dim8 = c.dim8, group = c.group;
+  const int64_t rows = (it.i1 - it.i0) * group;
+  const int32_t seq_len = p.seq_lens[it.seq];
+  const int32_t q_begin = p.cu_seqlens_q[it.seq];
+  const int32_t q_len = p.cu_seqlens_q[it.seq + 1] - q_begin;
+  const int32_t first_pos = seq_len - q_len;
+  const int32_t* table = p.block_tables + it.seq * p.block_table_stride;
+
+  thread_local Scratch scratch;
+  const int64_t need = rows * (2 * dim8 + kTile + 2) + 2 * kTile * dim8 + dim8;
+  if (static_cast<int64_t>(scratch.buf.size()) < need) scratch.buf.resize(need);
+  int64_t used = 0;
+  float* qs = scratch.take(rows * dim8, used);
+  float* os = scratch.take(rows * dim8, used);
+  float* ss = scratch.take(rows * kTile, used);
+  float* ms = scratch.take(rows, used);
+  float* ls = scratch.take(rows, used);
+  float* kt = scratch.take(kTile * dim8, used);
+  float* vt = scratch.take(kTile * dim8, used);
+  float* zero = scratch.take(dim8, used);
+  std::fill(zero, zero + dim8, 0.0f);
+
+  const char* qb = static_cast<const char*>(p.q);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t tok = q_begin + it.i0 + r / group, head = it.kv_head * group + r % group;
+    float* qr = qs + r * dim8;
+    to_float(qb + (tok * p.q_stride_token + head * p.q_stride_head) * c.esize, p.dtype, dim, qr);
+    for (int64_t d = 0; d < dim; ++d) qr[d] *= p.scale;
+    std::fill(qr + dim, qr + dim8, 0.0f);
+  }
+  std::fill(os, os + rows * dim8, 0.0f);
+  std::fill(ms, ms + rows, kNegInf);
+  std::fill(ls, ls + rows, 0.0f);
+
+  const char* kb = static_cast<const char*>(p.k_cache);
+  const char* vb = static_cast<const char*>(p.v_cache);
+  const float* kp[kTile];
+  const float* vp[kTile];
+  for (int32_t t0 = it.kv_begin / kTile * kTile; t0 < it.kv_end; t0 += kTile) {
+    const int32_t lo = std::max(t0, it.kv_begin), hi = std::min(t0 + kTile, it.kv_end);
+    for (int32_t pos = lo; pos < hi; ++pos) {
+      const int64_t block = table[pos / p.block_size], off = pos % p.block_size;
+      const char* kr = kb + (block * p.k_stride_block + off * p.k_stride_token +
+                             it.kv_head * p.k_stride_head) * c.esize;
+      const char* vr = vb + (block * p.v_stride_block + off * p.v_stride_token +
+                             it.kv_head * p.v_stride_head) * c.esize;
+      const int j = pos - t0;
+      if (c.direct_kv) {
+        kp[j] = reinterpret_cast<const float*>(kr);
+        vp[j] = reinterpret_cast<const float*>(vr);
+      } else {
+        float* kd = kt + j * dim8;
+        float* vd = vt + j * dim8;
+        to_float(kr, p.dtype, dim, kd);
+        to_float(vr, p.dtype, dim, vd);
+        std::fill(kd + dim, kd + dim8, 0.0f);
+        std::fill(vd + dim, vd + dim8, 0.0f);
+        kp[j] = kd;
+        vp[j] = vd;
+      }
+    }
+    for (int j = 0; j < kTile; ++j)
+      if (j < lo - t0 || j >= hi - t0) kp[j] = vp[j] = zero;
+
+    for (int64_t r = 0; r < rows; ++r) {
+      const int32_t pos = first_pos + it.i0 + static_cast<int32_t>(r / group);
+      const int32_t vlo = std::max(lo, p.sliding_window > 0 ? pos - p.sliding_window + 1 : 0);
+      const int32_t vhi = std::min(hi, pos + 1);
+      if (vlo >= vhi) continue;
+      const int j0 = vlo - t0, j1 = vhi - t0;
+      float* s = ss + r * kTile;
+      v8f mx = splat(kNegInf);
+      for (int g = 0; g < kTile; g += 8) {
+        if (g + 8 <= j0 || g >= j1) {
+          store8(s + g, splat(kNegInf));
+          continue;
+        }
+        v8f sc = dot8(qs + r * dim8, kp + g, dim8);
+        if (p.softcap > 0.0f) sc = softcap8(sc, p.softcap);
+        const v8i lane = v8i{0, 1, 2, 3, 4, 5, 6, 7} + (g);
+        sc = (lane >= j0) & (lane < j1) ? sc : splat(kNegInf);
+        store8(s + g, sc);
+        mx = vmax(mx, sc);
+      }
+      const float m_new = std::max(ms[r], hmax(mx));
+      const float alpha = std::exp(ms[r] - m_new);
+      v8f sum = splat(0.0f);
+      for (int g = 0; g < kTile; g += 8) {
+        const v8f e = exp8(load8(s + g) - splat(m_new));
+        store8(s + g, e);
+        sum += e;
+      }
+      ls[r] = ls[r] * alpha + hsum(sum);
+      ms[r] = m_new;
+      pv_row(os + r * dim8, alpha, s, vp, j0, j1, dim8);
+    }
+  }
+
+  if (it.partial < 0) {
+    char* ob = static_cast<char*>(p.out);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t tok = q_begin + it.i0 + r / group, head = it.kv_head * group + r % group;
+      float* o = os + r * dim8;
+      const float inv = 1.0f / ls[r];
+      for (int64_t d = 0; d < dim; ++d) o[d] *= inv;
+      from_float(o, dim, p.dtype,
+                 ob + (tok * p.out_stride_token + head * p.out_stride_head) * c.esize);
+    }
+    return;
+  }
+  float* dst = partials + it.partial;  // [rows][dim] outputs, then [rows] maxima, [rows] sums
+  for (int64_t r = 0; r < rows; ++r) std::memcpy(dst + r * dim, os + r * dim8, dim * sizeof(float));
+  std::memcpy(dst + rows * dim, ms, rows * sizeof(float));
+  std::memcpy(dst + rows * dim + rows, ls, rows * sizeof(float));
+}
+
+void run_merge(const Ctx& c, const Plan& plan, const Merge& mg, float* acc) {
+  const PagedAttentionParams& p = c.p;
+  const Item& first = plan.items[mg.first];
+  const int64_t dim = p.head_dim, group = c.group;
+  const int64_t rows = (first.i1 - first.i0) * group;
+  const int32_t q_begin = p.cu_seqlens_q[first.seq];
+  char* ob = static_cast<char*>(p.out);
+  for (int64_t r = 0; r < rows; ++r) {
+    float m = kNegInf;
+    for (int32_t k = 0; k < mg.num_parts; ++k) {
+      const float* part = plan.partials.data() + plan.items[mg.first + k * mg.stride].partial;
+      m = std::max(m, part[rows * dim + r]);
+    }
+    float l = 0.0f;
+    std::fill(acc, acc + dim, 0.0f);
+    for (int32_t k = 0; k < mg.num_parts; ++k) {
+      const float* part = plan.partials.data() + plan.items[mg.first + k * mg.stride].partial;
+      const float w = std::exp(part[rows * dim + r] - m);
+      l += w * part[rows * dim + rows + r];
+      for (int64_t d = 0; d < dim; ++d) acc[d] += w * part[r * dim + d];
+    }
+    const float inv = 1.0f / l;
+    for (int64_t d = 0; d < dim; ++d) acc[d] *= inv;
+    const int64_t tok = q_begin + first.i0 + r / group, head = first.kv_head * group + r % group;
+    from_float(acc, dim, p.dtype, ob + (tok * p.out_stride_token + head * p.out_stride_head) * c.esize);
+  }
+}
+
+// Splits the batch into items; ordered (sequence, q chunk, partition, kv head) so threads that
+// take neighbouring items read neighbouring memory.
+void make_plan(const PagedAttentionParams& p, int64_t group, Plan& plan) {
+  plan.items.clear();
+  plan.merges.clear();
+  plan.max_rows = 0;
+  const int32_t chunk = static_cast<int32_t>(std::max<int64_t>(1, kMaxRows / group));
+  int64_t offset = 0;
+  for (int32_t s = 0; s < p.num_seqs; ++s) {
+    const int32_t q_len = p.cu_seqlens_q[s + 1] - p.cu_seqlens_q[s];
+    const int32_t seq_len = p.seq_lens[s];
+    for (int32_t i0 = 0; i0 < q_len; i0 += chunk) {
+      const int32_t i1 = std::min(q_len, i0 + chunk);
+      const int32_t hi = seq_len - q_len + i1;
+      const int32_t first_pos = seq_len - q_len + i0;
+      const int32_t lo = p.sliding_window > 0 ? std::max(0, first_pos - p.sliding_window + 1) : 0;
+      const int32_t k0 = lo / kPartition, k1 = (hi - 1) / kPartition;
+      const int32_t parts = k1 - k0 + 1;
+      const int64_t rows = (i1 - i0) * group;
+      plan.max_rows = std::max(plan.max_rows, rows);
+      if (parts > 1) plan.merges.push_back({static_cast<int64_t>(plan.items.size()), p.num_kv_heads, parts});
+      for (int32_t k = k0; k <= k1; ++k) {
+        for (int32_t h = 0; h < p.num_kv_heads; ++h) {
+          Item it{s, h, i0, i1, std::max(lo, k * kPartition), std::min(hi, (k + 1) * kPartition), -1};
+          if (parts > 1) {
+            it.partial = offset;
+            offset += rows * (p.head_dim + 2);
+          }
+          plan.items.push_back(it);
+        }
+      }
+      for (int32_t h = 1; parts > 1 && h < p.num_kv_heads; ++h)
+        plan.merges.push_back({plan.merges.back().first + 1, p.num_kv_heads, parts});
+    }
+  }
+  if (static_cast<int64_t>(plan.partials.size()) < offset) plan.partials.resize(offset);
+}
+
+}  // namespace
+
+Status paged_attention(const PagedAttentionParams& p) {
+  if (p.num_tokens == 0 || p.num_seqs == 0) return Status::Ok();
+  if (!p.q || !p.k_cache || !p.v_cache || !p.block_tables || !p.seq_lens || !p.cu_seqlens_q || !p.out)
+    return Status::Error("paged_attention: a tensor pointer is null");
+  if (p.num_heads <= 0 || p.num_kv_heads <= 0 || p.head_dim <= 0 || p.block_size <= 0 ||
+      p.num_heads % p.num_kv_heads != 0)
+    return Status::Error("paged_attention: invalid head counts, head_dim or block_size");
+  const int64_t group = p.num_heads / p.num_kv_heads;
+  const Ctx c{p, group, round8(p.head_dim), dtype_size(p.dtype),
+              p.dtype == DType::kFloat32 && p.head_dim % 8 == 0};
+
+  // The calling thread's plan, reused so a warm call allocates nothing. Bound to a reference:
+  // inside the parallel region the name of a thread_local would mean each worker's own copy.
+  static thread_local Plan caller_plan;
+  Plan& plan = caller_plan;
+  make_plan(p, group, plan);
+  float* partials = plan.partials.data();
+  const int64_t num_items = static_cast<int64_t>(plan.items.size());
+  const int64_t num_merges = static_cast<int64_t>(plan.merges.size());
+#pragma omp parallel
+  {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < num_items; ++i) run_item(c, plan.items[i], partials);
+    if (num_merges > 0) {
+      thread_local std::vector<float> acc;
+      if (static_cast<int64_t>(acc.size()) < p.head_dim) acc.resize(p.head_dim);
+#pragma omp for schedule(dynamic, 4)
+      for (int64_t i = 0; i < num_merges; ++i) run_merge(c, plan, plan.merges[i], acc.data());
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace CBK_CPU_NS
+}  // namespace cbk
+
+CBK_CPU_DISPATCH(Status, paged_attention, const PagedAttentionParams&)
