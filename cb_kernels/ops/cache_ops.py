@@ -30,10 +30,6 @@ def _default_cuda(supported) -> str:
     return "torch"
 
 
-def _has_kernel(name: str) -> bool:
-    return hasattr(_C, name)
-
-
 def write_kv(key, value, k_cache, v_cache, slot_mapping, *, backend=None) -> None:
     """Write each token's K and V into its cache slot, in place.
 
@@ -55,8 +51,6 @@ def run_write_kv(chosen, key, value, k_cache, v_cache, slot_mapping) -> None:
     """Run one backend on checked arguments (also the body of the torch.library op)."""
     if key.shape[0] == 0:
         return
-    if chosen == "cpu" and not _has_kernel("write_kv"):
-        chosen = "torch"
     if chosen == "torch":
         reference.ref_write_kv(key, value, k_cache, v_cache, slot_mapping)
     elif chosen == "triton":
@@ -68,7 +62,8 @@ def run_write_kv(chosen, key, value, k_cache, v_cache, slot_mapping) -> None:
             sync_threads()
             _C.write_kv(*args)
         else:
-            _C.write_kv_cuda(*args, torch.cuda.current_stream(key.device).cuda_stream)
+            from cb_kernels.ops import _cuda_cache
+            _cuda_cache.write_kv(args, key.device)
 
 
 def _write_kv_args(key, value, k_cache, v_cache, slot_mapping) -> tuple:
@@ -122,8 +117,10 @@ def swap_blocks(src_caches, dst_caches, block_mapping, *, stream=None) -> None:
     _swap_blocks(src_caches, dst_caches, block_mapping, stream=stream, backend=None)
 
 
-def _swap_blocks(src_caches, dst_caches, block_mapping, *, stream, backend) -> None:
-    """swap_blocks with a backend choice, for tests and benchmarks."""
+def _swap_blocks(src_caches, dst_caches, block_mapping, *, stream, backend, cuda_method="auto") -> None:
+    """swap_blocks with a backend choice, for tests and benchmarks. cuda_method: "auto", "batch"
+    (cuMemcpyBatchAsync), "kernel" (copy kernel over mapped pinned memory) or "memcpy" (one
+    cudaMemcpyAsync per run of blocks); device <-> device copies always take the kernel."""
     src_caches = check_pool_list(src_caches, "src_caches")
     dst_caches = check_pool_list(dst_caches, "dst_caches")
     check_same_geometry(src_caches, dst_caches, "src_caches", "dst_caches")
@@ -145,7 +142,7 @@ def _swap_blocks(src_caches, dst_caches, block_mapping, *, stream, backend) -> N
     else:
         chosen = resolve_backend(backend, device, SWAP_BLOCKS_BACKENDS, "cuda", "swap_blocks")
     if n:
-        _run_block_copy(chosen, src_caches, dst_caches, block_mapping, stream)
+        _run_block_copy(chosen, src_caches, dst_caches, block_mapping, stream, cuda_method)
 
 
 def _stream_handle(stream, device: torch.device) -> int:
@@ -154,10 +151,8 @@ def _stream_handle(stream, device: torch.device) -> int:
     return stream if isinstance(stream, int) else stream.cuda_stream
 
 
-def _run_block_copy(chosen, src_caches, dst_caches, block_mapping, stream) -> None:
+def _run_block_copy(chosen, src_caches, dst_caches, block_mapping, stream, cuda_method="auto") -> None:
     """dst_caches[i][dst] = src_caches[i][src] for every pair, on checked arguments."""
-    if chosen == "cpu" and not _has_kernel("copy_blocks"):
-        chosen = "torch"
     if chosen == "torch":
         _torch_block_copy(src_caches, dst_caches, block_mapping, stream)
         return
@@ -172,7 +167,9 @@ def _run_block_copy(chosen, src_caches, dst_caches, block_mapping, stream) -> No
     else:
         from cb_kernels.ops import _cuda_cache
         device = next(t.device for t in (src_caches[0], dst_caches[0]) if t.is_cuda)
-        _cuda_cache.block_copy(src_caches, dst_caches, block_mapping, _stream_handle(stream, device), args)
+        handle = _stream_handle(stream, device)
+        if not _cuda_cache.block_copy(src_caches, dst_caches, block_mapping, handle, args, cuda_method):
+            _torch_block_copy(src_caches, dst_caches, block_mapping, handle)
 
 
 def _torch_block_copy(src_caches, dst_caches, block_mapping, stream) -> None:
@@ -191,6 +188,7 @@ def _torch_block_copy(src_caches, dst_caches, block_mapping, stream) -> None:
 
 def _as_stream(stream, device):
     if isinstance(stream, int):
-        return torch.cuda.ExternalStream(stream, device=device)
+        from cb_kernels.ops._cuda_cache import torch_stream
+        return torch_stream(stream, device)
     return stream
 
