@@ -20,9 +20,9 @@ enabled, for models whose attention is "sdpa" and whose layers are all full atte
    calls `cb_kernels.ops.paged_attention` on that view and block table when it gets them, and the
    original sdpa function otherwise (plain forward, sliding-window models).
 
-The patched internals exist in the versions listed in SUPPORTED_VERSIONS only (5.17-5.23 lay the
-cache out differently and let the attention function update the cache); `enable` refuses other
-versions with an error instead of guessing. `cb_kernels.Engine` works with every pinned version.
+The patched internals exist in the versions listed in SUPPORTED_VERSIONS only (5.23 has 5.24's cache
+but lets the attention function call `cache.update`, handled below; 5.17-5.22 lay the cache out
+differently); `enable` refuses other versions with an error instead of guessing. `cb_kernels.Engine` works with every pinned version.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ import dataclasses
 
 import torch
 
-SUPPORTED_VERSIONS = ("5.24",)
+SUPPORTED_VERSIONS = ("5.23", "5.24")
 
 
 def check_version(version: str | None = None) -> None:
@@ -100,6 +100,11 @@ def enable(model=None) -> None:
         return _paged_update(self, key_states, value_states, layer_idx, kwargs)
 
     def sdpa(module, query, key, value, attention_mask, **kwargs):
+        cache = kwargs.get("cache")
+        if isinstance(cache, cb_cache.PagedAttentionCache) and _serves(cache.config):
+            # 5.23: the attention function updates the cache (5.24: the layer did, before this call)
+            del kwargs["cache"]
+            cache.update(key, value, module.layer_idx, kwargs)
         if "cbk_block_tables" not in kwargs:
             return patched.sdpa(module, query, key, value, attention_mask, **kwargs)
         return _paged_attention(module, query, kwargs)
