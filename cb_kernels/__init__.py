@@ -9,8 +9,8 @@ import os  # noqa: E402
 # 3.9 s passive). Must be set before _C loads its libgomp; a user's own setting wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from cb_kernels import ops  # noqa: E402
+from cb_kernels import models, ops  # noqa: E402
 from cb_kernels.engine import Engine, EngineConfig, RequestOutput, SamplingParams  # noqa: E402
 
-__all__ = ["ops", "__version__"]
+__all__ = ["models", "ops", "__version__"]
 __all__ += ["Engine", "EngineConfig", "SamplingParams", "RequestOutput"]

@@ -27,7 +27,7 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", required=True, help="jsonl file of results (overwritten unless --resume)")
     p.add_argument("--resume", action="store_true", help="append to --output, skipping ids already there")
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to text prompts")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--device", default=None, choices=("cpu", "cuda"), help="default: cuda when available")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="model dtype (default: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--trust-remote-code", action="store_true", help="let the checkpoint run its own code")
@@ -122,6 +122,8 @@ def run_generate(args: argparse.Namespace) -> int:
     done = _finished_ids(out_path) if args.resume else set()
     todo = [r for r in records if r[1] not in done]
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device")
     model, tokenizer = load(args.model, dtype=args.dtype or ("bfloat16" if device == "cuda" else "float32"),
                             trust_remote_code=args.trust_remote_code)
     engine = Engine(model.to(device), config, tokenizer=tokenizer)

@@ -80,3 +80,18 @@ def test_generate_bad_option(tiny_checkpoint, tmp_path):
     with pytest.raises(SystemExit, match="bad option: .*top_p"):
         cli.main(["generate", "--model", str(tiny_checkpoint), "--input", str(src),
                   "--output", str(tmp_path / "o.jsonl"), "--top-p", "0"])
+
+
+@pytest.mark.one_thread
+def test_generate_text_and_chat_records(smollm2, tmp_path):
+    model, tokenizer = smollm2
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(src, ["What is the capital of France?",
+                       {"id": "chat", "messages": [{"role": "user", "content": "What is the capital of France?"}]}])
+    assert cli.main(["generate", "--model", "smollm2-135m", "--input", str(src), "--output", str(dst),
+                     "--chat", "--max-new-tokens", "8", "--num-blocks", "16", "--block-size", "16"]) == 0
+    results = {r["id"]: r for r in map(json.loads, dst.read_text().splitlines())}
+    assert set(results) == {"0", "chat"}
+    # --chat wraps a text prompt in the same template a "messages" record gets
+    assert results["0"]["token_ids"] == results["chat"]["token_ids"]
+    assert "Paris" in results["chat"]["text"]
