@@ -8,6 +8,28 @@ namespace py = pybind11;
 
 void bind_paged_attention(py::module_& m) {
   m.def(
+      "paged_attention_index_error",
+      [](uintptr_t block_tables, uintptr_t seq_lens, uintptr_t cu_seqlens_q, int64_t num_seqs,
+         int64_t max_blocks_per_seq, int64_t block_table_stride, int64_t num_tokens,
+         int64_t num_blocks, int64_t block_size) {
+        cbk::PagedAttentionParams p;
+        p.block_tables = cbk::as_ptr<const int32_t>(block_tables);
+        p.seq_lens = cbk::as_ptr<const int32_t>(seq_lens);
+        p.cu_seqlens_q = cbk::as_ptr<const int32_t>(cu_seqlens_q);
+        p.num_seqs = num_seqs;
+        p.max_blocks_per_seq = max_blocks_per_seq;
+        p.block_table_stride = block_table_stride;
+        p.num_tokens = num_tokens;
+        p.num_blocks = num_blocks;
+        p.block_size = block_size;
+        return cbk::paged_attention_index_error(p);
+      },
+      "\"\" or why the index tensors (host memory) are invalid; see cb_kernels.ops.paged_attention.",
+      py::arg("block_tables"), py::arg("seq_lens"), py::arg("cu_seqlens_q"), py::arg("num_seqs"),
+      py::arg("max_blocks_per_seq"), py::arg("block_table_stride"), py::arg("num_tokens"),
+      py::arg("num_blocks"), py::arg("block_size"));
+
+  m.def(
       "paged_attention",
       [](uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uintptr_t block_tables,
          uintptr_t seq_lens, uintptr_t cu_seqlens_q, uintptr_t out, int64_t num_tokens,

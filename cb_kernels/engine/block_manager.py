@@ -24,6 +24,7 @@ from collections import OrderedDict, deque
 from cb_kernels.engine.sequence import Sequence
 
 _NO_HASH = b""
+_NO_COPIES: list = []      # shared, never mutated
 
 
 def hash_block(parent: bytes, token_ids) -> bytes:
@@ -171,6 +172,17 @@ class BlockManager:
         """Whether the slot of `seq`'s next token can be provided without preempting."""
         return not self._needs_new_block(seq) or self.num_free_blocks >= 1
 
+    def try_append_slot(self, seq: Sequence):
+        """can_append + append_slot in one pass (the scheduler's hot path): the copy-on-write
+        pairs, or None when a block is needed and none is available."""
+        last = (len(seq.token_ids) - 1) // self.block_size
+        table = seq.block_table
+        if last < len(table) and self.ref_counts[table[last]] == 1:
+            return _NO_COPIES
+        if not self.free_ids and not self.cached_lru:
+            return None
+        return self.append_slot(seq)
+
     def append_slot(self, seq: Sequence) -> list:
         """Make room for the KV of `seq`'s last token; returns the (src, dst) block copies that
         copy-on-write needs (a partial last block shared after fork())."""
@@ -178,10 +190,10 @@ class BlockManager:
         if last >= len(seq.block_table):
             assert last == len(seq.block_table), f"{seq} skipped a block"
             seq.block_table.append(self._take_block())
-            return []
+            return _NO_COPIES
         old = seq.block_table[last]
         if self.ref_counts[old] == 1:
-            return []
+            return _NO_COPIES
         new = self._take_block()
         self.ref_counts[old] -= 1
         seq.block_table[last] = new

@@ -53,13 +53,10 @@ def check_prompt(token_ids: list, params, vocab_size: int, max_positions: int,
 
 
 def eos_ids_of(model) -> frozenset:
-    """EOS ids from the model's generation config, else its config."""
-    ids = None
+    """EOS ids as generate() sees them: the generation config's (the model config's only when
+    the model has no generation config)."""
     gen = getattr(model, "generation_config", None)
-    if gen is not None:
-        ids = gen.eos_token_id
-    if ids is None:
-        ids = getattr(model.config, "eos_token_id", None)
+    ids = gen.eos_token_id if gen is not None else getattr(model.config, "eos_token_id", None)
     if ids is None:
         return frozenset()
     return frozenset([ids] if isinstance(ids, int) else ids)

@@ -88,13 +88,10 @@ class Scheduler:
         bm = self.block_manager
         bm.begin_step()
         batch = ScheduledBatch()
-        budget = self.max_batch_tokens
-        budget = self._schedule_decodes(batch, budget)
-        for seq in self.running:
+        budget, prefilling = self._schedule_decodes(batch, self.max_batch_tokens)
+        for seq in prefilling:
             if budget == 0:
                 break
-            if seq.is_decoding:
-                continue        # scheduled by _schedule_decodes, or the budget ran out there
             n = min(seq.num_uncomputed_tokens, budget)
             self._add(batch, seq, n, decode=False)
             budget -= n
@@ -113,26 +110,39 @@ class Scheduler:
             budget -= n
         return batch
 
-    def _schedule_decodes(self, batch: ScheduledBatch, budget: int) -> int:
-        bm = self.block_manager
+    def _schedule_decodes(self, batch: ScheduledBatch, budget: int):
+        """Schedule one token for each decoding request, oldest first, preempting the newest
+        when blocks run out. Returns the budget left and the running requests that prefill."""
+        bm, running = self.block_manager, self.running
+        seqs, counts, bs = batch.seqs, batch.num_new_tokens, bm.block_size
+        prefilling = []
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            if not seq.is_decoding:
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            computed = seq.num_computed_tokens
+            if computed != len(seq.token_ids) - 1:
+                prefilling.append(seq)
                 i += 1
                 continue
-            while not bm.can_append(seq):
-                victim = self.running[-1]
+            copies = bm.try_append_slot(seq)
+            while copies is None:
+                victim = running[-1]
                 self._preempt(victim)
                 if victim is seq:
                     break
-            if seq.status is not SequenceStatus.RUNNING:
+                copies = bm.try_append_slot(seq)
+            if copies is None:
                 continue        # preempted itself; running[i] is now the next request
-            batch.blocks_to_copy += bm.append_slot(seq)
-            self._add(batch, seq, 1, decode=True)
+            if copies:
+                batch.blocks_to_copy += copies
+            seqs.append(seq)
+            counts.append(1)
+            if (computed + 1) % bs == 0:
+                bm.commit(seq, computed + 1)
             budget -= 1
             i += 1
-        return budget
+        batch.num_decode_tokens = len(seqs)
+        return budget, prefilling
 
     def _add(self, batch: ScheduledBatch, seq: Sequence, n: int, decode: bool) -> None:
         batch.add(seq, n, decode)

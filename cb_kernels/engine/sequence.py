@@ -70,7 +70,9 @@ class Sequence:
 
     @property
     def is_decoding(self) -> bool:
-        return self.num_computed_tokens == len(self.token_ids) - 1 and self.num_generated_tokens > 0
+        """One token lacks KV: the last sampled one (or the last prompt token of a 1-token
+        prompt, whose block is already allocated: it decodes the same way)."""
+        return self.num_computed_tokens == len(self.token_ids) - 1
 
     @property
     def is_finished(self) -> bool:

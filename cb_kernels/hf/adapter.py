@@ -17,6 +17,7 @@ model.generate() keeps working with its own attention.
 """
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 from typing import Optional
 
@@ -71,6 +72,18 @@ def _engine_attention(module, query, key, value, attention_mask, scaling=None, d
                               step.cu_seqlens_q, scale=scaling, sliding_window=window,
                               softcap=softcap, backend=step.backend)
     return out.to(query.dtype).unsqueeze(0), None
+
+
+def _i64(values: list) -> torch.Tensor:
+    # array + frombuffer: 5 us for 256 ints where torch.tensor(list) takes 36 us (and 220 us
+    # vs 840 us for a 256 x 25 block table), measured on the 2-core bench machine.
+    return torch.frombuffer(array("q", values), dtype=torch.int64) if values else \
+        torch.empty(0, dtype=torch.int64)
+
+
+def _i32(values: list) -> torch.Tensor:
+    return torch.frombuffer(array("i", values), dtype=torch.int32) if values else \
+        torch.empty(0, dtype=torch.int32)
 
 
 def _no_mask(*args, **kwargs):
@@ -192,22 +205,25 @@ class ModelAdapter:
             if end == seq.num_tokens:
                 logits_idx.append(cu[-1] - 1)
                 sampled.append(seq)
-            max_blocks = max(max_blocks, len(table))
-        tables = torch.zeros((len(seqs), max_blocks), dtype=torch.int32)
-        for i, seq in enumerate(seqs):
-            tables[i, :len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+            if len(table) > max_blocks:
+                max_blocks = len(table)
+        flat = []
+        for seq in seqs:
+            flat += seq.block_table
+            flat += [0] * (max_blocks - len(seq.block_table))
+        tables = _i32(flat).view(len(seqs), max_blocks)
         dev = self.device
         step = StepInputs(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
+            slot_mapping=_i64(slots).to(dev, non_blocking=True),
             block_tables=tables.to(dev, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32).to(dev, non_blocking=True),
+            seq_lens=_i32(seq_lens).to(dev, non_blocking=True),
+            cu_seqlens_q=_i32(cu).to(dev, non_blocking=True),
             k_caches=self.k_caches, v_caches=self.v_caches,
             sliding_windows=self.sliding_windows, softcap=self.softcap,
             backend=self.attention_backend)
-        input_ids = torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True)[None]
-        position_ids = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)[None]
-        logits_indices = torch.tensor(logits_idx, dtype=torch.int64).to(dev, non_blocking=True)
+        input_ids = _i64(ids).to(dev, non_blocking=True)[None]
+        position_ids = _i64(positions).to(dev, non_blocking=True)[None]
+        logits_indices = _i64(logits_idx).to(dev, non_blocking=True)
         return input_ids, position_ids, logits_indices, step, sampled
 
     @torch.inference_mode()

@@ -8,6 +8,7 @@ kernel serves every dtype and results are bit-exact by construction.
 from __future__ import annotations
 
 import contextlib
+from typing import List, Optional
 
 import torch
 
@@ -41,6 +42,13 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping, *, backend=None) -> Non
     slot_mapping : int64 [num_tokens] on the caches' device; -1 skips the token.
     backend : None (fastest here), "cuda", "triton", "cpu" or "torch" (the reference).
     """
+    if torch.compiler.is_compiling():
+        torch.ops.cb_kernels.write_kv(key, value, k_cache, v_cache, slot_mapping, backend)
+    else:
+        _write_kv(key, value, k_cache, v_cache, slot_mapping, backend)
+
+
+def _write_kv(key, value, k_cache, v_cache, slot_mapping, backend) -> None:
     device = check_write_kv(key, value, k_cache, v_cache, slot_mapping)
     check_slot_values(slot_mapping, k_cache.shape[0] * k_cache.shape[1])
     chosen = resolve_backend(backend, device, WRITE_KV_BACKENDS, _default_cuda(WRITE_KV_BACKENDS), "write_kv")
@@ -85,12 +93,24 @@ def copy_blocks(k_caches, v_caches, block_mapping, *, backend=None) -> None:
         never also a source.
     backend : None, "cuda", "cpu" or "torch".
     """
+    if torch.compiler.is_compiling():
+        torch.ops.cb_kernels.copy_blocks(list(k_caches), list(v_caches), block_mapping, backend)
+    else:
+        _copy_blocks(k_caches, v_caches, block_mapping, backend)
+
+
+def _check_copy_pool(k_caches, v_caches) -> tuple[list, list]:
     k_caches = check_pool_list(k_caches, "k_caches")
     v_caches = check_pool_list(v_caches, "v_caches")
     check_same_geometry(k_caches, v_caches, "k_caches", "v_caches")
     if v_caches[0].device != k_caches[0].device or v_caches[0].shape[0] != k_caches[0].shape[0]:
         raise ValueError(f"v_caches ({v_caches[0].shape[0]} blocks on {v_caches[0].device}) must share the pool "
                          f"of k_caches ({k_caches[0].shape[0]} blocks on {k_caches[0].device})")
+    return k_caches, v_caches
+
+
+def _copy_blocks(k_caches, v_caches, block_mapping, backend) -> None:
+    k_caches, v_caches = _check_copy_pool(k_caches, v_caches)
     num_blocks = k_caches[0].shape[0]
     n = check_block_mapping(block_mapping, num_blocks, num_blocks, same_pool=True)
     device = k_caches[0].device
@@ -125,7 +145,10 @@ def _swap_blocks(src_caches, dst_caches, block_mapping, *, stream, backend, cuda
     dst_caches = check_pool_list(dst_caches, "dst_caches")
     check_same_geometry(src_caches, dst_caches, "src_caches", "dst_caches")
     src_dev, dst_dev = src_caches[0].device, dst_caches[0].device
-    same_pool = any(s.data_ptr() == d.data_ptr() for s, d in zip(src_caches, dst_caches))
+    # Views of one storage on both sides (one pool, maybe interleaved): a destination must then
+    # never be a source, or the result would depend on copy order.
+    same_pool = any(s.untyped_storage().data_ptr() == d.untyped_storage().data_ptr()
+                    for s, d in zip(src_caches, dst_caches))
     n = check_block_mapping(block_mapping, src_caches[0].shape[0], dst_caches[0].shape[0], same_pool)
     cuda_devs = {d for d in (src_dev, dst_dev) if d.type == "cuda"}
     if len(cuda_devs) > 1:
@@ -173,7 +196,8 @@ def _run_block_copy(chosen, src_caches, dst_caches, block_mapping, stream, cuda_
 
 
 def _torch_block_copy(src_caches, dst_caches, block_mapping, stream) -> None:
-    """Pure-torch copy: one gather, one transfer and one scatter per tensor (transformers' way).
+    """Pure-torch copy: one gather, one transfer and one scatter per tensor (transformers' way;
+    indexing rather than index_copy_, which has no float8 kernel on CPU).
 
     Gathering first means no pair can read another pair's output, like the kernels.
     """
@@ -183,7 +207,7 @@ def _torch_block_copy(src_caches, dst_caches, block_mapping, stream) -> None:
         src_ids = block_mapping[:, 0].to(src_caches[0].device)
         dst_ids = block_mapping[:, 1].to(dst_caches[0].device)
         for s, d in zip(src_caches, dst_caches):
-            d.index_copy_(0, dst_ids, s.index_select(0, src_ids).to(d.device))
+            d[dst_ids] = s[src_ids].to(d.device)
 
 
 def _as_stream(stream, device):
@@ -192,3 +216,27 @@ def _as_stream(stream, device):
         return torch_stream(stream, device)
     return stream
 
+
+
+# torch.library ops, so torch.compile and CUDA graphs can trace the calls: the mutated caches are
+# in the schema, and the fake implementations check shapes (block ids are data, checked at run).
+@torch.library.custom_op("cb_kernels::write_kv", mutates_args=("k_cache", "v_cache"))
+def _write_kv_op(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor, backend: Optional[str] = None) -> None:
+    _write_kv(key, value, k_cache, v_cache, slot_mapping, backend)
+
+
+@_write_kv_op.register_fake
+def _(key, value, k_cache, v_cache, slot_mapping, backend=None) -> None:
+    check_write_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+@torch.library.custom_op("cb_kernels::copy_blocks", mutates_args=("k_caches", "v_caches"))
+def _copy_blocks_op(k_caches: List[torch.Tensor], v_caches: List[torch.Tensor], block_mapping: torch.Tensor,
+                    backend: Optional[str] = None) -> None:
+    _copy_blocks(k_caches, v_caches, block_mapping, backend)
+
+
+@_copy_blocks_op.register_fake
+def _(k_caches, v_caches, block_mapping, backend=None) -> None:
+    _check_copy_pool(k_caches, v_caches)

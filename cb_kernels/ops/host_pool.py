@@ -51,7 +51,9 @@ class HostPool:
             nbytes = num_blocks * t[0].numel() * t.element_size()
             total += -(-nbytes // _ALIGN) * _ALIGN
         want_pinned = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self._buffer, self.pinned = _allocate(total, want_pinned)
+        raw, self.pinned = _allocate(total + _ALIGN, want_pinned)
+        start = -raw.data_ptr() % _ALIGN
+        self._buffer = raw[start:start + total]
         self.num_blocks = num_blocks
         self.nbytes = total
         self.caches = [

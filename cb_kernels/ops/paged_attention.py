@@ -13,7 +13,13 @@ from cb_kernels.ops import _backend
 from cb_kernels.ops._paged_attention_checks import check_args, check_values
 from cb_kernels.ops.reference import ref_paged_attention
 
-# Default backend for CUDA tensors (the attn_gpu work sets it from measurements).
+# Default backend for CUDA tensors: a reasoned default, pending bench/gpu_check.sh numbers (no
+# GPU was available when it was chosen). Triton because (1) it is present wherever torch's CUDA
+# wheels are (they depend on triton) while the "cuda" kernels exist only in builds made with nvcc;
+# (2) it covers every head_dim/block_size the API allows; (3) its decode tile runs Q.K^T and P.V
+# on tensor cores, which FlashInfer reports pays off from GQA group 4 up (Llama-3 uses 4-8), where
+# the CUDA kernel's fp32 FMAs cost about as much time as its memory traffic (estimate for group 8,
+# head_dim 128 on an H200: ~560 ns of FMAs vs ~900 ns of loads per 64-key chunk per SM).
 DEFAULT_CUDA_BACKEND = "triton"
 SUPPORTED_BACKENDS = ("cuda", "triton", "cpu", "torch")
 
@@ -47,14 +53,40 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """
     scale_f, window, cap = check_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
                                       scale, sliding_window, softcap, out)
-    check_values(q.shape[0], k_cache, block_tables, seq_lens, cu_seqlens_q)
+    compiling = torch.compiler.is_compiling()
+    if not compiling:  # traced tensors have no values to read
+        check_values(q.shape[0], k_cache, block_tables, seq_lens, cu_seqlens_q)
     name = _backend.resolve_backend(backend, q.device, SUPPORTED_BACKENDS, DEFAULT_CUDA_BACKEND,
                                     "paged_attention")
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    run_backend(name, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale_f,
-                window, cap)
+    # Eager calls skip the dispatcher: a 1-token decode on one thread takes ~7 us through
+    # run_backend and ~160 us through torch.ops.cb_kernels.paged_attention (the Python custom-op
+    # layers: autograd, ADInplaceOrView, dynamo-disable), measured by bench/bench_attention.py.
+    # torch.compile must see the registered op to trace it, so traced calls take it.
+    if compiling:
+        torch.ops.cb_kernels.paged_attention(q, k_cache, v_cache, block_tables, seq_lens,
+                                             cu_seqlens_q, out, scale_f, window, cap, name)
+    else:
+        run_backend(name, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale_f,
+                    window, cap)
     return out
+
+
+@torch.library.custom_op("cb_kernels::paged_attention", mutates_args=("out",))
+def _paged_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                        cu_seqlens_q: torch.Tensor, out: torch.Tensor, scale: float,
+                        sliding_window: int, softcap: float, backend: str) -> None:
+    """The registered op: arguments as `run_backend` takes them (0 = off), `out` written."""
+    run_backend(backend, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale,
+                sliding_window, softcap)
+
+
+@_paged_attention_op.register_fake
+def _(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale, sliding_window,
+      softcap, backend) -> None:
+    return None
 
 
 def run_backend(name: str, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out,

@@ -37,6 +37,7 @@ namespace {
 constexpr int kTile = 32;         // KV tokens per online-softmax step
 constexpr int kPartition = 256;   // KV tokens per work item (a multiple of kTile)
 constexpr int kMaxRows = 64;      // query rows per work item (more when one group is larger)
+constexpr int64_t kGrainWork = 16384;  // (query row, key) pairs worth a thread: ~40 us at d=64
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 typedef float v8f __attribute__((vector_size(32)));
@@ -192,7 +193,7 @@ struct Plan {
   std::vector<Item> items;
   std::vector<Merge> merges;
   std::vector<float> partials;  // grows to the largest batch seen, never shrinks
-  int64_t max_rows = 0;
+  int64_t work = 0;  // sum over items of rows x keys
 };
 
 // Per-thread scratch, reused across calls: query rows, outputs, scores, K/V tiles.
@@ -253,14 +254,40 @@ void run_item(const Ctx& c, const Item& it, float* partials) {
   const char* vb = static_cast<const char*>(p.v_cache);
   const float* kp[kTile];
   const float* vp[kTile];
-  for (int32_t t0 = it.kv_begin / kTile * kTile; t0 < it.kv_end; t0 += kTile) {
+  // Byte offsets of the K/V rows of this tile and the next: the next tile's rows are
+  // prefetched while this one is computed. Tiles of one head are 256-byte rows 1 KiB apart in
+  // blocks in random order, which the hardware prefetcher does not follow: without this, decode
+  // at 16 x 2048 fp32 read 2.0 GB/s on one thread against 12 GB/s with the KV in L3.
+  int64_t koff[2][kTile], voff[2][kTile];
+  const int64_t row_bytes = dim * c.esize;
+  auto locate = [&](int32_t t0, int64_t* ko, int64_t* vo) {
     const int32_t lo = std::max(t0, it.kv_begin), hi = std::min(t0 + kTile, it.kv_end);
+    int64_t bi = lo / p.block_size, off = lo % p.block_size;
     for (int32_t pos = lo; pos < hi; ++pos) {
-      const int64_t block = table[pos / p.block_size], off = pos % p.block_size;
-      const char* kr = kb + (block * p.k_stride_block + off * p.k_stride_token +
-                             it.kv_head * p.k_stride_head) * c.esize;
-      const char* vr = vb + (block * p.v_stride_block + off * p.v_stride_token +
-                             it.kv_head * p.v_stride_head) * c.esize;
+      const int64_t block = table[bi];
+      ko[pos - lo] = (block * p.k_stride_block + off * p.k_stride_token + it.kv_head * p.k_stride_head) * c.esize;
+      vo[pos - lo] = (block * p.v_stride_block + off * p.v_stride_token + it.kv_head * p.v_stride_head) * c.esize;
+      if (++off == p.block_size) {
+        off = 0;
+        ++bi;
+      }
+    }
+    for (int32_t j = 0; j < hi - lo; ++j) {
+      for (int64_t b = 0; b < row_bytes; b += 64) {
+        __builtin_prefetch(kb + ko[j] + b, 0, 1);
+        __builtin_prefetch(vb + vo[j] + b, 0, 1);
+      }
+    }
+  };
+  int cur = 0;
+  const int32_t first_tile = it.kv_begin / kTile * kTile;
+  locate(first_tile, koff[0], voff[0]);
+  for (int32_t t0 = first_tile; t0 < it.kv_end; t0 += kTile, cur ^= 1) {
+    const int32_t lo = std::max(t0, it.kv_begin), hi = std::min(t0 + kTile, it.kv_end);
+    if (t0 + kTile < it.kv_end) locate(t0 + kTile, koff[cur ^ 1], voff[cur ^ 1]);
+    for (int32_t pos = lo; pos < hi; ++pos) {
+      const char* kr = kb + koff[cur][pos - lo];
+      const char* vr = vb + voff[cur][pos - lo];
       const int j = pos - t0;
       if (c.direct_kv) {
         kp[j] = reinterpret_cast<const float*>(kr);
@@ -364,7 +391,7 @@ void run_merge(const Ctx& c, const Plan& plan, const Merge& mg, float* acc) {
 void make_plan(const PagedAttentionParams& p, int64_t group, Plan& plan) {
   plan.items.clear();
   plan.merges.clear();
-  plan.max_rows = 0;
+  plan.work = 0;
   const int32_t chunk = static_cast<int32_t>(std::max<int64_t>(1, kMaxRows / group));
   int64_t offset = 0;
   for (int32_t s = 0; s < p.num_seqs; ++s) {
@@ -378,11 +405,12 @@ void make_plan(const PagedAttentionParams& p, int64_t group, Plan& plan) {
       const int32_t k0 = lo / kPartition, k1 = (hi - 1) / kPartition;
       const int32_t parts = k1 - k0 + 1;
       const int64_t rows = (i1 - i0) * group;
-      plan.max_rows = std::max(plan.max_rows, rows);
+      plan.work += rows * (hi - lo) * p.num_kv_heads;
       if (parts > 1) plan.merges.push_back({static_cast<int64_t>(plan.items.size()), p.num_kv_heads, parts});
       for (int32_t k = k0; k <= k1; ++k) {
         for (int32_t h = 0; h < p.num_kv_heads; ++h) {
-          Item it{s, h, i0, i1, std::max(lo, k * kPartition), std::min(hi, (k + 1) * kPartition), -1};
+          const int32_t end = static_cast<int32_t>(std::min<int64_t>(hi, (k + 1) * int64_t{kPartition}));
+          Item it{s, h, i0, i1, std::max(lo, k * kPartition), end, -1};
           if (parts > 1) {
             it.partial = offset;
             offset += rows * (p.head_dim + 2);
@@ -418,9 +446,18 @@ Status paged_attention(const PagedAttentionParams& p) {
   float* partials = plan.partials.data();
   const int64_t num_items = static_cast<int64_t>(plan.items.size());
   const int64_t num_merges = static_cast<int64_t>(plan.merges.size());
-#pragma omp parallel
+  // One thread takes all kv heads of a (sequence, q chunk, partition): it then reads whole
+  // blocks, not every fourth 256-byte row. Decode 16 x 2048 fp32 on 2 threads: 12.4 ms with
+  // chunks of one item, 3.7 ms with this.
+  const int64_t kv_chunk = p.num_kv_heads;
+  // Small calls stay on one thread: a parallel region costs ~5 us idle and, when the machine is
+  // oversubscribed, waits for a descheduled worker (a 1-token decode took 33 ms on 2 threads
+  // against 7 us on one, on the shared 2-core box).
+  const int threads = static_cast<int>(
+      std::min<int64_t>(omp_get_max_threads(), std::max<int64_t>(1, plan.work / kGrainWork)));
+#pragma omp parallel num_threads(threads) if (threads > 1)
   {
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, kv_chunk)
     for (int64_t i = 0; i < num_items; ++i) run_item(c, plan.items[i], partials);
     if (num_merges > 0) {
       thread_local std::vector<float> acc;

@@ -1,0 +1,243 @@
+"""Engine throughput against transformers on the same prompts (greedy, fp32, one process).
+
+    python bench/bench_engine.py [--quick] [--json out.json]
+
+Workload: N requests with prompt lengths uniform in [min, max] and their own output lengths
+(64 requests, prompts 16..512, outputs 16..256; --quick: 16 requests, 16..128, 16..64) on a
+random tiny Llama (hidden 256, 4 layers, 8/2 heads, MLP 1024, vocab 32000). Contenders:
+  cb_kernels        Engine with auto config
+  generate_batch    transformers' continuous batching, defaults and tuned (max_batch_tokens=512,
+                    num_blocks=64), each request with its own max_new_tokens
+  padded generate   one model.generate over the left-padded batch; it must run every row to the
+                    longest output, so only the requested tokens count as output
+Output tokens/s counts the requested tokens; ratios are against padded generate measured in the
+same run. Also: the scheduler's time per step at 256 running requests (schedule + input
+packing, no model) and the time to first token of a fresh process.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import subprocess
+import sys
+import time
+
+import torch
+
+# Run from a checkout, the checkout's cb_kernels wins over an installed one.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if os.path.isdir(os.path.join(_ROOT, "cb_kernels")) and _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+MODEL_CFG = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+                 num_attention_heads=8, num_key_value_heads=2, vocab_size=32000,
+                 max_position_embeddings=2048)
+
+
+def build_model(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**MODEL_CFG, attn_implementation="sdpa")).eval()
+    # No EOS: every contender produces exactly the requested number of tokens.
+    model.generation_config.eos_token_id = None
+    model.config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def workload(n: int, prompt_range, output_range, seed: int = 0):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1, MODEL_CFG["vocab_size"]) for _ in range(rng.randint(*prompt_range))]
+               for _ in range(n)]
+    outputs = [rng.randint(*output_range) for _ in range(n)]
+    return prompts, outputs
+
+
+def run_engine(model, prompts, outputs, **config):
+    from cb_kernels import Engine, EngineConfig, SamplingParams
+
+    engine = Engine(model, EngineConfig(**config))
+    engine.generate([p[:8] for p in prompts[:4]], SamplingParams(max_new_tokens=4))   # warm-up
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, [SamplingParams(max_new_tokens=n) for n in outputs])
+    seconds = time.perf_counter() - t0
+    return seconds, [o.token_ids for o in outs], engine.stats()
+
+
+def run_generate_batch(model, prompts, outputs, cb_config=None):
+    from transformers import GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    gen = GenerationConfig(do_sample=False, max_new_tokens=max(outputs), eos_token_id=None,
+                           pad_token_id=0)
+    hints = WorkloadHints(max(map(len, prompts)), max(outputs), len(prompts))
+    with model.continuous_batching_context_manager(
+            generation_config=gen, continuous_batching_config=cb_config, block=True, timeout=5,
+            workload_hints=hints) as manager:
+        t0 = time.perf_counter()
+        ids = [manager.add_request(p, max_new_tokens=n) for p, n in zip(prompts, outputs)]
+        results = {}
+        while len(results) < len(ids):
+            r = manager.get_result(timeout=1)
+            if r is not None and r.is_finished():
+                results[r.request_id] = r
+            elif r is None and not manager.is_running():
+                raise RuntimeError("generate_batch's thread stopped early")
+        seconds = time.perf_counter() - t0
+    errors = [r.error for r in results.values() if r.error]
+    if errors:
+        raise RuntimeError(f"generate_batch failed {len(errors)} requests: {errors[0]}")
+    return seconds, [results[i].generated_tokens for i in ids]
+
+
+@torch.inference_mode()
+def run_padded_generate(model, prompts, outputs):
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    t0 = time.perf_counter()
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=max(outputs),
+                         min_new_tokens=max(outputs), do_sample=False)
+    seconds = time.perf_counter() - t0
+    return seconds, [out[i, width:width + n].tolist() for i, n in enumerate(outputs)]
+
+
+def scheduler_step_ms(num_running: int = 256, steps: int = 200) -> dict:
+    """Time of schedule() + postprocess bookkeeping + input packing with `num_running` decoding
+    requests of ~300 tokens (blocks of 16), no model."""
+    from cb_kernels.engine.block_manager import BlockManager
+    from cb_kernels.engine.config import SamplingParams
+    from cb_kernels.engine.scheduler import Scheduler
+    from cb_kernels.engine.sequence import Sequence
+    from cb_kernels.hf.adapter import ModelAdapter
+
+    bm = BlockManager(num_running * 40, 16)
+    sched = Scheduler(bm, max_batch_tokens=512, max_num_seqs=num_running)
+    rng = random.Random(0)
+    for i in range(num_running):
+        sched.add(Sequence(i, f"r{i}", [rng.randrange(32000) for _ in range(rng.randint(200, 400))],
+                           SamplingParams(max_new_tokens=10_000)))
+    while any(not s.is_decoding for s in sched.running) or sched.waiting:
+        batch = sched.schedule()
+        for s, n in zip(batch.seqs, batch.num_new_tokens):
+            s.num_computed_tokens += n
+            if s.num_computed_tokens == s.num_tokens:
+                s.token_ids.append(1)
+    packer = ModelAdapter.__new__(ModelAdapter)       # prepare() needs only these fields
+    packer.block_size, packer.device = 16, torch.device("cpu")
+    packer.k_caches = packer.v_caches = []
+    packer.sliding_windows, packer.softcap, packer.attention_backend = [], None, None
+    t_sched = t_pack = 0.0
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        batch = sched.schedule()
+        t1 = time.perf_counter()
+        packer.prepare(batch.seqs, batch.num_new_tokens)
+        t2 = time.perf_counter()
+        for s in batch.seqs:
+            s.num_computed_tokens += 1
+            s.token_ids.append(1)
+        t_sched += t1 - t0
+        t_pack += t2 - t1
+    assert len(batch.seqs) == num_running
+    return {"schedule_ms": 1e3 * t_sched / steps, "pack_inputs_ms": 1e3 * t_pack / steps}
+
+
+COLD = """
+import time, torch
+t0 = time.perf_counter()
+from cb_kernels import Engine, EngineConfig, SamplingParams
+import bench_engine as b
+model = b.build_model()
+engine = Engine(model, EngineConfig())
+rid = engine.add_request(list(range(1, 129)), SamplingParams(max_new_tokens=2))
+while not engine._seqs[rid].output_token_ids:
+    engine.step()
+print(time.perf_counter() - t0 + T_IMPORT)
+"""
+
+
+def cold_start_ttft() -> float:
+    """Seconds from a fresh interpreter to the first token (imports, random model init, engine
+    construction, one prefill): the cost a user waits before anything streams."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = "import time; _t = time.perf_counter()\n" + COLD.replace(
+        "T_IMPORT", "0").replace("t0 = time.perf_counter()", "t0 = _t")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.path.dirname(here),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         check=True)
+    wall = time.perf_counter() - t0
+    return {"ttft_in_process_s": float(out.stdout.strip().splitlines()[-1]), "ttft_wall_s": wall}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="16 short requests (a smoke run)")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--requests", type=int, default=None)
+    p.add_argument("--skip", default="", help="comma list of contenders to skip: "
+                   "hf_default,hf_tuned,padded,cold")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: torch's choice); 1 gives stable numbers on a "
+                        "machine shared with other jobs")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    logging.basicConfig(level=logging.WARNING)
+    n = args.requests or (16 if args.quick else 64)
+    prompt_range, output_range = ((16, 128), (16, 64)) if args.quick else ((16, 512), (16, 256))
+    skip = set(filter(None, args.skip.split(",")))
+    model = build_model()
+    prompts, outputs = workload(n, prompt_range, output_range)
+    useful = sum(outputs)
+    res = {"threads": torch.get_num_threads(), "requests": n, "output_tokens": useful,
+           "prompt_tokens": sum(map(len, prompts)), "model": MODEL_CFG, "results": {}}
+
+    def record(name, seconds, tokens, ref):
+        match = sum(a == b for a, b in zip(tokens, ref)) if ref is not None else None
+        res["results"][name] = {"seconds": seconds, "tok_per_s": useful / seconds,
+                                "identical_requests": match}
+        print(f"{name:>22}: {useful / seconds:8.1f} tok/s  ({seconds:6.2f} s"
+              + (f", identical tokens {match}/{n})" if match is not None else ")"), flush=True)
+
+    seconds, ours, stats = run_engine(model, prompts, outputs)
+    res["engine_stats"] = stats
+    record("cb_kernels", seconds, ours, None)
+    if "padded" not in skip:
+        record("padded_generate", *run_padded_generate(model, prompts, outputs), ours)
+    if "hf_default" not in skip:
+        record("generate_batch_default", *run_generate_batch(model, prompts, outputs), ours)
+    if "hf_tuned" not in skip:
+        from transformers import ContinuousBatchingConfig
+        tuned = ContinuousBatchingConfig(max_batch_tokens=512, num_blocks=64)
+        record("generate_batch_tuned", *run_generate_batch(model, prompts, outputs, tuned), ours)
+    base = res["results"].get("padded_generate")
+    if base:
+        for name, r in res["results"].items():
+            r["vs_padded_generate"] = r["tok_per_s"] / base["tok_per_s"]
+        print("ratios vs padded generate: " + ", ".join(
+            f"{k} {v['vs_padded_generate']:.2f}x" for k, v in res["results"].items()))
+    res["scheduler_256"] = scheduler_step_ms()
+    print("scheduler at 256 running: {schedule_ms:.3f} ms schedule + {pack_inputs_ms:.3f} ms "
+          "input packing per step".format(**res["scheduler_256"]))
+    if "cold" not in skip:
+        res["cold_start"] = cold_start_ttft()
+        print("cold start to first token: {ttft_in_process_s:.2f} s in process, "
+              "{ttft_wall_s:.2f} s wall".format(**res["cold_start"]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""The model adapter across model families: greedy parity with generate (sliding window, softcap,
+GQA, q/k norms), no dense mask, and the user's model left as it was."""
+import pytest
+import torch
+
+from cb_kernels import Engine, EngineConfig, SamplingParams
+from cb_kernels.hf import adapter as adapter_mod
+from tiny_models import ATTN_BACKEND, make_model, random_prompts, reference_tokens, run_checked
+
+pytestmark = pytest.mark.one_thread
+
+# Prompts longer than the sliding window (24) so the window really cuts.
+LENGTHS, NEW = [30, 4, 45, 17], [10, 14, 6, 30]
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "mistral", "gemma", "gemma2"])
+def test_family_greedy_matches_generate(kind):
+    model = make_model(kind, seed=1)
+    prompts = random_prompts(LENGTHS, seed=6)
+    engine = Engine(model, EngineConfig(block_size=8, num_blocks=64, max_batch_tokens=40,
+                                        attention_backend=ATTN_BACKEND))
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, NEW)]
+    outs = run_checked(engine)
+    assert [outs[i].token_ids for i in ids] == reference_tokens(model, prompts, NEW)
+
+
+def test_sliding_window_and_softcap_come_from_the_model():
+    model = make_model("gemma2", seed=2, layer_types=["sliding_attention", "full_attention"])
+    a = adapter_mod.ModelAdapter(model)
+    assert a.sliding_windows == [24, None] and a.softcap == 5.0
+    seen = []
+    real = adapter_mod.ops.paged_attention
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs["sliding_window"], kwargs["softcap"]))
+        return real(*args, **kwargs)
+
+    adapter_mod.ops.paged_attention = spy
+    try:
+        engine = Engine(model, EngineConfig(block_size=8, num_blocks=16,
+                                            attention_backend=ATTN_BACKEND))
+        engine.generate(random_prompts([30], seed=1), SamplingParams(max_new_tokens=2))
+    finally:
+        adapter_mod.ops.paged_attention = real
+    assert seen[:2] == [(24, 5.0), (None, 5.0)]
+
+
+def test_no_dense_mask_and_no_cache_object_reach_attention():
+    from transformers import AttentionInterface
+
+    model = make_model("llama", seed=3)
+    engine = Engine(model, EngineConfig(block_size=8, num_blocks=16,
+                                        attention_backend=ATTN_BACKEND))
+    calls = []
+
+    def checking(module, query, key, value, attention_mask, **kwargs):
+        calls.append((attention_mask, kwargs.get("cache"), kwargs.get("past_key_values"),
+                      tuple(query.shape)))
+        return adapter_mod._engine_attention(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register(adapter_mod.ATTN_NAME, checking)
+    try:
+        engine.generate(random_prompts([9, 5], seed=2), SamplingParams(max_new_tokens=3))
+    finally:
+        AttentionInterface.register(adapter_mod.ATTN_NAME, adapter_mod._engine_attention)
+    assert calls and all(m is None and c is None and p is None for m, c, p, _ in calls)
+    assert calls[0][3] == (1, 4, 14, 16)       # one packed row of 9 + 5 prompt tokens
+
+
+def test_user_model_is_left_as_it_was():
+    model = make_model("llama", seed=4)
+    prompts = random_prompts([6], seed=3)
+    before = reference_tokens(model, prompts, 5)
+    engine = Engine(model, EngineConfig(block_size=8, num_blocks=16,
+                                        attention_backend=ATTN_BACKEND))
+    engine.generate(prompts, SamplingParams(max_new_tokens=5))
+    assert model.config._attn_implementation == "sdpa"
+    assert reference_tokens(model, prompts, 5) == before
+    with pytest.raises(RuntimeError, match="runs only inside cb_kernels.Engine steps"):
+        adapter_mod._engine_attention(model.model.layers[0].self_attn, torch.zeros(1, 4, 1, 16),
+                                      torch.zeros(1, 2, 1, 16), torch.zeros(1, 2, 1, 16), None)
+
+
+def test_non_attention_interface_model_is_rejected():
+    with pytest.raises(TypeError, match="must be a transformers causal LM"):
+        Engine(object(), EngineConfig(num_blocks=4))
+    with pytest.raises(TypeError, match="config must be an EngineConfig"):
+        Engine(make_model("llama"), {"num_blocks": 4})

@@ -1,0 +1,78 @@
+"""Tiny random transformers models and the reference they are checked against."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+VOCAB = 500
+# CBK_TEST_ATTN_BACKEND=torch runs the engine tests on the reference attention (for bisecting).
+ATTN_BACKEND = os.environ.get("CBK_TEST_ATTN_BACKEND") or None
+
+
+def _finish(model):
+    model.eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def make_model(kind: str = "llama", seed: int = 0, **overrides):
+    """A 2-layer random model of the given family with a 500-token vocabulary (fp32)."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                  max_position_embeddings=1024, tie_word_embeddings=False)
+    families = {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, {}),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, {}),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, {"head_dim": 32}),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM, {"sliding_window": 24}),
+        "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM, {"head_dim": 16}),
+        "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM,
+                   {"head_dim": 16, "sliding_window": 24, "attn_logit_softcapping": 5.0,
+                    "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 16}),
+    }
+    cfg_cls, model_cls, extra = families[kind]
+    kwargs = {**common, **extra, **overrides}
+    attn = "eager" if kind == "gemma2" else "sdpa"   # softcap needs eager in transformers
+    return _finish(model_cls(cfg_cls(**kwargs, attn_implementation=attn)))
+
+
+def random_prompts(lengths, seed: int = 0, prefix=()):
+    g = torch.Generator().manual_seed(seed)
+    return [list(prefix) + torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+@torch.inference_mode()
+def reference_tokens(model, prompts, max_new_tokens):
+    """Greedy tokens of transformers' generate, one prompt at a time (no padding)."""
+    if isinstance(max_new_tokens, int):
+        max_new_tokens = [max_new_tokens] * len(prompts)
+    out = []
+    for p, n in zip(prompts, max_new_tokens):
+        ids = model.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False)
+        out.append(ids[0, len(p):].tolist())
+    return out
+
+
+def run_checked(engine, on_step=None, max_steps: int = 100_000):
+    """Step `engine` until idle, calling check_invariants() after every step; returns outputs by
+    request id."""
+    outputs = {}
+    for i in range(max_steps):
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            outputs[out.request_id] = out
+        engine.check_invariants()
+        if on_step is not None:
+            on_step(i)
+    else:
+        raise AssertionError(f"engine still busy after {max_steps} steps: {engine.stats()}")
+    for out in engine.step():     # cancellations after the last step
+        outputs[out.request_id] = out
+    return outputs

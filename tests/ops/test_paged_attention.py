@@ -1,0 +1,248 @@
+"""paged_attention: every backend against ops/reference.py on an explicit case list, the
+reference against SDPA, batch/thread independence, the registered op, and every bad input."""
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cb_kernels import ops
+from cb_kernels.ops._paged_attention_checks import check_args
+from cb_kernels.ops.paged_attention import _run_cpu
+from cb_kernels.ops.reference import ref_paged_attention
+from paged_attention_cases import CASES, TOLERANCES, Case, build, kwargs
+
+BACKENDS = ["cpu", "cpu-portable", "triton", "cuda"]
+CUDA_HEAD_DIMS = (64, 80, 96, 128, 256)  # the compiled CUDA kernel's head dims
+
+
+@functools.lru_cache(maxsize=None)
+def reference(case: Case) -> torch.Tensor:
+    return ref_paged_attention(*build(case), **kwargs(case))
+
+
+def run(backend: str, case: Case, device: str = "cpu") -> torch.Tensor:
+    args = build(case, device=device)
+    if backend != "cpu-portable":
+        return ops.paged_attention(*args, **kwargs(case), backend=backend)
+    out = torch.empty_like(args[0])
+    scale, window, cap = check_args(*args, case.scale, case.sliding_window, case.softcap, None)
+    _run_cpu(*args, out, scale, window, cap, portable=True)
+    return out
+
+
+def require(backend: str) -> str:
+    """Device for the backend, or skip with the reason it cannot run here."""
+    name = "cpu" if backend == "cpu-portable" else backend
+    if name not in ops.available_backends():
+        pytest.skip(f"backend {name!r} is not available here ({ops.available_backends()})")
+    return "cuda" if name == "cuda" or (name == "triton" and torch.cuda.is_available()) else "cpu"
+
+
+# Under the Triton interpreter (no GPU) only the cases marked interpreter=True run: all 17 took
+# 20 s of CPU (49 s wall on the shared 2-core box), the subset ~8 s. With a GPU every case runs.
+MATRIX = [pytest.param(b, c, id=f"{b}-{c.id}") for b in BACKENDS for c in CASES
+          if b != "triton" or c.interpreter or torch.cuda.is_available()]
+
+
+@pytest.mark.parametrize("backend,case", MATRIX)
+def test_matches_reference(backend, case):
+    device = require(backend)
+    if backend == "cuda" and case.head_dim not in CUDA_HEAD_DIMS:
+        with pytest.raises(ValueError, match="head_dim"):
+            run(backend, case, device)
+        return
+    out = run(backend, case, device).cpu()
+    expected = reference(case)
+    assert out.dtype == case.dtype and out.shape == expected.shape
+    assert not out.isnan().any(), "NaN in the output: an unused cache slot was read"
+    atol, rtol = TOLERANCES[case.dtype]
+    torch.testing.assert_close(out, expected, atol=atol, rtol=rtol)
+
+
+def sdpa_oracle(case: Case) -> torch.Tensor:
+    """Independent of the reference's code: gather, then SDPA with an explicit boolean mask."""
+    q, k_cache, v_cache, block_tables, seq_lens, cu = build(case)
+    group = case.num_heads // case.num_kv_heads
+    out = torch.zeros(q.shape, dtype=torch.float32)
+    for i, (seq_len, q_len) in enumerate(case.seqs):
+        if q_len == 0:
+            continue
+        ids = block_tables[i, :math.ceil(seq_len / case.block_size)].long()
+        k, v = (c[ids].flatten(0, 1)[:seq_len].float().repeat_interleave(group, 1).transpose(0, 1)
+                for c in (k_cache, v_cache))
+        pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+        key = torch.arange(seq_len)[None, :]
+        mask = (key <= pos) & (key > pos - (case.sliding_window or seq_len + 1))
+        qi = q[cu[i]:cu[i + 1]].float().transpose(0, 1)
+        out[cu[i]:cu[i + 1]] = F.scaled_dot_product_attention(
+            qi, k, v, attn_mask=mask, scale=case.scale).transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.softcap is None], ids=lambda c: c.id)
+def test_reference_matches_sdpa(case):
+    expected = sdpa_oracle(case)
+    out = ops.paged_attention(*build(case), **kwargs(case), backend="torch")
+    atol, rtol = TOLERANCES[case.dtype]
+    torch.testing.assert_close(out.float(), expected, atol=atol, rtol=rtol)
+
+
+def test_reference_softcap_by_hand():
+    q = torch.tensor([[[3.0, 0.0]]])
+    k = torch.tensor([[1.0, 0.0], [-1.0, 0.0]]).view(1, 2, 1, 2)
+    v = torch.tensor([[1.0, 0.0], [0.0, 1.0]]).view(1, 2, 1, 2)
+    one = torch.tensor([[0]], dtype=torch.int32)
+    out = ref_paged_attention(q, k, v, one, torch.tensor([2], dtype=torch.int32),
+                              torch.tensor([0, 1], dtype=torch.int32), scale=1.0, softcap=2.0)
+    s = 2.0 * math.tanh(3.0 / 2.0)  # scores +s and -s
+    p = 1.0 / (1.0 + math.exp(-2 * s))
+    torch.testing.assert_close(out, torch.tensor([[[p, 1 - p]]]))
+
+
+def test_cpu_batch_and_threads_do_not_change_results():
+    """A sequence's output is bit-identical alone, inside a batch, and on 1 or 2 threads."""
+    case = CASES[1]
+    q, k_cache, v_cache, block_tables, seq_lens, cu = build(case)
+    full = ops.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu, backend="cpu")
+    for i in range(len(case.seqs)):
+        lo, hi = int(cu[i]), int(cu[i + 1])
+        alone = ops.paged_attention(q[lo:hi], k_cache, v_cache, block_tables[i:i + 1],
+                                    seq_lens[i:i + 1], torch.tensor([0, hi - lo], dtype=torch.int32))
+        assert torch.equal(alone, full[lo:hi]), f"sequence {i} changed with its batch"
+    old = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            again = ops.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu)
+            assert torch.equal(again, full), f"{n} threads changed the result"
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "triton", "cuda"])
+def test_pool_beyond_int32_offsets(backend):
+    """Blocks past 2**31 elements into the cache (140k blocks of 16k elements, fp16): every
+    address must be computed in 64 bits. The pool is 4.6 GB of untouched virtual memory."""
+    device = require(backend)
+    bs, hkv, dim, num_blocks = 16, 8, 128, 140_000
+    k_cache = torch.empty(num_blocks, bs, hkv, dim, dtype=torch.float16, device=device)
+    v_cache = torch.empty_like(k_cache)
+    ids = torch.tensor([num_blocks - 1, 2**31 // (bs * hkv * dim) + 7, 3], dtype=torch.int32)
+    g = torch.Generator().manual_seed(0)
+    for t in (k_cache, v_cache):
+        t[ids.long().to(device)] = torch.randn(3, bs, hkv, dim, generator=g).half().to(device)
+    q = torch.randn(2, 16, dim, generator=g).half().to(device)
+    args = (ids.view(1, 3).repeat(2, 1).to(device), torch.tensor([40, 33], dtype=torch.int32),
+            torch.tensor([0, 1, 2], dtype=torch.int32))
+    args = tuple(t.to(device) for t in args)
+    out = ops.paged_attention(q, k_cache, v_cache, *args, backend=backend).cpu()
+    small_k = k_cache[ids.long().to(device)].cpu()
+    small_v = v_cache[ids.long().to(device)].cpu()
+    small = torch.tensor([[0, 1, 2], [0, 1, 2]], dtype=torch.int32)
+    expected = ref_paged_attention(q.cpu(), small_k, small_v, small, *(t.cpu() for t in args[1:]))
+    torch.testing.assert_close(out, expected, atol=2e-3, rtol=2e-3)
+
+
+def test_out_is_written_and_returned():
+    case = CASES[1]
+    args = build(case)
+    out = torch.full_like(args[0], float("nan"))
+    assert ops.paged_attention(*args, out=out) is out
+    torch.testing.assert_close(out, reference(case), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_registered_op_opcheck(backend):
+    case = CASES[6]  # odd head_dim, small
+    q, k_cache, v_cache, block_tables, seq_lens, cu = build(case)
+    out = torch.empty_like(q)
+    torch.library.opcheck(torch.ops.cb_kernels.paged_attention.default,
+                          (q, k_cache, v_cache, block_tables, seq_lens, cu, out, 0.125, 0, 0.0,
+                           backend))
+    torch.ops.cb_kernels.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu, out,
+                                         case.head_dim ** -0.5, 0, 0.0, backend)
+    torch.testing.assert_close(out, reference(case), atol=2e-5, rtol=1e-5)
+
+
+def _valid():
+    """A small valid call: 2 sequences (len 9 with 1 q token, len 2 with 2), 4 blocks of 8."""
+    return dict(q=torch.zeros(3, 4, 16), k_cache=torch.zeros(4, 8, 2, 16),
+                v_cache=torch.zeros(4, 8, 2, 16),
+                block_tables=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+                seq_lens=torch.tensor([9, 2], dtype=torch.int32),
+                cu_seqlens_q=torch.tensor([0, 1, 3], dtype=torch.int32))
+
+
+def i32(*values):
+    return torch.tensor(values, dtype=torch.int32)
+
+
+BAD_INPUTS = [  # (id, changes to the valid call, exception, words the message must contain)
+    ("q-not-tensor", dict(q=[[0.0]]), TypeError, "q must be a torch.Tensor"),
+    ("q-int-dtype", dict(q=torch.zeros(3, 4, 16, dtype=torch.int32)), TypeError, "q must be"),
+    ("q-2d", dict(q=torch.zeros(3, 64)), ValueError, "q must have 3 dimensions"),
+    ("q-last-stride", dict(q=torch.zeros(3, 16, 4).transpose(1, 2)), ValueError, "q must have unit"),
+    ("k-dtype", dict(k_cache=torch.zeros(4, 8, 2, 16, dtype=torch.float16)), TypeError, "k_cache"),
+    ("v-dtype", dict(v_cache=torch.zeros(4, 8, 2, 16, dtype=torch.bfloat16)), TypeError, "v_cache"),
+    ("v-shape", dict(v_cache=torch.zeros(5, 8, 2, 16)), ValueError, "v_cache shape"),
+    ("k-3d", dict(k_cache=torch.zeros(4, 8, 32)), ValueError, "k_cache must have 4"),
+    ("head-dim", dict(k_cache=torch.zeros(4, 8, 2, 8), v_cache=torch.zeros(4, 8, 2, 8)),
+     ValueError, "head_dim"),
+    ("gqa-ratio", dict(q=torch.zeros(3, 3, 16)), ValueError, "multiple of k_cache num_kv_heads"),
+    ("k-device", dict(k_cache=torch.zeros(4, 8, 2, 16, device="meta")), ValueError, "k_cache is on"),
+    ("block-tables-int64", dict(block_tables=torch.zeros(2, 2, dtype=torch.int64)), TypeError,
+     "block_tables must have dtype torch.int32"),
+    ("seq-lens-int64", dict(seq_lens=torch.tensor([9, 2])), TypeError, "seq_lens must have dtype"),
+    ("cu-int64", dict(cu_seqlens_q=torch.tensor([0, 1, 3])), TypeError, "cu_seqlens_q must have"),
+    ("seq-lens-count", dict(seq_lens=i32(9, 2, 2)), ValueError, "seq_lens has 3 entries"),
+    ("cu-count", dict(cu_seqlens_q=i32(0, 3)), ValueError, "cu_seqlens_q must have num_seqs + 1"),
+    ("cu-end", dict(cu_seqlens_q=i32(0, 1, 2)), ValueError, "cu_seqlens_q must start at 0 and end"),
+    ("cu-decreasing", dict(q=torch.zeros(1, 4, 16), cu_seqlens_q=i32(0, 2, 1)), ValueError,
+     "cu_seqlens_q must be non-decreasing"),
+    ("block-id-high", dict(block_tables=i32(0, 1, 4, 3).view(2, 2)), ValueError,
+     "block_tables[1, 0]=4 is outside the pool of 4 blocks"),
+    ("block-id-negative", dict(block_tables=i32(0, -1, 2, 3).view(2, 2)), ValueError,
+     "block_tables[0, 1]=-1"),
+    ("seq-len-past-table", dict(seq_lens=i32(17, 2)), ValueError,
+     "seq_lens[0]=17 needs 3 blocks of 8 but block_tables has only 2 columns"),
+    ("seq-len-negative", dict(q=torch.zeros(1, 4, 16), seq_lens=i32(9, -1),
+                              cu_seqlens_q=i32(0, 1, 1)), ValueError, "seq_lens[1]=-1"),
+    ("q-tokens-past-seq-len", dict(seq_lens=i32(9, 1)), ValueError,
+     "sequence 1 has 2 q tokens (cu_seqlens_q) but seq_lens[1]=1"),
+    ("out-shape", dict(out=torch.zeros(3, 4, 8)), ValueError, "out shape"),
+    ("out-dtype", dict(out=torch.zeros(3, 4, 16, dtype=torch.float16)), TypeError, "out must have"),
+    ("scale-nan", dict(scale=float("nan")), TypeError, "scale must be a finite number"),
+    ("scale-bool", dict(scale=True), TypeError, "scale"),
+    ("window-zero", dict(sliding_window=0), ValueError, "sliding_window must be in"),
+    ("window-float", dict(sliding_window=4.0), TypeError, "sliding_window must be an int"),
+    ("softcap-negative", dict(softcap=-1.0), ValueError, "softcap must be a positive"),
+    ("softcap-str", dict(softcap="30"), TypeError, "softcap"),
+    ("backend-unknown", dict(backend="gpu"), ValueError, "backend must be one of"),
+]
+
+
+@pytest.mark.parametrize("change,error,words", [b[1:] for b in BAD_INPUTS],
+                         ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_raises_naming_it(change, error, words):
+    args = {**_valid(), **change}
+    with pytest.raises(error) as info:
+        ops.paged_attention(**args)
+    assert words in str(info.value)
+
+
+def test_valid_call_of_bad_input_table_runs():
+    out = ops.paged_attention(**_valid())
+    assert out.shape == (3, 4, 16) and not out.isnan().any()
+
+
+def test_traces_under_torch_compile():
+    """fullgraph: the wrapper's checks run on fake tensors and the registered op is traced."""
+    case = CASES[6]
+    args = build(case)
+    compiled = torch.compile(lambda *a: ops.paged_attention(*a, backend="cpu"),
+                             backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(*args), reference(case), atol=2e-5, rtol=1e-5)
