@@ -66,7 +66,8 @@ def main(argv=None) -> int:
     import cb_kernels.hf
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device == "cuda" else torch.float32)
+    default_dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    dtype = getattr(torch, args.dtype) if args.dtype else default_dtype
     model = build_model(args.model, dtype, device)
     prompts = make_prompts(args.num_prompts, model.config.vocab_size)
     num_tokens = args.num_prompts * args.max_new_tokens

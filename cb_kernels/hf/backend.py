@@ -22,7 +22,8 @@ enabled, for models whose attention is "sdpa" and whose layers are all full atte
 
 The patched internals exist in the versions listed in SUPPORTED_VERSIONS only (5.23 has 5.24's cache
 but lets the attention function call `cache.update`, handled below; 5.17-5.22 lay the cache out
-differently); `enable` refuses other versions with an error instead of guessing. `cb_kernels.Engine` works with every pinned version.
+differently); `enable` refuses other versions with an error instead of guessing.
+`cb_kernels.Engine` works with every pinned version.
 """
 from __future__ import annotations
 
@@ -86,7 +87,8 @@ def enable(model=None) -> None:
                                       (input_outputs, "attn_mask_is_needed"))
                if not hasattr(obj, name)]
     if missing:
-        raise RuntimeError(f"transformers' continuous batching lacks {missing}: this version is not supported")
+        raise RuntimeError(f"transformers' continuous batching lacks {missing}: this version is not "
+                           f"supported")
     patched = _Patched(sdpa=AttentionInterface._global_mapping.get("sdpa", sdpa_attention_forward),
                        update=cb_cache.PagedAttentionCache.update,
                        mask_needed=input_outputs.attn_mask_is_needed)

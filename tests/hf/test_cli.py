@@ -86,8 +86,8 @@ def test_generate_bad_option(tiny_checkpoint, tmp_path):
 def test_generate_text_and_chat_records(smollm2, tmp_path):
     model, tokenizer = smollm2
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    _write_jsonl(src, ["What is the capital of France?",
-                       {"id": "chat", "messages": [{"role": "user", "content": "What is the capital of France?"}]}])
+    question = "What is the capital of France?"
+    _write_jsonl(src, [question, {"id": "chat", "messages": [{"role": "user", "content": question}]}])
     assert cli.main(["generate", "--model", "smollm2-135m", "--input", str(src), "--output", str(dst),
                      "--chat", "--max-new-tokens", "8", "--num-blocks", "16", "--block-size", "16"]) == 0
     results = {r["id"]: r for r in map(json.loads, dst.read_text().splitlines())}
