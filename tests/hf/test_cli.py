@@ -95,3 +95,32 @@ def test_generate_text_and_chat_records(smollm2, tmp_path):
     # --chat wraps a text prompt in the same template a "messages" record gets
     assert results["0"]["token_ids"] == results["chat"]["token_ids"]
     assert "Paris" in results["chat"]["text"]
+
+
+def test_generate_interrupted_keeps_results(tiny_checkpoint, tmp_path, monkeypatch):
+    from cb_kernels import Engine
+
+    records = [{"id": f"p{i}", "prompt_token_ids": [i + 1] * (3 + i)} for i in range(5)]
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(src, records)
+    argv = ["generate", "--model", str(tiny_checkpoint), "--input", str(src), "--output", str(dst),
+            "--max-new-tokens", "3", "--ignore-eos", "--max-num-seqs", "1", "--num-blocks", "8"]
+    step = Engine.step
+    finished = []
+
+    def step_then_interrupt(self):
+        if len(finished) >= 2:
+            raise KeyboardInterrupt
+        out = step(self)
+        finished.extend(out)
+        return out
+
+    monkeypatch.setattr(Engine, "step", step_then_interrupt)
+    assert cli.main(argv) == 130
+    kept = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert [r["id"] for r in kept] == ["p0", "p1"] and all(len(r["token_ids"]) == 3 for r in kept)
+
+    monkeypatch.setattr(Engine, "step", step)
+    assert cli.main(argv + ["--resume"]) == 0
+    ids = [json.loads(line)["id"] for line in dst.read_text().splitlines()]
+    assert ids == ["p0", "p1", "p2", "p3", "p4"]
