@@ -20,9 +20,10 @@ enabled, for models whose attention is "sdpa" and whose layers are all full atte
    calls `cb_kernels.ops.paged_attention` on that view and block table when it gets them, and the
    original sdpa function otherwise (plain forward, sliding-window models).
 
-The patched internals exist in the versions listed in SUPPORTED_VERSIONS only (5.23 has 5.24's cache
-but lets the attention function call `cache.update`, handled below; 5.17-5.22 lay the cache out
-differently); `enable` refuses other versions with an error instead of guessing.
+The patched internals exist in the versions listed in SUPPORTED_VERSIONS only (5.19-5.23 have 5.24's
+cache but let the attention function call `cache.update`, handled below; 5.17 and 5.18 name the
+attention "paged|sdpa" and update the cache differently); `enable` refuses other versions with an
+error instead of guessing.
 `cb_kernels.Engine` works with every pinned version.
 """
 from __future__ import annotations
@@ -31,7 +32,8 @@ import dataclasses
 
 import torch
 
-SUPPORTED_VERSIONS = ("5.23", "5.24")
+# Checked by tests/hf/test_dropin.py run under each of these (PYTHONPATH=<a pip --target of it>).
+SUPPORTED_VERSIONS = ("5.19", "5.20", "5.21", "5.22", "5.23", "5.24")
 
 
 def check_version(version: str | None = None) -> None:
