@@ -20,11 +20,10 @@ enabled, for models whose attention is "sdpa" and whose layers are all full atte
    calls `cb_kernels.ops.paged_attention` on that view and block table when it gets them, and the
    original sdpa function otherwise (plain forward, sliding-window models).
 
-The patched internals exist in the versions listed in SUPPORTED_VERSIONS only (5.19-5.23 have 5.24's
-cache but let the attention function call `cache.update`, handled below; 5.17 and 5.18 name the
-attention "paged|sdpa" and update the cache differently); `enable` refuses other versions with an
-error instead of guessing.
-`cb_kernels.Engine` works with every pinned version.
+The patched internals exist in the versions listed in SUPPORTED_VERSIONS only (5.18-5.23 have 5.24's
+cache but let the attention function update it, handled below; 5.17 lays the cache out
+differently); `enable` refuses other versions with an error instead of guessing.
+`cb_kernels.Engine` does not depend on these internals.
 """
 from __future__ import annotations
 
@@ -33,7 +32,9 @@ import dataclasses
 import torch
 
 # Checked by tests/hf/test_dropin.py run under each of these (PYTHONPATH=<a pip --target of it>).
-SUPPORTED_VERSIONS = ("5.19", "5.20", "5.21", "5.22", "5.23", "5.24")
+SUPPORTED_VERSIONS = ("5.18", "5.19", "5.20", "5.21", "5.22", "5.23", "5.24")
+# 5.18 runs continuous batching under "paged|sdpa", later versions under "sdpa".
+SDPA_NAMES = ("sdpa", "paged|sdpa")
 
 
 def check_version(version: str | None = None) -> None:
@@ -46,7 +47,7 @@ def check_version(version: str | None = None) -> None:
         raise RuntimeError(
             f"cb_kernels.hf.enable() supports transformers {', '.join(SUPPORTED_VERSIONS)} only (it patches "
             f"continuous-batching internals that differ between versions), found {version}. Use "
-            f"cb_kernels.Engine, which works with any transformers 5.17-5.24, or install "
+            f"cb_kernels.Engine, which does not patch transformers, or install "
             f"transformers=={SUPPORTED_VERSIONS[-1]}.*")
 
 
@@ -54,7 +55,7 @@ def check_version(version: str | None = None) -> None:
 class _Patched:
     """What enable() replaced, to restore on disable()."""
 
-    sdpa: object
+    sdpa: dict       # attention name -> transformers' function
     update: object
     mask_needed: object
 
@@ -91,30 +92,35 @@ def enable(model=None) -> None:
     if missing:
         raise RuntimeError(f"transformers' continuous batching lacks {missing}: this version is not "
                            f"supported")
-    patched = _Patched(sdpa=AttentionInterface._global_mapping.get("sdpa", sdpa_attention_forward),
+    mapping = AttentionInterface._global_mapping
+    patched = _Patched(sdpa={name: mapping.get(name, sdpa_attention_forward) for name in SDPA_NAMES
+                             if name in mapping or name == "sdpa"},
                        update=cb_cache.PagedAttentionCache.update,
                        mask_needed=input_outputs.attn_mask_is_needed)
 
     def attn_mask_is_needed(config):
         return False if _serves(config) else patched.mask_needed(config)
 
-    def update(self, key_states, value_states, layer_idx, kwargs):
+    def update(self, *args, **kwargs):
         if not _serves(self.config):
-            return patched.update(self, key_states, value_states, layer_idx, kwargs)
-        return _paged_update(self, key_states, value_states, layer_idx, kwargs)
+            return patched.update(self, *args, **kwargs)
+        return _paged_update(self, *args, **kwargs)
 
-    def sdpa(module, query, key, value, attention_mask, **kwargs):
-        cache = kwargs.get("cache")
-        if isinstance(cache, cb_cache.PagedAttentionCache) and _serves(cache.config):
-            # 5.23: the attention function updates the cache (5.24: the layer did, before this call)
-            del kwargs["cache"]
-            cache.update(key, value, module.layer_idx, kwargs)
-        if "cbk_block_tables" not in kwargs:
-            return patched.sdpa(module, query, key, value, attention_mask, **kwargs)
-        return _paged_attention(module, query, kwargs)
+    def make_sdpa(name):
+        def sdpa(module, query, key, value, attention_mask, **kwargs):
+            cache = kwargs.get("cache")
+            if isinstance(cache, cb_cache.PagedAttentionCache) and _serves(cache.config):
+                # 5.18-5.23: the attention function updates the cache (5.24: the layer did)
+                del kwargs["cache"]
+                _paged_update(cache, key, value, module.layer_idx, kwargs)
+            if "cbk_block_tables" not in kwargs:
+                return patched.sdpa[name](module, query, key, value, attention_mask, **kwargs)
+            return _paged_attention(module, query, kwargs)
+        return sdpa
 
     update.__wrapped__ = patched.update
-    AttentionInterface.register("sdpa", sdpa)
+    for name in patched.sdpa:
+        AttentionInterface.register(name, make_sdpa(name))
     cb_cache.PagedAttentionCache.update = update
     input_outputs.attn_mask_is_needed = attn_mask_is_needed
     _state["patched"] = patched
@@ -129,7 +135,8 @@ def disable() -> None:
     from transformers.generation.continuous_batching import cache as cb_cache
     from transformers.generation.continuous_batching import input_outputs
 
-    AttentionInterface.register("sdpa", patched.sdpa)
+    for name, fn in patched.sdpa.items():
+        AttentionInterface.register(name, fn)
     cb_cache.PagedAttentionCache.update = patched.update
     input_outputs.attn_mask_is_needed = patched.mask_needed
 
@@ -154,7 +161,7 @@ def _all_full_attention(config) -> bool:
 
 
 def _serves(config) -> bool:
-    return config._attn_implementation == "sdpa" and _all_full_attention(config)
+    return config._attn_implementation in SDPA_NAMES and _all_full_attention(config)
 
 
 @dataclasses.dataclass
@@ -175,9 +182,12 @@ def _paged_update(cache, key_states, value_states, layer_idx, kwargs):
 
     allocator = cache.layer_to_allocator[layer_idx]
     page_size = allocator.tokens_per_page
-    cu_seqlens_k = kwargs["cu_seq_lens_k"][allocator.layer_type].to(torch.int32)
-    max_len_k = kwargs["max_length_k"][allocator.layer_type]
-    kwargs["cu_seq_lens_k"], kwargs["max_length_k"] = cu_seqlens_k, max_len_k
+    layer_type = "full_attention"   # the only type served; 5.18's allocators do not name theirs
+    max_key = "max_length_k" if "max_length_k" in kwargs else "max_seqlen_k"   # 5.18: max_seqlen_k
+    cu_seqlens_k, max_len_k = kwargs["cu_seq_lens_k"], kwargs[max_key]
+    cu_seqlens_k = (cu_seqlens_k[layer_type] if isinstance(cu_seqlens_k, dict) else cu_seqlens_k).to(torch.int32)
+    max_len_k = max_len_k[layer_type] if isinstance(max_len_k, dict) else max_len_k
+    kwargs["cu_seq_lens_k"], kwargs[max_key] = cu_seqlens_k, max_len_k
     write_index = kwargs["write_index"][allocator.index]   # int64 [num_tokens], slots of the page view
     read_index = kwargs["read_index"][allocator.index]     # int64 [sum(seq_lens)] or empty
     k_cache, v_cache = allocator.get_cache_for_block_table(layer_idx)  # [-1, page_size, Hkv, D]
