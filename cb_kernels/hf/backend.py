@@ -185,7 +185,9 @@ def _paged_update(cache, key_states, value_states, layer_idx, kwargs):
     layer_type = "full_attention"   # the only type served; 5.18's allocators do not name theirs
     max_key = "max_length_k" if "max_length_k" in kwargs else "max_seqlen_k"   # 5.18: max_seqlen_k
     cu_seqlens_k, max_len_k = kwargs["cu_seq_lens_k"], kwargs[max_key]
-    cu_seqlens_k = (cu_seqlens_k[layer_type] if isinstance(cu_seqlens_k, dict) else cu_seqlens_k).to(torch.int32)
+    if isinstance(cu_seqlens_k, dict):
+        cu_seqlens_k = cu_seqlens_k[layer_type]
+    cu_seqlens_k = cu_seqlens_k.to(torch.int32)
     max_len_k = max_len_k[layer_type] if isinstance(max_len_k, dict) else max_len_k
     kwargs["cu_seq_lens_k"], kwargs[max_key] = cu_seqlens_k, max_len_k
     write_index = kwargs["write_index"][allocator.index]   # int64 [num_tokens], slots of the page view
