@@ -19,7 +19,9 @@ logger = logging.getLogger("cb_kernels.engine")
 class Engine:
     """Continuous batching for one transformers causal LM (see DESIGN.md, "Engine API").
 
-    Not thread-safe: call it from one thread.
+    The model runs as given (call model.eval() first if it has dropout layers); its config is
+    switched to our attention only for the duration of each step. `seed` seeds the generator of
+    sampled requests that have no seed of their own. Not thread-safe: call it from one thread.
     """
 
     def __init__(self, model, config: Optional[EngineConfig] = None, tokenizer=None, seed: int = 0):
@@ -92,6 +94,10 @@ class Engine:
         """Run one batch; returns the RequestOutputs of the requests that ended in it (plus
         those cancelled since the last step)."""
         batch = self.scheduler.schedule()
+        if not batch.seqs and self.scheduler.has_unfinished():
+            # Cannot happen while add_request rejects requests that never fit (see scheduler.py);
+            # raising beats spinning forever in generate() if that proof ever breaks.
+            raise RuntimeError(f"the scheduler found nothing to run: {self.stats()}")
         if batch.seqs:
             self._steps += 1
             try:
@@ -145,9 +151,8 @@ class Engine:
         del self._seqs[seq.request_id]
         self._ended.append(self._output(seq, seq.output_token_ids))
 
-    def _output(self, seq: Sequence, token_ids: list) -> RequestOutput:
-        text = None
-        if self.tokenizer is not None:
+    def _output(self, seq: Sequence, token_ids: list, text: Optional[str] = None) -> RequestOutput:
+        if text is None and self.tokenizer is not None:
             text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
         return RequestOutput(seq.request_id, seq.prompt_token_ids, list(token_ids), text,
                              seq.finish_reason, seq.error, seq.metrics)
@@ -175,7 +180,7 @@ class Engine:
                 self._next_id += 1
         return entries
 
-    def generate(self, prompts, params=None, use_tqdm: bool = False) -> list:
+    def generate(self, prompts, params=None) -> list:
         """Run `prompts` to completion; returns their RequestOutputs in prompt order. A prompt
         that add_request rejects gets an output with finish_reason "error" and the message."""
         entries = self._add_all(prompts, params)
@@ -208,10 +213,19 @@ class Engine:
                 if not new and rid not in ended:
                     continue
                 seq.num_streamed_tokens += len(new)
-                yield self._output(seq, new)
+                yield self._output(seq, new, self._text_delta(seq))
                 if rid in ended:
                     del live[rid]
         self._ended += others
+
+    def _text_delta(self, seq: Sequence) -> Optional[str]:
+        """New text since the last delta. Decoding all output tokens and cutting off what was
+        sent keeps the spaces and multi-token characters that decoding a delta alone loses."""
+        if self.tokenizer is None:
+            return None
+        full = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        sent, seq.streamed_text = seq.streamed_text, full
+        return full[len(sent):] if full.startswith(sent) else full
 
     # -- introspection --------------------------------------------------------------------------
     def check_invariants(self) -> None:

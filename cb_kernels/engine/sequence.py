@@ -26,7 +26,7 @@ class Sequence:
     __slots__ = ("seq_id", "request_id", "token_ids", "num_prompt_tokens", "params",
                  "num_computed_tokens", "block_table", "block_hashes", "num_registered_blocks",
                  "status", "metrics", "eos_token_ids", "generator", "finish_reason", "error",
-                 "num_streamed_tokens")
+                 "num_streamed_tokens", "streamed_text")
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list,
                  params: SamplingParams, arrival_time: float = 0.0,
@@ -47,6 +47,7 @@ class Sequence:
         self.finish_reason = None
         self.error = None
         self.num_streamed_tokens = 0
+        self.streamed_text = ""
 
     @property
     def num_tokens(self) -> int:

@@ -98,6 +98,8 @@ def resolve(config: EngineConfig, shape: ModelShape) -> ResolvedConfig:
     if config.block_size is None:
         chosen["block_size"] = f"{block_size}"
     dtype = getattr(torch, config.dtype) if config.dtype else shape.dtype
+    if config.dtype is None:
+        chosen["dtype"] = f"{dtype} (the model's)"
     max_batch_tokens = config.max_batch_tokens
     if max_batch_tokens is None:
         max_batch_tokens = CUDA_MAX_BATCH_TOKENS if on_cuda else CPU_MAX_BATCH_TOKENS
@@ -131,15 +133,20 @@ def resolve(config: EngineConfig, shape: ModelShape) -> ResolvedConfig:
             logger.warning("overlap='on' needs CUDA streams; running synchronously on %s",
                            shape.device)
         overlap = "on" if on_cuda else "off"
+        chosen["overlap"] = f"{overlap} ({shape.device.type})"
     preemption = "recompute" if config.preemption == "auto" else config.preemption
+    if config.preemption == "auto":
+        chosen["preemption"] = "recompute (no host swap pool in this build)"
     cpu_offload_gib = config.cpu_offload_gib if config.cpu_offload_gib is not None else 0.0
+    if config.cpu_offload_gib is None:
+        chosen["cpu_offload_gib"] = "0 (no host swap pool in this build)"
     resolved = ResolvedConfig(block_size=block_size, num_blocks=num_blocks,
                               max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs,
                               cpu_offload_gib=cpu_offload_gib, preemption=preemption,
                               prefix_caching=config.prefix_caching, overlap=overlap,
                               attention_backend=config.attention_backend, dtype=dtype)
     for name, why in chosen.items():
-        logger.info("EngineConfig.%s=None -> %s", name, why)
+        logger.info("EngineConfig.%s auto -> %s", name, why)
     return resolved
 
 

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.one_thread
 LENGTHS, NEW = [30, 4, 45, 17], [10, 14, 6, 30]
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "mistral", "gemma", "gemma2"])
+@pytest.mark.parametrize("kind", ["qwen2", "mistral", "gemma", "gemma2", "gemma3"])
 def test_family_greedy_matches_generate(kind):
     model = make_model(kind, seed=1)
     prompts = random_prompts(LENGTHS, seed=6)

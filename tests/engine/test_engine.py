@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from cb_kernels import Engine, EngineConfig, SamplingParams
-from tiny_models import (ATTN_BACKEND, make_model, random_prompts, reference_tokens,
-                         run_checked)
+from tiny_models import (ATTN_BACKEND, make_model, make_tokenizer, random_prompts,
+                         reference_tokens, run_checked)
 
 pytestmark = pytest.mark.one_thread
 
@@ -197,3 +197,19 @@ def test_eos_from_generation_config(llama):
     out = engine.generate(prompts, SamplingParams(max_new_tokens=10, ignore_eos=True))[0]
     assert out.token_ids == greedy and out.finish_reason == "length"
     assert torch.equal(torch.tensor(out.prompt_token_ids), torch.tensor(prompts[0]))
+
+
+def test_text_prompts_and_streamed_text(llama):
+    tok = make_tokenizer()
+    engine = Engine(llama, EngineConfig(block_size=8, num_blocks=32,
+                                        attention_backend=ATTN_BACKEND), tokenizer=tok)
+    prompts = ["w5 w17 w200 w3", "w42 w7"]
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=6))
+    ids = [tok(p)["input_ids"] for p in prompts]
+    assert [o.prompt_token_ids for o in outs] == ids
+    assert [o.token_ids for o in outs] == reference_tokens(llama, ids, 6)
+    assert [o.text for o in outs] == [tok.decode(o.token_ids) for o in outs]
+    streamed = {}
+    for delta in engine.stream(prompts, SamplingParams(max_new_tokens=6)):
+        streamed[delta.request_id] = streamed.get(delta.request_id, "") + delta.text
+    assert list(streamed.values()) == [o.text for o in outs]

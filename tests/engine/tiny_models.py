@@ -34,10 +34,13 @@ def make_model(kind: str = "llama", seed: int = 0, **overrides):
         "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM,
                    {"head_dim": 16, "sliding_window": 24, "attn_logit_softcapping": 5.0,
                     "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 16}),
+        "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM,
+                   {"head_dim": 16, "sliding_window": 24, "query_pre_attn_scalar": 16,
+                    "layer_types": ["sliding_attention", "full_attention"]}),
     }
     cfg_cls, model_cls, extra = families[kind]
     kwargs = {**common, **extra, **overrides}
-    attn = "eager" if kind == "gemma2" else "sdpa"   # softcap needs eager in transformers
+    attn = "eager" if kind.startswith("gemma") else "sdpa"   # what transformers recommends
     return _finish(model_cls(cfg_cls(**kwargs, attn_implementation=attn)))
 
 
@@ -76,3 +79,15 @@ def run_checked(engine, on_step=None, max_steps: int = 100_000):
     for out in engine.step():     # cancellations after the last step
         outputs[out.request_id] = out
     return outputs
+
+
+def make_tokenizer():
+    """A 500-word whitespace tokenizer (ids match the tiny models' vocabulary), built offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, **{f"w{i}": i for i in range(1, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")     # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
