@@ -194,8 +194,8 @@ def _paged_update(cache, key_states, value_states, layer_idx, kwargs):
     read_index = kwargs["read_index"][allocator.index]     # int64 [sum(seq_lens)] or empty
     k_cache, v_cache = allocator.get_cache_for_block_table(layer_idx)  # [-1, page_size, Hkv, D]
 
-    key = key_states[0].transpose(0, 1).contiguous()       # [num_tokens, num_kv_heads, head_dim]
-    value = value_states[0].transpose(0, 1).contiguous()
+    # Strided views [num_tokens, num_kv_heads, head_dim]: the kernels take strides, so no copy.
+    key, value = key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)
     ops.write_kv(key, value, k_cache, v_cache, write_index)
 
     # Without cached tokens transformers sends an empty read index; the write rows then list every
@@ -232,7 +232,7 @@ def _paged_attention(module, query, kwargs):
     """query: [1, num_heads, num_tokens, head_dim] -> ([1, num_tokens, num_heads, head_dim], None)."""
     from cb_kernels import ops
 
-    q = query[0].transpose(0, 1).contiguous()               # [num_tokens, num_heads, head_dim]
+    q = query[0].transpose(0, 1)                           # strided [num_tokens, num_heads, head_dim]
     out = ops.paged_attention(
         q, kwargs["cbk_k_cache"], kwargs["cbk_v_cache"], kwargs["cbk_block_tables"],
         kwargs["cbk_seq_lens"], kwargs["cu_seq_lens_q"].to(torch.int32),
