@@ -30,14 +30,15 @@ BASELINE_MAX_BYTES = 300 * 2**20  # beyond this KV size the baselines would need
 
 
 def make_batch(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, device, seed=0):
-    """seqs: list of (seq_len, q_len). Blocks are shuffled over the pool, as after many steps."""
-    g = torch.Generator().manual_seed(seed)
+    """seqs: list of (seq_len, q_len). Blocks are shuffled over the pool, as after many steps.
+    Values are drawn on the device itself (a 1 GB pool drawn on the CPU takes seconds)."""
+    torch.manual_seed(seed)
     counts = [math.ceil(s / block_size) for s, _ in seqs]
     num_blocks = sum(counts)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=g).to(device, dtype)
-    v_cache = torch.randn(shape, generator=g).to(device, dtype)
-    order = torch.randperm(num_blocks, generator=g).to(torch.int32)
+    k_cache = torch.randn(shape, device=device, dtype=dtype)
+    v_cache = torch.randn(shape, device=device, dtype=dtype)
+    order = torch.randperm(num_blocks).to(torch.int32)
     block_tables = torch.zeros(len(seqs), max(counts), dtype=torch.int32)
     start = 0
     for i, n in enumerate(counts):
@@ -45,7 +46,7 @@ def make_batch(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, devic
         start += n
     q_lens = torch.tensor([q for _, q in seqs])
     cu = torch.cat([torch.zeros(1, dtype=torch.long), q_lens.cumsum(0)]).to(torch.int32)
-    q = torch.randn(int(cu[-1]), num_heads, head_dim, generator=g).to(device, dtype)
+    q = torch.randn(int(cu[-1]), num_heads, head_dim, device=device, dtype=dtype)
     seq_lens = torch.tensor([s for s, _ in seqs], dtype=torch.int32)
     return q, k_cache, v_cache, block_tables.to(device), seq_lens.to(device), cu.to(device)
 

@@ -74,6 +74,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
+def paged_attention_unchecked(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, *,
+                              scale: float, sliding_window: int | None = None,
+                              softcap: float | None = None, backend: str) -> torch.Tensor:
+    """The engine's hot path: `paged_attention` without checks or backend choice (~7 us a call
+    instead of ~25 us). Only for arguments that passed `paged_attention` once with the same
+    shapes, dtypes and index tensors (e.g. layer 0 of a step checks, the other layers skip);
+    `backend` must be a concrete name ("cpu", "triton", "cuda", "torch"). Writes and returns out.
+    """
+    run_backend(backend, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale,
+                sliding_window or 0, softcap or 0.0)
+    return out
+
+
 @torch.library.custom_op("cb_kernels::paged_attention", mutates_args=("out",))
 def _paged_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor,

@@ -44,8 +44,16 @@ def require(backend: str) -> str:
 
 # Under the Triton interpreter (no GPU) only the cases marked interpreter=True run: all 17 took
 # 20 s of CPU (49 s wall on the shared 2-core box), the subset ~8 s. With a GPU every case runs.
-MATRIX = [pytest.param(b, c, id=f"{b}-{c.id}") for b in BACKENDS for c in CASES
-          if b != "triton" or c.interpreter or torch.cuda.is_available()]
+# GPU runs carry the gpu mark, so bench/gpu_check.sh (`pytest -m gpu`) selects them.
+GPU = torch.cuda.is_available()
+
+
+def gpu_marks(backend: str) -> list:
+    return [pytest.mark.gpu] if backend == "cuda" or (backend == "triton" and GPU) else []
+
+
+MATRIX = [pytest.param(b, c, id=f"{b}-{c.id}", marks=gpu_marks(b)) for b in BACKENDS
+          for c in CASES if b != "triton" or c.interpreter or GPU]
 
 
 @pytest.mark.parametrize("backend,case", MATRIX)
@@ -123,7 +131,8 @@ def test_cpu_batch_and_threads_do_not_change_results():
         torch.set_num_threads(old)
 
 
-@pytest.mark.parametrize("backend", ["cpu", "triton", "cuda"])
+@pytest.mark.parametrize("backend", [pytest.param(b, marks=gpu_marks(b))
+                                     for b in ("cpu", "triton", "cuda")])
 def test_pool_beyond_int32_offsets(backend):
     """Blocks past 2**31 elements into the cache (140k blocks of 16k elements, fp16): every
     address must be computed in 64 bits. The pool is 4.6 GB of untouched virtual memory."""
@@ -246,3 +255,15 @@ def test_traces_under_torch_compile():
     compiled = torch.compile(lambda *a: ops.paged_attention(*a, backend="cpu"),
                              backend="aot_eager", fullgraph=True)
     torch.testing.assert_close(compiled(*args), reference(case), atol=2e-5, rtol=1e-5)
+
+
+def test_unchecked_hot_path_matches_checked():
+    from cb_kernels.ops.paged_attention import paged_attention_unchecked
+
+    case = CASES[8]  # sliding window
+    args = build(case)
+    out = torch.empty_like(args[0])
+    got = paged_attention_unchecked(*args, out, scale=case.head_dim ** -0.5,
+                                    sliding_window=case.sliding_window, backend="cpu")
+    assert got is out
+    assert torch.equal(out, ops.paged_attention(*args, **kwargs(case)))
