@@ -14,9 +14,10 @@
 // assembly: the QK and PV inner loops are runs of vfmadd231ps on ymm registers with memory
 // operands, one per 8 floats of head_dim.)
 //
-// Measured on the 2-core EPYC (Zen 4, 2.6 GHz): with K/V in cache the time grows in step with
-// head_dim at ~1.1 cycles per 8-wide FMA (QK and PV both), so the loops run at the FMA rate;
-// letting two rows share each V load changed nothing and was dropped. Decode with K/V in DRAM is
+// Measured on the 2-core EPYC (Zen 4, 2.6 GHz VM): with K/V in cache the time grows in step with
+// head_dim (64/128/256), ~2 G 8-wide FMAs/s of thread CPU time, about what a register-only FMA
+// loop reaches on this VM, so the loops run at the FMA rate; letting two rows share each V load
+// changed nothing and was dropped. Decode with K/V in DRAM is
 // bound by memory: see the prefetch note in run_item and bench/RESULTS.md.
 #include "cb_kernels/paged_attention.h"
 
