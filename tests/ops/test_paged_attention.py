@@ -17,8 +17,6 @@ from paged_attention_cases import CASES, TOLERANCES, Case, build, kwargs
 
 BACKENDS = ["cpu", "cpu-portable", "triton", "cuda"]
 CUDA_HEAD_DIMS = (64, 80, 96, 128, 256)  # the compiled CUDA kernel's head dims
-
-
 BY_ID = {c.id: c for c in CASES}
 
 
@@ -45,8 +43,9 @@ def require(backend: str) -> str:
     return "cuda" if name == "cuda" or (name == "triton" and torch.cuda.is_available()) else "cpu"
 
 
-# Under the Triton interpreter (no GPU) only the cases marked interpreter=True run: all 17 took
-# 20 s of CPU (49 s wall on the shared 2-core box), the subset ~8 s. With a GPU every case runs.
+# Under the Triton interpreter (no GPU) only the cases marked interpreter=True run: the first 17
+# cases took 20 s of CPU (49 s wall on the shared 2-core box), the subset ~8 s. With a GPU every
+# case runs.
 # GPU runs carry the gpu mark, so bench/gpu_check.sh (`pytest -m gpu`) selects them.
 GPU = torch.cuda.is_available()
 
