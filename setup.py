@@ -4,6 +4,7 @@ Environment knobs: CBK_CUDA=auto|on|off, CBK_CUDA_ARCHS (CMake list, default "80
 CBK_BUILD_TYPE (default Release), CBK_BUILD_JOBS.
 """
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,21 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
+
+
+def _drop_stale_cache(build_dir: Path) -> None:
+    """Forget a CMake cache made by another interpreter or build environment.
+
+    pip builds in throw-away environments; a cache left in build/ by an earlier one points at a
+    ninja and a Python that no longer exist, and CMake then fails before compiling anything.
+    """
+    stamp = build_dir / "cbk-build-env.txt"
+    here = f"{sys.executable}\n{shutil.which('ninja')}\n"
+    if stamp.exists() and stamp.read_text() == here:
+        return
+    shutil.rmtree(build_dir / "CMakeFiles", ignore_errors=True)
+    (build_dir / "CMakeCache.txt").unlink(missing_ok=True)
+    stamp.write_text(here)
 
 
 class CMakeExtension(Extension):
@@ -26,6 +42,7 @@ class CMakeBuild(build_ext):
         out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
         build_dir = Path(self.build_temp).resolve() / ext.name
         build_dir.mkdir(parents=True, exist_ok=True)
+        _drop_stale_cache(build_dir)
         cfg = os.environ.get("CBK_BUILD_TYPE", "Release")
         args = [
             f"-S{ROOT}",
