@@ -3,10 +3,12 @@ __version__ = "0.1.0"
 
 import os  # noqa: E402
 
-# cb_kernels._C uses the system libgomp, a second OpenMP runtime next to the one torch bundles. With
-# the default (active) wait policy each team spins after its parallel regions and steals the cores
-# the other needs: measured on 2 cores, SmolLM2 Engine steps ran ~7x slower (24 tokens: 27.4 s vs
-# 3.9 s passive). Must be set before _C loads its libgomp; a user's own setting wins.
+# OpenMP's default (active) wait keeps worker threads spinning after every parallel region. On the
+# 2-core machines this project is built on, shared with other work, that starved torch's matmuls:
+# Engine steps ran ~7x slower (SmolLM2, 24 tokens: 27.4 s active vs 3.9 s passive). _C shares
+# torch's libgomp (same soname, loaded first by torch), and libgomp reads this variable once, when
+# it loads: it takes effect when cb_kernels is imported before torch (the CLI does), and a user's
+# own setting always wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from cb_kernels import models, ops  # noqa: E402
