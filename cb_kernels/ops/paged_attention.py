@@ -18,8 +18,9 @@ from cb_kernels.ops.reference import ref_paged_attention
 # wheels are (they depend on triton) while the "cuda" kernels exist only in builds made with nvcc;
 # (2) it covers every head_dim/block_size the API allows; (3) its decode tile runs Q.K^T and P.V
 # on tensor cores, which FlashInfer reports pays off from GQA group 4 up (Llama-3 uses 4-8), where
-# the CUDA kernel's fp32 FMAs cost about as much time as its memory traffic (estimate for group 8,
-# head_dim 128 on an H200: ~560 ns of FMAs vs ~900 ns of loads per 64-key chunk per SM).
+# the CUDA kernel's fp32 FMAs cost nearly as much time as its memory traffic (estimate for group 8,
+# bf16 head_dim 128 on an H200, one 64-key chunk on one SM: 131k FMAs ~520 ns, plus shared-memory
+# reads of q, against 32 KiB of K/V ~900 ns at 4.8 TB/s / 132 SMs).
 DEFAULT_CUDA_BACKEND = "triton"
 # CPU tensors default to "cpu", the C++ kernel: 10-74x the reference and 2-93x transformers'
 # gather + SDPA on every bench row (bench/RESULTS.md); Triton runs on CPU only interpreted

@@ -10,11 +10,14 @@
 //
 // The math runs in fp32 on 8-float GCC vectors: the AVX2 variant compiles them to 256-bit
 // FMAs, the generic one to SSE pairs. fp16/bf16 K/V tiles are converted to fp32 scratch once per
-// tile, so the query rows sharing a tile pay the conversion once.
+// tile, so the query rows sharing a tile pay the conversion once. (Checked in the AVX2 object's
+// assembly: the QK and PV inner loops are runs of vfmadd231ps on ymm registers with memory
+// operands, one per 8 floats of head_dim.)
 //
-// Measured on the 2-core EPYC (Zen 4, 2.6 GHz): with K/V in cache the time grows in step with
-// head_dim at ~1.1 cycles per 8-wide FMA (QK and PV both), so the loops run at the FMA rate;
-// letting two rows share each V load changed nothing and was dropped. Decode with K/V in DRAM is
+// Measured on the 2-core EPYC (Zen 4, 2.6 GHz VM): with K/V in cache the time grows in step with
+// head_dim (64/128/256), ~2 G 8-wide FMAs/s of thread CPU time, about what a register-only FMA
+// loop reaches on this VM, so the loops run at the FMA rate; letting two rows share each V load
+// changed nothing and was dropped. Decode with K/V in DRAM is
 // bound by memory: see the prefetch note in run_item and bench/RESULTS.md.
 #include "cb_kernels/paged_attention.h"
 
@@ -274,15 +277,15 @@ void run_item(const Ctx& c, const Item& it, float* partials) {
   // at 16 x 2048 fp32 read 2.0 GB/s on one thread against 12 GB/s with the KV in L3.
   int64_t koff[2][kTile], voff[2][kTile];
   const int64_t row_bytes = dim * c.esize;
-  auto locate = [&](int32_t t0, int64_t* ko, int64_t* vo) {
+  auto locate = [&](int32_t t0, int64_t* ko, int64_t* vo, int64_t head) {
     const int32_t lo = std::max(t0, it.kv_begin), hi = std::min(t0 + kTile, it.kv_end);
     int64_t bi = lo / p.block_size, off = lo % p.block_size;
     for (int32_t pos = lo; pos < hi; ++pos) {
       const int64_t block = table[bi];
       ko[pos - lo] = (block * p.k_stride_block + off * p.k_stride_token +
-                      it.kv_head * p.k_stride_head) * c.esize;
+                      head * p.k_stride_head) * c.esize;
       vo[pos - lo] = (block * p.v_stride_block + off * p.v_stride_token +
-                      it.kv_head * p.v_stride_head) * c.esize;
+                      head * p.v_stride_head) * c.esize;
       if (++off == p.block_size) {
         off = 0;
         ++bi;
@@ -297,10 +300,16 @@ void run_item(const Ctx& c, const Item& it, float* partials) {
   };
   int cur = 0;
   const int32_t first_tile = it.kv_begin / kTile * kTile;
-  locate(first_tile, koff[0], voff[0]);
+  locate(first_tile, koff[0], voff[0], it.kv_head);
   for (int32_t t0 = first_tile; t0 < it.kv_end; t0 += kTile, cur ^= 1) {
     const int32_t lo = std::max(t0, it.kv_begin), hi = std::min(t0 + kTile, it.kv_end);
-    if (t0 + kTile < it.kv_end) locate(t0 + kTile, koff[cur ^ 1], voff[cur ^ 1]);
+    if (t0 + kTile < it.kv_end) {
+      locate(t0 + kTile, koff[cur ^ 1], voff[cur ^ 1], it.kv_head);
+    } else if (it.kv_head + 1 < p.num_kv_heads) {
+      // The same thread's next item is usually the next kv head of these keys (the dynamic
+      // schedule hands out all heads of a partition together): start its first tile.
+      locate(first_tile, koff[cur ^ 1], voff[cur ^ 1], it.kv_head + 1);
+    }
     for (int32_t pos = lo; pos < hi; ++pos) {
       const char* kr = kb + koff[cur][pos - lo];
       const char* vr = vb + voff[cur][pos - lo];
