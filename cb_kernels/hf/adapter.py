@@ -17,6 +17,7 @@ model.generate() keeps working with its own attention.
 """
 from __future__ import annotations
 
+import inspect
 import math
 from array import array
 from dataclasses import dataclass
@@ -147,6 +148,7 @@ class ModelAdapter:
         self.softcap = getattr(cfg, "attn_logit_softcapping", None)
         self.attention_backend = attention_backend
         self._configs = _configs_of(model)
+        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._check_layers()
         self.k_caches: list = []
         self.v_caches: list = []
@@ -242,9 +244,15 @@ class ModelAdapter:
         for cfg in self._configs:
             cfg._attn_implementation_internal = ATTN_NAME
         try:
-            out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                             logits_to_keep=logits_indices, cbk_step=step)
+            if self._keeps_logits:
+                out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                 logits_to_keep=logits_indices, cbk_step=step)
+                logits = out.logits[0]
+            else:   # a model without logits_to_keep: project every token, keep the last ones
+                out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                 cbk_step=step)
+                logits = out.logits[0, logits_indices]
         finally:
             for cfg, name in zip(self._configs, saved):
                 cfg._attn_implementation_internal = name
-        return out.logits[0].float()
+        return logits.float()

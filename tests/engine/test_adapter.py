@@ -86,3 +86,14 @@ def test_non_attention_interface_model_is_rejected():
         Engine(object(), EngineConfig(num_blocks=4))
     with pytest.raises(TypeError, match="config must be an EngineConfig"):
         Engine(make_model("llama"), {"num_blocks": 4})
+
+
+def test_model_without_logits_to_keep_projects_all_tokens():
+    model = make_model("llama", seed=5)
+    prompts = random_prompts([12, 3], seed=4)
+    engine = Engine(model, EngineConfig(block_size=8, num_blocks=16,
+                                        attention_backend=ATTN_BACKEND))
+    assert engine.adapter._keeps_logits
+    engine.adapter._keeps_logits = False
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=5))
+    assert [o.token_ids for o in outs] == reference_tokens(model, prompts, 5)

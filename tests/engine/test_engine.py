@@ -144,15 +144,7 @@ def test_soak_2000_short_requests_returns_every_block(llama):
     for k in range(2000):
         prompt = [rng.randrange(1, 500) for _ in range(rng.randint(1, 6))]
         ids.append(engine.add_request(prompt, SamplingParams(max_new_tokens=rng.randint(1, 3))))
-    outs = {}
-    steps = 0
-    while engine.has_unfinished():
-        for out in engine.step():
-            outs[out.request_id] = out
-        steps += 1
-        if steps % 25 == 0:
-            engine.check_invariants()
-    engine.check_invariants()
+    outs = run_checked(engine)
     assert len(outs) == 2000 and all(o.finish_reason == "length" for o in outs.values())
     stats = engine.stats()
     assert stats["used_blocks"] == 0 and stats["running"] == 0 and stats["waiting"] == 0
@@ -214,3 +206,13 @@ def test_text_prompts_and_streamed_text(llama):
     for delta in engine.stream(prompts, SamplingParams(max_new_tokens=6)):
         streamed[delta.request_id] = streamed.get(delta.request_id, "") + delta.text
     assert list(streamed.values()) == [o.text for o in outs]
+
+
+def test_auto_config_runs(llama, expected, caplog):
+    prompts, ref = expected
+    with caplog.at_level("INFO", logger="cb_kernels.engine"):
+        engine = Engine(llama, EngineConfig(attention_backend=ATTN_BACKEND))
+    assert "EngineConfig.num_blocks auto -> " in caplog.text
+    outs = engine.generate(prompts, [SamplingParams(max_new_tokens=n) for n in NEW])
+    assert [o.token_ids for o in outs] == ref
+    engine.check_invariants()
