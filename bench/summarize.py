@@ -3,8 +3,9 @@ refresh bench/RESULTS.md).
 
     python bench/summarize.py RESULTS_DIR
 
-A benchmark JSON is {"meta": {...}, "rows": [{column: value, ...}, ...]}; columns print in the
-order of the first row.
+A benchmark JSON holds its rows as a list under "rows" or "pressure" (columns print in the order
+of the first row), or as a dict of contenders under "results" (bench_engine.py); "meta" or
+"config" is printed above the table.
 """
 from __future__ import annotations
 
@@ -28,12 +29,24 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _rows(data) -> list[dict]:
+    if isinstance(data, list):
+        return data
+    for key in ("rows", "pressure"):
+        if isinstance(data.get(key), list):
+            return data[key]
+    if isinstance(data.get("results"), dict):
+        return [{"contender": k, **v} for k, v in data["results"].items() if isinstance(v, dict)]
+    return []
+
+
 def summarize(folder: Path) -> str:
     parts = []
     for path in sorted(folder.glob("*.json")):
         data = json.loads(path.read_text())
-        rows = data.get("rows", []) if isinstance(data, dict) else data
-        meta = data.get("meta", {}) if isinstance(data, dict) else {}
+        rows, meta = _rows(data), {}
+        if isinstance(data, dict):
+            meta = data.get("meta") or data.get("config") or {}
         parts.append(f"### {path.stem}\n")
         if meta:
             parts.append(", ".join(f"{k}: {_fmt(v)}" for k, v in meta.items()) + "\n")
