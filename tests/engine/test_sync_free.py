@@ -1,0 +1,108 @@
+"""The engine's per-layer path never reads a device value on the host: write_kv goes through the
+unchecked entry (slots are checked once per step, on the host), and transformers' mask builders
+exit before reading position ids. On a GPU, torch's sync debug mode proves it for a decode step."""
+import warnings
+
+import pytest
+import torch
+
+from cb_kernels import Engine, EngineConfig, SamplingParams
+from cb_kernels.hf import adapter as adapter_mod
+from tiny_models import ATTN_BACKEND, make_model, random_prompts
+
+
+def _engine(device="cpu", num_layers=2, **config):
+    model = make_model("llama", seed=5, num_hidden_layers=num_layers).to(device)
+    cfg = dict(block_size=8, num_blocks=32, attention_backend=ATTN_BACKEND)
+    return Engine(model, EngineConfig(**{**cfg, **config}))
+
+
+def test_layers_use_the_unchecked_write_kv(monkeypatch):
+    engine = _engine()
+    unchecked, checked = [], []
+    real = adapter_mod.write_kv_unchecked
+    monkeypatch.setattr(adapter_mod, "write_kv_unchecked",
+                        lambda *a, **k: (unchecked.append(1), real(*a, **k)))
+    monkeypatch.setattr(adapter_mod.ops, "write_kv", lambda *a, **k: checked.append(1))
+    outs = engine.generate(random_prompts([9, 5], seed=2), SamplingParams(max_new_tokens=3))
+    assert [len(o.token_ids) for o in outs] == [3, 3]
+    assert checked == [] and len(unchecked) == 2 * engine.stats()["steps"]
+
+
+def test_mask_builders_never_read_position_ids(monkeypatch):
+    from transformers import masking_utils
+
+    engine = _engine()
+    calls = []
+    real = masking_utils.find_packed_sequence_indices
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices",
+                        lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    engine.generate(random_prompts([7], seed=3), SamplingParams(max_new_tokens=2))
+    assert calls == []
+
+
+def test_prepare_checks_slots_once_per_step():
+    engine = _engine()
+    engine.add_request(random_prompts([5], seed=4)[0], SamplingParams(max_new_tokens=4))
+    engine.step()
+    seq = next(iter(engine._seqs.values()))
+    good = list(seq.block_table)
+    seq.block_table[0] = engine.block_manager.num_blocks       # one past the pool
+    with pytest.raises(RuntimeError, match="outside the KV pool"):
+        engine.adapter.prepare([seq], [1])
+    seq.block_table[:] = good
+    engine.adapter.prepare([seq], [1])
+
+
+@pytest.mark.parametrize("slots, match", [([0, 3, -1], "slot -1 outside"),
+                                          ([0, 64], "slot 64 outside"),
+                                          ([2, 5, 2], "same KV slot")])
+def test_check_slots_rejects(slots, match):
+    with pytest.raises(RuntimeError, match=match):
+        adapter_mod.check_slots(slots, 64)
+    adapter_mod.check_slots([0, 63, 5], 64)
+    adapter_mod.check_slots([], 64)
+
+
+def _decode_ready(engine, prompts):
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=8)) for p in prompts]
+    while any(not engine._seqs[i].output_token_ids for i in ids):
+        engine.step()
+    return [engine._seqs[i] for i in ids]
+
+
+@pytest.mark.gpu
+def test_decode_forward_has_no_host_sync_gpu():
+    engine = _engine("cuda", num_layers=4, cuda_graphs=False)
+    seqs = _decode_ready(engine, random_prompts([9, 20, 3], seed=6))
+    a = engine.adapter
+    ids, pos, rows, step, _ = a.prepare(seqs, [1] * len(seqs))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        logits = a.forward(ids, pos, rows, step)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert logits.shape == (3, a.vocab_size) and bool(torch.isfinite(logits).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [False, True])
+def test_engine_decode_step_syncs_once_at_most_gpu(graphs):
+    """A whole decode step (packing, 4 layers, token read-back) syncs at most once: the syncs
+    that remain are per step (sampled tokens), never per layer."""
+    engine = _engine("cuda", num_layers=4, cuda_graphs=graphs)
+    seqs = _decode_ready(engine, random_prompts([9, 20, 3], seed=7))
+    engine.step()                            # a first decode step: graph capture, if any
+    before = [len(s.token_ids) for s in seqs]
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            engine.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+    assert [len(s.token_ids) for s in seqs] == [n + 1 for n in before]
+    assert len(syncs) <= 1, syncs
