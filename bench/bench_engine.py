@@ -1,10 +1,14 @@
 """Engine throughput against transformers on the same prompts (greedy, fp32, one process).
 
     python bench/bench_engine.py [--quick] [--json out.json]
+    python bench/bench_engine.py --device cuda --dtype bfloat16 --model-shape llama-1b \
+        --num-requests 128 --json out.json
 
 Workload: N requests with prompt lengths uniform in [min, max] and their own output lengths
 (64 requests, prompts 16..512, outputs 16..256; --quick: 16 requests, 16..128, 16..64) on a
-random tiny Llama (hidden 256, 4 layers, 8/2 heads, MLP 1024, vocab 32000). Contenders:
+random tiny Llama (hidden 256, 4 layers, 8/2 heads, MLP 1024, vocab 32000), or with
+--model-shape llama-1b a random Llama-3.2-1B-shaped one (hidden 2048, 16 layers, 32/8 heads, MLP
+8192, vocab 32000; built on --device in --dtype; for GPUs). Contenders:
   cb_kernels        Engine with auto config
   generate_batch    transformers' continuous batching, defaults and tuned (max_batch_tokens=512,
                     num_blocks=64), each request with its own max_new_tokens
@@ -36,13 +40,28 @@ if os.path.isdir(os.path.join(_ROOT, "cb_kernels")) and _ROOT not in sys.path:
 MODEL_CFG = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
                  num_attention_heads=8, num_key_value_heads=2, vocab_size=32000,
                  max_position_embeddings=2048)
+MODEL_SHAPES = {"tiny": MODEL_CFG,
+                "llama-1b": dict(MODEL_CFG, hidden_size=2048, intermediate_size=8192,
+                                 num_hidden_layers=16, num_attention_heads=32,
+                                 num_key_value_heads=8)}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def build_model(seed: int = 0):
+def build_model(seed: int = 0, shape: str = "tiny", device: str = "cpu",
+                dtype: torch.dtype = torch.float32):
+    """A random Llama of MODEL_SHAPES[shape], its weights created directly on `device` in `dtype`
+    (a 1B model built on the CPU in fp32 and then moved would take ~10x longer)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**MODEL_CFG, attn_implementation="sdpa")).eval()
+    config = LlamaConfig(**MODEL_SHAPES[shape], attn_implementation="sdpa")
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config).to(dtype).eval()
+    finally:
+        torch.set_default_dtype(old)
     # No EOS: every contender produces exactly the requested number of tokens.
     model.generation_config.eos_token_id = None
     model.config.eos_token_id = None
@@ -103,9 +122,11 @@ def run_padded_generate(model, prompts, outputs):
     for i, p in enumerate(prompts):
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
+    device = next(model.parameters()).device
+    ids, mask = ids.to(device), mask.to(device)
     t0, c0 = time.perf_counter(), time.process_time()
     out = model.generate(ids, attention_mask=mask, max_new_tokens=max(outputs),
-                         min_new_tokens=max(outputs), do_sample=False)
+                         min_new_tokens=max(outputs), do_sample=False).cpu()
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     return (seconds, cpu), [out[i, width:width + n].tolist() for i, n in enumerate(outputs)]
 
@@ -190,7 +211,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="16 short requests (a smoke run)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    p.add_argument("--requests", type=int, default=None)
+    p.add_argument("--requests", "--num-requests", dest="requests", type=int, default=None,
+                   help="number of requests (default 64, 16 with --quick)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default="tiny")
     p.add_argument("--skip", default="", help="comma list of contenders to skip: "
                    "hf_default,hf_tuned,padded,cold")
     p.add_argument("--repeats", type=int, default=1,
@@ -202,6 +227,8 @@ def main(argv=None) -> int:
                    help="instead: the memory-pressure workload of bench/bench_offload.py (swap vs "
                         "recompute vs transformers' offloading)")
     args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch sees no CUDA GPU here (torch.cuda.is_available() is False)")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.pressure:
@@ -218,14 +245,26 @@ def main(argv=None) -> int:
     n = args.requests or (16 if args.quick else 64)
     prompt_range, output_range = ((16, 128), (16, 64)) if args.quick else ((16, 512), (16, 256))
     skip = set(filter(None, args.skip.split(",")))
-    model = build_model()
+    if args.device == "cuda":
+        skip.add("cold")      # the cold start measures the CPU build of the tiny model
+    model = build_model(shape=args.model_shape, device=args.device, dtype=DTYPES[args.dtype])
     prompts, outputs = workload(n, prompt_range, output_range)
     useful = sum(outputs)
     res = {"threads": torch.get_num_threads(), "requests": n, "output_tokens": useful,
-           "prompt_tokens": sum(map(len, prompts)), "model": MODEL_CFG, "results": {}}
+           "prompt_tokens": sum(map(len, prompts)), "model": MODEL_SHAPES[args.model_shape],
+           "results": {}, "meta": {"device": args.device, "dtype": args.dtype,
+                                   "model_shape": args.model_shape, "requests": n,
+                                   "output_tokens": useful}}
 
-    def record(name, times, tokens, ref):
-        seconds, cpu = times
+    def record(name, run, ref):
+        """Time one contender; a failing one (e.g. an HF API this transformers lacks) is
+        recorded with its error and the others still run. Returns its tokens or None."""
+        try:
+            (seconds, cpu), tokens = run()
+        except Exception as e:
+            print(f"{name:>22}: FAILED: {type(e).__name__}: {e}", flush=True)
+            res["errors"][name] = f"{type(e).__name__}: {e}"
+            return None
         match = sum(a == b for a, b in zip(tokens, ref)) if ref is not None else None
         best = res["results"].get(name)
         if best is not None:      # keep the best round of each contender (by wall time)
@@ -238,28 +277,21 @@ def main(argv=None) -> int:
         print(f"{name:>22}: {useful / seconds:8.1f} tok/s wall ({seconds:6.2f} s), "
               f"{useful / cpu:8.1f} tok/s of process CPU time ({cpu:6.2f} s)"
               + (f", identical tokens {match}/{n}" if match is not None else ""), flush=True)
+        write_json(res, args.json)      # after each contender: a timeout keeps what finished
+        return tokens
 
+    res["errors"] = {}
     for _ in range(args.repeats):   # rounds alternate the contenders: load drifts hit all alike
-        times, ours, stats = run_engine(model, prompts, outputs)
-        res["engine_stats"] = stats
-        record("cb_kernels", times, ours, None)
+        ours = record("cb_kernels", lambda: run_engine_stats(res, model, prompts, outputs), None)
         if "padded" not in skip:
-            record("padded_generate", *run_padded_generate(model, prompts, outputs), ours)
+            record("padded_generate", lambda: run_padded_generate(model, prompts, outputs), ours)
         if "hf_default" not in skip:
-            record("generate_batch_default", *run_generate_batch(model, prompts, outputs), ours)
-        if "hf_tuned" not in skip:
-            from transformers import ContinuousBatchingConfig
-            tuned = ContinuousBatchingConfig(max_batch_tokens=512, num_blocks=64)
-            record("generate_batch_tuned", *run_generate_batch(model, prompts, outputs, tuned),
+            record("generate_batch_default", lambda: run_generate_batch(model, prompts, outputs),
                    ours)
-    base = res["results"].get("padded_generate")
-    if base:
-        for r in res["results"].values():
-            r["vs_padded_generate"] = r["tok_per_s"] / base["tok_per_s"]
-            r["vs_padded_generate_cpu"] = r["tok_per_cpu_s"] / base["tok_per_cpu_s"]
-        print("ratios vs padded generate (wall | CPU time): " + ", ".join(
-            f"{k} {v['vs_padded_generate']:.2f}x | {v['vs_padded_generate_cpu']:.2f}x"
-            for k, v in res["results"].items()))
+        if "hf_tuned" not in skip:
+            record("generate_batch_tuned", lambda: run_generate_batch(
+                model, prompts, outputs, tuned_hf_config()), ours)
+    add_ratios(res)
     res["scheduler_256"] = scheduler_step_ms()
     print("scheduler at 256 running: {schedule_ms:.3f} ms schedule + {pack_inputs_ms:.3f} ms "
           "input packing per step".format(**res["scheduler_256"]))
@@ -268,10 +300,41 @@ def main(argv=None) -> int:
         print("cold start to first token: {ttft_in_process_s:.2f} s in process ({imports_s:.2f} "
               "imports, {model_build_s:.2f} random model build, {engine_init_s:.2f} Engine(), "
               "{first_step_s:.2f} first step), {wall_s:.2f} s wall".format(**res["cold_start"]))
-    if args.json:
-        with open(args.json, "w") as f:
+    write_json(res, args.json)
+    return 0 if "cb_kernels" in res["results"] else 1
+
+
+def run_engine_stats(res, model, prompts, outputs):
+    times, tokens, res["engine_stats"] = run_engine(model, prompts, outputs)
+    return times, tokens
+
+
+def tuned_hf_config():
+    from transformers import ContinuousBatchingConfig
+
+    return ContinuousBatchingConfig(max_batch_tokens=512, num_blocks=64)
+
+
+def add_ratios(res) -> None:
+    """Ratios against padded generate of the same run, and one summary row per contender."""
+    base = res["results"].get("padded_generate")
+    for r in res["results"].values():
+        if base:
+            r["vs_padded_generate"] = r["tok_per_s"] / base["tok_per_s"]
+            r["vs_padded_generate_cpu"] = r["tok_per_cpu_s"] / base["tok_per_cpu_s"]
+    if base:
+        print("ratios vs padded generate (wall | CPU time): " + ", ".join(
+            f"{k} {v['vs_padded_generate']:.2f}x | {v['vs_padded_generate_cpu']:.2f}x"
+            for k, v in res["results"].items()))
+
+
+def write_json(res, path) -> None:
+    """The whole result, plus {meta, rows} for bench/summarize.py (one row per contender)."""
+    res["rows"] = [{"contender": k, **v} for k, v in res["results"].items()]
+    res["rows"] += [{"contender": k, "error": e} for k, e in res.get("errors", {}).items()]
+    if path:
+        with open(path, "w") as f:
             json.dump(res, f, indent=2)
-    return 0
 
 
 if __name__ == "__main__":
