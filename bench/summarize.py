@@ -31,7 +31,11 @@ def table(rows: list[dict]) -> str:
 def summarize(folder: Path) -> str:
     parts = []
     for path in sorted(folder.glob("*.json")):
-        data = json.loads(path.read_text())
+        try:     # a stage killed while writing leaves a broken file: report it, go on
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            parts += [f"### {path.stem}\n", f"(unreadable: {e})", ""]
+            continue
         rows = data.get("rows", []) if isinstance(data, dict) else data
         meta = data.get("meta", {}) if isinstance(data, dict) else {}
         parts.append(f"### {path.stem}\n")
