@@ -106,3 +106,29 @@ def test_engine_decode_step_syncs_once_at_most_gpu(graphs):
     syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
     assert [len(s.token_ids) for s in seqs] == [n + 1 for n in before]
     assert len(syncs) <= 1, syncs
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_upload_packs_every_part_into_one_buffer(pack):
+    from array import array
+
+    parts = [array("q", [5, -1, 2**40]), array("i", [7]), array("q", []), array("i", [1, 2, 3]),
+             array("q", [9])]
+    out = adapter_mod.upload(parts, torch.device("cpu"), pack=pack)
+    assert [t.dtype for t in out] == [torch.int64, torch.int32, torch.int64, torch.int32,
+                                      torch.int64]
+    assert [t.tolist() for t in out] == [list(a) for a in parts]
+    if pack:       # views into one buffer, each 8-byte aligned
+        base = out[0].untyped_storage().data_ptr()
+        assert all(t.untyped_storage().data_ptr() == base for t in out)
+        assert all(t.data_ptr() % 8 == 0 for t in out)
+
+
+@pytest.mark.one_thread
+def test_packed_upload_gives_the_same_tokens(monkeypatch):
+    prompts = random_prompts([9, 17, 4], seed=8)
+    params = SamplingParams(max_new_tokens=6)
+    plain = [o.token_ids for o in _engine().generate(prompts, params)]
+    real = adapter_mod.upload
+    monkeypatch.setattr(adapter_mod, "upload", lambda parts, device: real(parts, device, pack=True))
+    assert [o.token_ids for o in _engine().generate(prompts, params)] == plain
