@@ -20,6 +20,13 @@ export PYTHONUNBUFFERED=1
 t0=$(date +%s)
 stamp() { echo "[gpu_check +$(( $(date +%s) - t0 ))s] $*"; }
 STATUS=()
+# cmake and ninja may live beside python3 (pip packages of its venv), nvcc in the CUDA folder.
+export PATH="$(dirname "$(command -v "$PY")"):$PATH"
+if ! command -v nvcc >/dev/null; then
+  for d in /usr/local/cuda/bin /usr/local/cuda-*/bin; do
+    [ -x "$d/nvcc" ] && { export PATH="$PATH:$d"; break; }
+  done
+fi
 note() { STATUS+=("$1: $2"); }
 
 "$PY" - <<'PYEOF' > "$OUT/env.txt" 2>&1
@@ -31,6 +38,9 @@ print(f"torch={torch.__version__} cuda={torch.version.cuda} triton={triton.__ver
       f"transformers={transformers.__version__} python={platform.python_version()}")
 PYEOF
 ENV_RC=$?
+{ nvcc --version 2>&1 | tail -1; cmake --version 2>&1 | head -1; echo "ninja $(ninja --version 2>&1)"
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,noheader 2>&1; } \
+  >> "$OUT/env.txt"
 cat "$OUT/env.txt"
 if [ "$ENV_RC" -ne 0 ]; then
   echo "gpu_check: FAILED: torch sees no CUDA GPU (see $OUT/env.txt); nothing else can run" >&2
