@@ -196,6 +196,8 @@ def main(argv=None):
     p.add_argument("--no-baselines", action="store_true", help="skip reference and gather+SDPA")
     p.add_argument("--json", default=None, help="write the result rows to this path")
     args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch sees no CUDA GPU here (torch.cuda.is_available() is False)")
     gpu = args.device == "cuda"
     args.dtype = args.dtype or ("bf16" if gpu else "fp32")
     args.heads = args.heads or (32 if gpu else 16)

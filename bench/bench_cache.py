@@ -168,6 +168,8 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (smoke run)")
     p.add_argument("--json", metavar="PATH", help="write {meta, rows} here")
     args = p.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch sees no CUDA GPU here (torch.cuda.is_available() is False)")
     if args.bytes_per_call is None:
         args.bytes_per_call = (16 << 20) if args.quick else ((256 << 20) if args.device == "cuda" else (64 << 20))
     if args.repeats is None:

@@ -1,10 +1,14 @@
 """Engine throughput against transformers on the same prompts (greedy, fp32, one process).
 
     python bench/bench_engine.py [--quick] [--json out.json]
+    python bench/bench_engine.py --device cuda --dtype bfloat16 --model-shape llama-1b \
+        --num-requests 128 --json out.json
 
 Workload: N requests with prompt lengths uniform in [min, max] and their own output lengths
 (64 requests, prompts 16..512, outputs 16..256; --quick: 16 requests, 16..128, 16..64) on a
-random tiny Llama (hidden 256, 4 layers, 8/2 heads, MLP 1024, vocab 32000). Contenders:
+random tiny Llama (hidden 256, 4 layers, 8/2 heads, MLP 1024, vocab 32000), or with
+--model-shape llama-1b a random Llama-3.2-1B-shaped one (hidden 2048, 16 layers, 32/8 heads, MLP
+8192, vocab 32000; built on --device in --dtype; for GPUs). Contenders:
   cb_kernels        Engine with auto config
   generate_batch    transformers' continuous batching, defaults and tuned (max_batch_tokens=512,
                     num_blocks=64), each request with its own max_new_tokens
@@ -18,11 +22,11 @@ packing, no model) and the time to first token of a fresh process.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
 import random
-import subprocess
 import sys
 import time
 
@@ -36,13 +40,28 @@ if os.path.isdir(os.path.join(_ROOT, "cb_kernels")) and _ROOT not in sys.path:
 MODEL_CFG = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
                  num_attention_heads=8, num_key_value_heads=2, vocab_size=32000,
                  max_position_embeddings=2048)
+MODEL_SHAPES = {"tiny": MODEL_CFG,
+                "llama-1b": dict(MODEL_CFG, hidden_size=2048, intermediate_size=8192,
+                                 num_hidden_layers=16, num_attention_heads=32,
+                                 num_key_value_heads=8)}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def build_model(seed: int = 0):
+def build_model(seed: int = 0, shape: str = "tiny", device: str = "cpu",
+                dtype: torch.dtype = torch.float32):
+    """A random Llama of MODEL_SHAPES[shape], its weights created directly on `device` in `dtype`
+    (a 1B model built on the CPU in fp32 and then moved would take ~10x longer)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**MODEL_CFG, attn_implementation="sdpa")).eval()
+    config = LlamaConfig(**MODEL_SHAPES[shape], attn_implementation="sdpa")
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config).to(dtype).eval()
+    finally:
+        torch.set_default_dtype(old)
     # No EOS: every contender produces exactly the requested number of tokens.
     model.generation_config.eos_token_id = None
     model.config.eos_token_id = None
@@ -62,11 +81,23 @@ def run_engine(model, prompts, outputs, **config):
     from cb_kernels import Engine, EngineConfig, SamplingParams
 
     engine = Engine(model, EngineConfig(**config))
-    engine.generate([p[:8] for p in prompts[:4]], SamplingParams(max_new_tokens=4))   # warm-up
+    # Warm-up. On a GPU with full-length prompts: Triton compiles one kernel per specialisation
+    # (split counts grow with the KV length, mixed and pure-decode batches differ), ~1 s each,
+    # which would otherwise land inside the timed run.
+    on_gpu = next(model.parameters()).is_cuda
+    engine.generate([p if on_gpu else p[:8] for p in prompts[:8 if on_gpu else 4]],
+                    SamplingParams(max_new_tokens=8 if on_gpu else 4))
     t0, c0 = time.perf_counter(), time.process_time()
     outs = engine.generate(prompts, [SamplingParams(max_new_tokens=n) for n in outputs])
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
-    return (seconds, cpu), [o.token_ids for o in outs], engine.stats()
+    stats = engine.stats()
+    # On a GPU the engine's KV pool takes 85% of free memory: hand it back to the driver, or
+    # the contenders after it (which size their caches from free memory) find none.
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return (seconds, cpu), [o.token_ids for o in outs], stats
 
 
 def run_generate_batch(model, prompts, outputs, cb_config=None):
@@ -103,94 +134,24 @@ def run_padded_generate(model, prompts, outputs):
     for i, p in enumerate(prompts):
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
+    device = next(model.parameters()).device
+    ids, mask = ids.to(device), mask.to(device)
     t0, c0 = time.perf_counter(), time.process_time()
     out = model.generate(ids, attention_mask=mask, max_new_tokens=max(outputs),
-                         min_new_tokens=max(outputs), do_sample=False)
+                         min_new_tokens=max(outputs), do_sample=False).cpu()
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     return (seconds, cpu), [out[i, width:width + n].tolist() for i, n in enumerate(outputs)]
-
-
-def scheduler_step_ms(num_running: int = 256, steps: int = 200) -> dict:
-    """Time of schedule() + postprocess bookkeeping + input packing with `num_running` decoding
-    requests of ~300 tokens (blocks of 16), no model."""
-    from cb_kernels.engine.block_manager import BlockManager
-    from cb_kernels.engine.config import SamplingParams
-    from cb_kernels.engine.scheduler import Scheduler
-    from cb_kernels.engine.sequence import Sequence
-    from cb_kernels.hf.adapter import ModelAdapter
-
-    bm = BlockManager(num_running * 40, 16)
-    sched = Scheduler(bm, max_batch_tokens=512, max_num_seqs=num_running)
-    rng = random.Random(0)
-    for i in range(num_running):
-        sched.add(Sequence(i, f"r{i}", [rng.randrange(32000) for _ in range(rng.randint(200, 400))],
-                           SamplingParams(max_new_tokens=10_000)))
-    while any(not s.is_decoding for s in sched.running) or sched.waiting:
-        batch = sched.schedule()
-        for s, n in zip(batch.seqs, batch.num_new_tokens):
-            s.num_computed_tokens += n
-            if s.num_computed_tokens == s.num_tokens:
-                s.token_ids.append(1)
-    packer = ModelAdapter.__new__(ModelAdapter)       # prepare() needs only these fields
-    packer.block_size, packer.device = 16, torch.device("cpu")
-    packer.k_caches = packer.v_caches = []
-    packer.sliding_windows, packer.softcap, packer.attention_backend = [], None, None
-    t_sched = t_pack = 0.0
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        batch = sched.schedule()
-        t1 = time.perf_counter()
-        packer.prepare(batch.seqs, batch.num_new_tokens)
-        t2 = time.perf_counter()
-        for s in batch.seqs:
-            s.num_computed_tokens += 1
-            s.token_ids.append(1)
-        t_sched += t1 - t0
-        t_pack += t2 - t1
-    assert len(batch.seqs) == num_running
-    return {"schedule_ms": 1e3 * t_sched / steps, "pack_inputs_ms": 1e3 * t_pack / steps}
-
-
-COLD = """
-import json, time
-t0 = time.perf_counter()
-import torch, transformers
-from cb_kernels import Engine, EngineConfig, SamplingParams
-import bench_engine as b
-t1 = time.perf_counter()
-model = b.build_model()
-t2 = time.perf_counter()
-engine = Engine(model, EngineConfig())
-rid = engine.add_request(list(range(1, 129)), SamplingParams(max_new_tokens=2))
-t3 = time.perf_counter()
-while not engine._seqs[rid].output_token_ids:
-    engine.step()
-t4 = time.perf_counter()
-print(json.dumps({"imports_s": t1 - t0, "model_build_s": t2 - t1, "engine_init_s": t3 - t2,
-                  "first_step_s": t4 - t3, "ttft_in_process_s": t4 - t0}))
-"""
-
-
-def cold_start_ttft() -> dict:
-    """A fresh interpreter to the first token of a 128-token prompt: imports, random model
-    construction (transformers' weight init, not ours), Engine() with auto sizing (allocates the
-    KV pool), and the first step (one-time kernel and allocator warm-up included)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.path.dirname(here),
-                                                       os.environ.get("PYTHONPATH", "")]))
-    t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", COLD], capture_output=True, text=True, env=env,
-                         check=True)
-    res = json.loads(out.stdout.strip().splitlines()[-1])
-    res["wall_s"] = time.perf_counter() - t0
-    return res
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="16 short requests (a smoke run)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    p.add_argument("--requests", type=int, default=None)
+    p.add_argument("--requests", "--num-requests", dest="requests", type=int, default=None,
+                   help="number of requests (default 64, 16 with --quick)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default="tiny")
     p.add_argument("--skip", default="", help="comma list of contenders to skip: "
                    "hf_default,hf_tuned,padded,cold")
     p.add_argument("--repeats", type=int, default=1,
@@ -202,6 +163,8 @@ def main(argv=None) -> int:
                    help="instead: the memory-pressure workload of bench/bench_offload.py (swap vs "
                         "recompute vs transformers' offloading)")
     args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch sees no CUDA GPU here (torch.cuda.is_available() is False)")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.pressure:
@@ -218,14 +181,26 @@ def main(argv=None) -> int:
     n = args.requests or (16 if args.quick else 64)
     prompt_range, output_range = ((16, 128), (16, 64)) if args.quick else ((16, 512), (16, 256))
     skip = set(filter(None, args.skip.split(",")))
-    model = build_model()
+    if args.device == "cuda":
+        skip.add("cold")      # the cold start measures the CPU build of the tiny model
+    model = build_model(shape=args.model_shape, device=args.device, dtype=DTYPES[args.dtype])
     prompts, outputs = workload(n, prompt_range, output_range)
     useful = sum(outputs)
     res = {"threads": torch.get_num_threads(), "requests": n, "output_tokens": useful,
-           "prompt_tokens": sum(map(len, prompts)), "model": MODEL_CFG, "results": {}}
+           "prompt_tokens": sum(map(len, prompts)), "model": MODEL_SHAPES[args.model_shape],
+           "results": {}, "meta": {"device": args.device, "dtype": args.dtype,
+                                   "model_shape": args.model_shape, "requests": n,
+                                   "output_tokens": useful}}
 
-    def record(name, times, tokens, ref):
-        seconds, cpu = times
+    def record(name, run, ref):
+        """Time one contender; a failing one (e.g. an HF API this transformers lacks) is
+        recorded with its error and the others still run. Returns its tokens or None."""
+        try:
+            (seconds, cpu), tokens = run()
+        except Exception as e:
+            print(f"{name:>22}: FAILED: {type(e).__name__}: {e}", flush=True)
+            res["errors"][name] = f"{type(e).__name__}: {e}"
+            return None
         match = sum(a == b for a, b in zip(tokens, ref)) if ref is not None else None
         best = res["results"].get(name)
         if best is not None:      # keep the best round of each contender (by wall time)
@@ -238,28 +213,23 @@ def main(argv=None) -> int:
         print(f"{name:>22}: {useful / seconds:8.1f} tok/s wall ({seconds:6.2f} s), "
               f"{useful / cpu:8.1f} tok/s of process CPU time ({cpu:6.2f} s)"
               + (f", identical tokens {match}/{n}" if match is not None else ""), flush=True)
+        write_json(res, args.json)      # after each contender: a timeout keeps what finished
+        return tokens
 
+    res["errors"] = {}
     for _ in range(args.repeats):   # rounds alternate the contenders: load drifts hit all alike
-        times, ours, stats = run_engine(model, prompts, outputs)
-        res["engine_stats"] = stats
-        record("cb_kernels", times, ours, None)
+        ours = record("cb_kernels", lambda: run_engine_stats(res, model, prompts, outputs), None)
         if "padded" not in skip:
-            record("padded_generate", *run_padded_generate(model, prompts, outputs), ours)
+            record("padded_generate", lambda: run_padded_generate(model, prompts, outputs), ours)
         if "hf_default" not in skip:
-            record("generate_batch_default", *run_generate_batch(model, prompts, outputs), ours)
-        if "hf_tuned" not in skip:
-            from transformers import ContinuousBatchingConfig
-            tuned = ContinuousBatchingConfig(max_batch_tokens=512, num_blocks=64)
-            record("generate_batch_tuned", *run_generate_batch(model, prompts, outputs, tuned),
+            record("generate_batch_default", lambda: run_generate_batch(model, prompts, outputs),
                    ours)
-    base = res["results"].get("padded_generate")
-    if base:
-        for r in res["results"].values():
-            r["vs_padded_generate"] = r["tok_per_s"] / base["tok_per_s"]
-            r["vs_padded_generate_cpu"] = r["tok_per_cpu_s"] / base["tok_per_cpu_s"]
-        print("ratios vs padded generate (wall | CPU time): " + ", ".join(
-            f"{k} {v['vs_padded_generate']:.2f}x | {v['vs_padded_generate_cpu']:.2f}x"
-            for k, v in res["results"].items()))
+        if "hf_tuned" not in skip:
+            record("generate_batch_tuned", lambda: run_generate_batch(
+                model, prompts, outputs, tuned_hf_config()), ours)
+    add_ratios(res)
+    from engine_probes import cold_start_ttft, scheduler_step_ms
+
     res["scheduler_256"] = scheduler_step_ms()
     print("scheduler at 256 running: {schedule_ms:.3f} ms schedule + {pack_inputs_ms:.3f} ms "
           "input packing per step".format(**res["scheduler_256"]))
@@ -268,10 +238,41 @@ def main(argv=None) -> int:
         print("cold start to first token: {ttft_in_process_s:.2f} s in process ({imports_s:.2f} "
               "imports, {model_build_s:.2f} random model build, {engine_init_s:.2f} Engine(), "
               "{first_step_s:.2f} first step), {wall_s:.2f} s wall".format(**res["cold_start"]))
-    if args.json:
-        with open(args.json, "w") as f:
+    write_json(res, args.json)
+    return 0 if "cb_kernels" in res["results"] else 1
+
+
+def run_engine_stats(res, model, prompts, outputs):
+    times, tokens, res["engine_stats"] = run_engine(model, prompts, outputs)
+    return times, tokens
+
+
+def tuned_hf_config():
+    from transformers import ContinuousBatchingConfig
+
+    return ContinuousBatchingConfig(max_batch_tokens=512, num_blocks=64)
+
+
+def add_ratios(res) -> None:
+    """Ratios against padded generate of the same run, and one summary row per contender."""
+    base = res["results"].get("padded_generate")
+    for r in res["results"].values():
+        if base:
+            r["vs_padded_generate"] = r["tok_per_s"] / base["tok_per_s"]
+            r["vs_padded_generate_cpu"] = r["tok_per_cpu_s"] / base["tok_per_cpu_s"]
+    if base:
+        print("ratios vs padded generate (wall | CPU time): " + ", ".join(
+            f"{k} {v['vs_padded_generate']:.2f}x | {v['vs_padded_generate_cpu']:.2f}x"
+            for k, v in res["results"].items()))
+
+
+def write_json(res, path) -> None:
+    """The whole result, plus {meta, rows} for bench/summarize.py (one row per contender)."""
+    res["rows"] = [{"contender": k, **v} for k, v in res["results"].items()]
+    res["rows"] += [{"contender": k, "error": e} for k, e in res.get("errors", {}).items()]
+    if path:
+        with open(path, "w") as f:
             json.dump(res, f, indent=2)
-    return 0
 
 
 if __name__ == "__main__":

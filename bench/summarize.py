@@ -43,7 +43,11 @@ def _rows(data) -> list[dict]:
 def summarize(folder: Path) -> str:
     parts = []
     for path in sorted(folder.glob("*.json")):
-        data = json.loads(path.read_text())
+        try:     # a stage killed while writing leaves a broken file: report it, go on
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            parts += [f"### {path.stem}\n", f"(unreadable: {e})", ""]
+            continue
         rows, meta = _rows(data), {}
         if isinstance(data, dict):
             meta = data.get("meta") or data.get("config") or {}

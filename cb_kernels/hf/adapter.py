@@ -2,9 +2,15 @@
 
 The step is one packed varlen batch: input_ids and position_ids ``[1, num_tokens]`` (the new
 tokens of every scheduled sequence, one sequence after the other). Inside each attention layer
-our function replaces the model's: it writes the new K/V with `cb_kernels.ops.write_kv` and
-attends with `cb_kernels.ops.paged_attention`. No transformers cache object exists and no mask
-is built: the mask function registered for our attention name returns None.
+our function replaces the model's: it writes the new K/V with `write_kv_unchecked` (the slots
+were checked on the host by `prepare`) and attends with `cb_kernels.ops.paged_attention`. No
+transformers cache object exists and no mask is built: our name is registered as an attention
+function but not as a mask function, so transformers' mask builders return None at their first
+check (5.17 .. 5.24), before `find_packed_sequence_indices`, which reads the position ids on the
+host (one device sync per mask type and step on CUDA).
+
+Nothing on the per-layer path reads a device value on the host: write_kv's and paged_attention's
+index values are never read on CUDA, so a step's only sync is reading its sampled tokens.
 
 The per-step metadata (`StepInputs`) travels as the forward kwarg `cbk_step`; transformers hands
 unknown forward kwargs down to every attention call (5.17 .. 5.24). Without a cache object the
@@ -27,6 +33,7 @@ import numpy as np
 import torch
 
 from cb_kernels import ops
+from cb_kernels.ops.cache_ops import write_kv_unchecked
 
 ATTN_NAME = "cb_kernels_engine"
 
@@ -71,36 +78,64 @@ def _engine_attention(module, query, key, value, attention_mask, scaling=None, d
     q = query[0].transpose(0, 1).to(k_cache.dtype)
     k = key[0].transpose(0, 1).to(k_cache.dtype)
     v = value[0].transpose(0, 1).to(k_cache.dtype)
-    ops.write_kv(k, v, k_cache, v_cache, step.slot_mapping)
+    write_kv_unchecked(k, v, k_cache, v_cache, step.slot_mapping)
     out = ops.paged_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens,
                               step.cu_seqlens_q, scale=scaling, sliding_window=window,
                               softcap=softcap, backend=step.backend)
     return out.to(query.dtype).unsqueeze(0), None
 
 
-def _i64(values: list) -> torch.Tensor:
-    # array + frombuffer: 5 us for 256 ints where torch.tensor(list) takes 36 us (and 220 us
-    # vs 840 us for a 256 x 25 block table), measured on the 2-core bench machine.
-    return torch.frombuffer(array("q", values), dtype=torch.int64) if values else \
-        torch.empty(0, dtype=torch.int64)
+_DTYPES = {"q": torch.int64, "i": torch.int32}
 
 
-def _i32(values: list) -> torch.Tensor:
-    return torch.frombuffer(array("i", values), dtype=torch.int32) if values else \
-        torch.empty(0, dtype=torch.int32)
+def upload(parts: list, device: torch.device, pack: Optional[bool] = None) -> list:
+    """The tensors of `parts` (array("q") -> int64, array("i") -> int32) on `device`.
+
+    array + frombuffer: 5 us for 256 ints where torch.tensor(list) takes 36 us (and 220 us vs
+    840 us for a 256 x 25 block table), measured on the 2-core bench machine. On CUDA every part
+    goes into one pinned buffer (each at an 8-byte aligned offset) and up in one async copy:
+    one transfer per step instead of seven, none from pageable memory, which the driver may
+    stage synchronously. The results are then views into one device buffer. `pack` (default:
+    off the CPU) forces either way, for tests.
+    """
+    if not (device.type != "cpu" if pack is None else pack):
+        return [torch.frombuffer(a, dtype=_DTYPES[a.typecode]) if len(a) else
+                torch.empty(0, dtype=_DTYPES[a.typecode]) for a in parts]
+    offsets, total = [], 0
+    for a in parts:
+        offsets.append(total)
+        total += -(-len(a) * a.itemsize // 8) * 8
+    host = torch.empty(max(total, 8), dtype=torch.uint8, pin_memory=device.type == "cuda")
+    buf = memoryview(host.numpy())
+    for a, off in zip(parts, offsets):
+        buf[off:off + len(a) * a.itemsize] = memoryview(a).cast("B")
+    dev = host.to(device, non_blocking=True)
+    return [dev[off:off + len(a) * a.itemsize].view(_DTYPES[a.typecode])
+            for a, off in zip(parts, offsets)]
 
 
-def _no_mask(*args, **kwargs):
-    return None
+def check_slots(slots: list, num_slots: int) -> None:
+    """The host-side check that lets every layer skip write_kv's (see the module docstring):
+    each slot inside [0, num_slots) and none twice: 5 us for 64 slots, 30 us for 512 on the
+    shared 2-core dev box, once per step instead of once per layer. Raises RuntimeError,
+    since a bad slot here is an engine bug, not a user input."""
+    if not slots:
+        return
+    lo, hi = min(slots), max(slots)
+    if lo < 0 or hi >= num_slots:
+        raise RuntimeError(f"slot {lo if lo < 0 else hi} outside the KV pool [0, {num_slots}): "
+                           "the block tables are corrupt")
+    if len(set(slots)) != len(slots):
+        raise RuntimeError("two tokens of one step map to the same KV slot: the block tables "
+                           "are corrupt")
 
 
 def register_attention() -> None:
-    """Add our attention name to transformers' registries (new keys only; idempotent)."""
+    """Add our attention function to transformers' registry (a new key only; idempotent). No
+    mask function is registered on purpose: see the module docstring."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTN_NAME, _engine_attention)
-    AttentionMaskInterface.register(ATTN_NAME, _no_mask)
 
 
 def _configs_of(model) -> list:
@@ -222,20 +257,17 @@ class ModelAdapter:
         for seq in seqs:
             flat += seq.block_table
             flat += [0] * (max_blocks - len(seq.block_table))
-        tables = _i32(flat).view(len(seqs), max_blocks)
-        dev = self.device
+        if self.k_caches:
+            check_slots(slots, self.k_caches[0].shape[0] * bs)
+        parts = [array("q", ids), array("q", positions), array("q", logits_idx),
+                 array("q", slots), array("i", flat), array("i", seq_lens), array("i", cu)]
+        ids_t, pos_t, logits_t, slots_t, tables_t, lens_t, cu_t = upload(parts, self.device)
         step = StepInputs(
-            slot_mapping=_i64(slots).to(dev, non_blocking=True),
-            block_tables=tables.to(dev, non_blocking=True),
-            seq_lens=_i32(seq_lens).to(dev, non_blocking=True),
-            cu_seqlens_q=_i32(cu).to(dev, non_blocking=True),
-            k_caches=self.k_caches, v_caches=self.v_caches,
+            slot_mapping=slots_t, block_tables=tables_t.view(len(seqs), max_blocks),
+            seq_lens=lens_t, cu_seqlens_q=cu_t, k_caches=self.k_caches, v_caches=self.v_caches,
             sliding_windows=self.sliding_windows, softcap=self.softcap,
             backend=self.attention_backend)
-        input_ids = _i64(ids).to(dev, non_blocking=True)[None]
-        position_ids = _i64(positions).to(dev, non_blocking=True)[None]
-        logits_indices = _i64(logits_idx).to(dev, non_blocking=True)
-        return input_ids, position_ids, logits_indices, step, sampled
+        return ids_t[None], pos_t[None], logits_t, step, sampled
 
     @torch.inference_mode()
     def forward(self, input_ids, position_ids, logits_indices, step: StepInputs) -> torch.Tensor:

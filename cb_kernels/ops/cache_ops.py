@@ -57,6 +57,23 @@ def _write_kv(key, value, k_cache, v_cache, slot_mapping, backend) -> None:
     run_write_kv(chosen, key, value, k_cache, v_cache, slot_mapping)
 
 
+def write_kv_unchecked(key, value, k_cache, v_cache, slot_mapping, backend=None) -> None:
+    """The engine's hot path: `write_kv` without the slot-value check, so no host sync on CUDA.
+
+    Shapes, dtypes, strides and devices are still checked (tensor metadata, free). The caller
+    vouches for the slot values: the engine builds slot_mapping on the host from its own block
+    tables and checks it there once per step (hf/adapter.py, `check_slots`), before the upload.
+    The C++, CUDA and Triton kernels skip slots outside the pool in any case, so a bad value can
+    drop a token but never write outside the caches. Same arguments as `write_kv`.
+    """
+    if torch.compiler.is_compiling():   # traced: the registered op (its fake reads no values)
+        torch.ops.cb_kernels.write_kv(key, value, k_cache, v_cache, slot_mapping, backend)
+        return
+    device = check_write_kv(key, value, k_cache, v_cache, slot_mapping)
+    chosen = resolve_backend(backend, device, WRITE_KV_BACKENDS, _default_cuda(WRITE_KV_BACKENDS), "write_kv")
+    run_write_kv(chosen, key, value, k_cache, v_cache, slot_mapping)
+
+
 def run_write_kv(chosen, key, value, k_cache, v_cache, slot_mapping) -> None:
     """Run one backend on checked arguments (also the body of the torch.library op)."""
     if key.shape[0] == 0:
