@@ -1,19 +1,25 @@
-"""Engine throughput against transformers on the same prompts (greedy, fp32, one process).
+"""Engine throughput against transformers (and optionally vLLM-CPU) on the same prompts
+(greedy, fp32, one process).
 
     python bench/bench_engine.py [--quick] [--json out.json]
+    python bench/bench_engine.py --workload fixed --vllm --repeats 2 --threads 2   # issue 5, tiny Llama
+    python bench/bench_engine.py --model smollm2-135m --vllm --repeats 2 --threads 2  # 16 chat x 64
 
-Workload: N requests with prompt lengths uniform in [min, max] and their own output lengths
-(64 requests, prompts 16..512, outputs 16..256; --quick: 16 requests, 16..128, 16..64) on a
+Models and workloads: bench/engine_workloads.py. Default: 64 requests with prompt lengths uniform
+in 16..512 and their own output lengths 16..256 (--quick: 16 requests, 16..128, 16..64) on a
 random tiny Llama (hidden 256, 4 layers, 8/2 heads, MLP 1024, vocab 32000). Contenders:
   cb_kernels        Engine with auto config
   generate_batch    transformers' continuous batching, defaults and tuned (max_batch_tokens=512,
                     num_blocks=64), each request with its own max_new_tokens
   padded generate   one model.generate over the left-padded batch; it must run every row to the
                     longest output, so only the requested tokens count as output
-Output tokens/s counts the requested tokens; ratios are against padded generate measured in the
-same run, by wall time and by this process's CPU time (on a machine shared with other jobs the
-CPU-time ratio is the stable one; with --threads 1 it is the single-core cost ratio). Also: the scheduler's time per step at 256 running requests (schedule + input
-packing, no model) and the time to first token of a fresh process.
+  vllm_cpu          (--vllm) vLLM's CPU build in its own venv and process, after the other rounds
+                    (its bound OpenMP threads must not overlap them); start-up is not timed
+Output tokens/s counts the requested tokens; ratios are against padded generate (and vLLM-CPU)
+measured in the same run, by wall time and by this process's CPU time (on a machine shared with
+other jobs the CPU-time ratio is the stable one; with --threads 1 it is the single-core cost
+ratio). Also: the scheduler's time per step at 256 running requests (schedule + input packing,
+no model) and the time to first token of a fresh process.
 """
 from __future__ import annotations
 
@@ -33,29 +39,11 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if os.path.isdir(os.path.join(_ROOT, "cb_kernels")) and _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-MODEL_CFG = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
-                 num_attention_heads=8, num_key_value_heads=2, vocab_size=32000,
-                 max_position_embeddings=2048)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from engine_workloads import (MODELS, TINY_LLAMA, WORKLOADS, build_tiny_llama,  # noqa: E402
+                              checkpoint_dir, load_model, versions, workload)
 
-
-def build_model(seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**MODEL_CFG, attn_implementation="sdpa")).eval()
-    # No EOS: every contender produces exactly the requested number of tokens.
-    model.generation_config.eos_token_id = None
-    model.config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
-
-
-def workload(n: int, prompt_range, output_range, seed: int = 0):
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(1, MODEL_CFG["vocab_size"]) for _ in range(rng.randint(*prompt_range))]
-               for _ in range(n)]
-    outputs = [rng.randint(*output_range) for _ in range(n)]
-    return prompts, outputs
+build_model = build_tiny_llama     # the cold-start child imports it under this name
 
 
 def run_engine(model, prompts, outputs, **config):
@@ -186,13 +174,36 @@ def cold_start_ttft() -> dict:
     return res
 
 
+def run_vllm_row(model, saved_dir, prompts, outputs, ours, repeats):
+    """vLLM-CPU in its own venv and process (bench/vllm_cpu.py), after the in-process rounds:
+    its OpenMP threads are bound to the cores, so it must not overlap the other contenders."""
+    from contextlib import ExitStack
+
+    from vllm_cpu import compare_with_vllm
+
+    with ExitStack() as stack:
+        row = compare_with_vllm(checkpoint_dir(model, saved_dir, stack), prompts, outputs,
+                                expected_token_ids=ours, repeats=repeats)
+    if "error" in row:
+        print(f"{'vllm_cpu':>22}: failed: {row['error'][-500:]}", flush=True)
+        return row
+    row.pop("token_ids")
+    return row
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="16 short requests (a smoke run)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--model", choices=MODELS, default="tiny-llama")
+    p.add_argument("--workload", choices=WORKLOADS, default=None,
+                   help="default: mixed for tiny-llama, chat for smollm2-135m")
     p.add_argument("--requests", type=int, default=None)
     p.add_argument("--skip", default="", help="comma list of contenders to skip: "
-                   "hf_default,hf_tuned,padded,cold")
+                   "hf_default,hf_tuned,padded,cold,scheduler")
+    p.add_argument("--vllm", action="store_true",
+                   help="also run vLLM's CPU build (bench/vllm_cpu.py; its venv is created on "
+                        "first use) on the same checkpoint and prompts, after the other rounds")
     p.add_argument("--repeats", type=int, default=1,
                    help="rounds over all contenders; each reports its best round")
     p.add_argument("--threads", type=int, default=None,
@@ -202,10 +213,13 @@ def main(argv=None) -> int:
                    help="instead: the memory-pressure workload of bench/bench_offload.py (swap vs "
                         "recompute vs transformers' offloading)")
     args = p.parse_args(argv)
+    if args.requests is not None and args.requests < 1:
+        p.error(f"--requests must be >= 1, got {args.requests}")
+    if args.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.pressure:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from bench_offload import run_pressure
         rows = run_pressure("cuda" if torch.cuda.is_available() else "cpu",
                             num_prompts=args.requests or (8 if args.quick else 32),
@@ -215,14 +229,20 @@ def main(argv=None) -> int:
                 json.dump({"pressure": rows}, f, indent=2)
         return 0
     logging.basicConfig(level=logging.WARNING)
-    n = args.requests or (16 if args.quick else 64)
-    prompt_range, output_range = ((16, 128), (16, 64)) if args.quick else ((16, 512), (16, 256))
+    kind = args.workload or ("chat" if args.model == "smollm2-135m" else "mixed")
     skip = set(filter(None, args.skip.split(",")))
-    model = build_model()
-    prompts, outputs = workload(n, prompt_range, output_range)
-    useful = sum(outputs)
-    res = {"threads": torch.get_num_threads(), "requests": n, "output_tokens": useful,
-           "prompt_tokens": sum(map(len, prompts)), "model": MODEL_CFG, "results": {}}
+    model, tokenizer, saved_dir = load_model(args.model)
+    try:
+        prompts, outputs = workload(kind, args.requests, args.quick, model.config.vocab_size,
+                                    tokenizer)
+    except ValueError as err:
+        p.error(str(err))
+    n, useful = len(prompts), sum(outputs)
+    res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "versions": versions(),
+           "threads": torch.get_num_threads(), "model_name": args.model, "workload": kind,
+           "requests": n, "output_tokens": useful, "prompt_tokens": sum(map(len, prompts)),
+           "model": {k: getattr(model.config, k, None) for k in TINY_LLAMA}, "results": {},
+           "load_before": os.getloadavg()}
 
     def record(name, times, tokens, ref):
         seconds, cpu = times
@@ -252,23 +272,41 @@ def main(argv=None) -> int:
             tuned = ContinuousBatchingConfig(max_batch_tokens=512, num_blocks=64)
             record("generate_batch_tuned", *run_generate_batch(model, prompts, outputs, tuned),
                    ours)
-    base = res["results"].get("padded_generate")
-    if base:
+    res["load_after_rounds"] = os.getloadavg()
+    if args.vllm:
+        row = run_vllm_row(model, saved_dir, prompts, outputs, ours, args.repeats)
+        res["vllm_cpu"] = row
+        if "error" not in row:
+            res["results"]["vllm_cpu"] = {
+                "seconds": row["generate_s"], "tok_per_s": row["tokens_per_s"],
+                "identical_requests": row["matches_expected"], "rounds": args.repeats,
+                "startup_s": row["startup_s"]}
+            print(f"{'vllm_cpu':>22}: {row['tokens_per_s']:8.1f} tok/s wall "
+                  f"({row['generate_s']:6.2f} s; start-up {row['startup_s']:.0f} s), "
+                  f"identical tokens {row['matches_expected']}/{n}", flush=True)
+    for ref, key in (("padded_generate", "vs_padded_generate"), ("vllm_cpu", "vs_vllm_cpu")):
+        base = res["results"].get(ref)
+        if not base:
+            continue
         for r in res["results"].values():
-            r["vs_padded_generate"] = r["tok_per_s"] / base["tok_per_s"]
-            r["vs_padded_generate_cpu"] = r["tok_per_cpu_s"] / base["tok_per_cpu_s"]
-        print("ratios vs padded generate (wall | CPU time): " + ", ".join(
-            f"{k} {v['vs_padded_generate']:.2f}x | {v['vs_padded_generate_cpu']:.2f}x"
-            for k, v in res["results"].items()))
-    res["scheduler_256"] = scheduler_step_ms()
-    print("scheduler at 256 running: {schedule_ms:.3f} ms schedule + {pack_inputs_ms:.3f} ms "
-          "input packing per step".format(**res["scheduler_256"]))
+            r[key] = r["tok_per_s"] / base["tok_per_s"]
+            if "tok_per_cpu_s" in r and "tok_per_cpu_s" in base:
+                r[key + "_cpu"] = r["tok_per_cpu_s"] / base["tok_per_cpu_s"]
+        print(f"ratios vs {ref} (wall" + (" | CPU time" if "tok_per_cpu_s" in base else "")
+              + "): " + ", ".join(f"{k} {v[key]:.2f}x" + (f" | {v[key + '_cpu']:.2f}x"
+                                                           if key + "_cpu" in v else "")
+                                  for k, v in res["results"].items()))
+    if "scheduler" not in skip:
+        res["scheduler_256"] = scheduler_step_ms()
+        print("scheduler at 256 running: {schedule_ms:.3f} ms schedule + {pack_inputs_ms:.3f} ms "
+              "input packing per step".format(**res["scheduler_256"]))
     if "cold" not in skip:
         res["cold_start"] = cold_start_ttft()
         print("cold start to first token: {ttft_in_process_s:.2f} s in process ({imports_s:.2f} "
               "imports, {model_build_s:.2f} random model build, {engine_init_s:.2f} Engine(), "
               "{first_step_s:.2f} first step), {wall_s:.2f} s wall".format(**res["cold_start"]))
     if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)
     return 0
