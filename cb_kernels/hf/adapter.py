@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from cb_kernels import ops
+from cb_kernels.hf.lm_head import PackedHead
 from cb_kernels.ops.cache_ops import write_kv_unchecked
 
 ATTN_NAME = "cb_kernels_engine"
@@ -184,6 +185,7 @@ class ModelAdapter:
         self.attention_backend = attention_backend
         self._configs = _configs_of(model)
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._packed_head = PackedHead.build(model)     # None off CPU fp32 (see hf/lm_head.py)
         self._check_layers()
         self.k_caches: list = []
         self.v_caches: list = []
@@ -276,7 +278,9 @@ class ModelAdapter:
         for cfg in self._configs:
             cfg._attn_implementation_internal = ATTN_NAME
         try:
-            if self._keeps_logits:
+            if self._packed_head is not None:
+                logits = self._packed_head(input_ids, position_ids, logits_indices, cbk_step=step)
+            elif self._keeps_logits:
                 out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                                  logits_to_keep=logits_indices, cbk_step=step)
                 logits = out.logits[0]

