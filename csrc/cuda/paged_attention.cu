@@ -116,6 +116,27 @@ __device__ __forceinline__ int64_t row_offset(const int32_t* bt, int pos, int sh
   return static_cast<int64_t>(bt[pos >> shift]) * stride_b + static_cast<int64_t>(pos & mask) * stride_t;
 }
 
+// kUnroll K or V rows of this thread's group (chunk rows c0 + grp + (u0 + u) * kGroups), each as
+// this lane's 16-byte vectors; rows past the chunk end (n) and lanes past head_dim load zeros.
+template <typename L, typename T>
+__device__ __forceinline__ void load_rows(uint4 (&raw)[L::kUnroll][L::kVecsPerLane], const T* base,
+                                          const int32_t* bt, int c0, int n, int u0, int grp,
+                                          int glane, int shift, int bmask, int64_t stride_b,
+                                          int64_t stride_t) {
+#pragma unroll
+  for (int u = 0; u < L::kUnroll; ++u) {
+    const int c = grp + (u0 + u) * L::kGroups;
+    const int64_t off = c < n ? row_offset(bt, c0 + c, shift, bmask, stride_b, stride_t) : 0;
+#pragma unroll
+    for (int v = 0; v < L::kVecsPerLane; ++v) {
+      const int vi = glane + v * L::kLanes;
+      raw[u][v] = make_uint4(0u, 0u, 0u, 0u);
+      if (c < n && vi < L::kNumVecs)
+        raw[u][v] = __ldg(reinterpret_cast<const uint4*>(base + off + vi * L::kVec));
+    }
+  }
+}
+
 // Attention of query token `tok` (heads head0 .. head0+num_h-1) over keys lo..hi-1. Writes the
 // normalised output, or (partial) the unnormalised fp32 sum with its max and denominator.
 template <typename T, int HEAD_DIM>
@@ -158,18 +179,7 @@ __device__ __forceinline__ void attend(const PagedAttentionParams& p, Shared<T, 
     // Scores: kUnroll rows per group in flight, then the dot products and a lane reduction.
     for (int u0 = 0; u0 < L::kTokensPerGroup; u0 += L::kUnroll) {
       uint4 raw[L::kUnroll][L::kVecsPerLane];
-#pragma unroll
-      for (int u = 0; u < L::kUnroll; ++u) {
-        const int c = grp + (u0 + u) * L::kGroups;
-        const int64_t off = c < n ? row_offset(bt, c0 + c, shift, bmask, p.stride_kb, p.stride_kt) : 0;
-#pragma unroll
-        for (int v = 0; v < L::kVecsPerLane; ++v) {
-          const int vi = glane + v * L::kLanes;
-          raw[u][v] = make_uint4(0u, 0u, 0u, 0u);
-          if (c < n && vi < L::kNumVecs)
-            raw[u][v] = __ldg(reinterpret_cast<const uint4*>(kbase + off + vi * kVec));
-        }
-      }
+      load_rows<L>(raw, kbase, bt, c0, n, u0, grp, glane, shift, bmask, p.stride_kb, p.stride_kt);
 #pragma unroll
       for (int u = 0; u < L::kUnroll; ++u) {
         float sc[kMaxHeads];
@@ -239,18 +249,7 @@ __device__ __forceinline__ void attend(const PagedAttentionParams& p, Shared<T, 
     }
     for (int u0 = 0; u0 < L::kTokensPerGroup; u0 += L::kUnroll) {
       uint4 raw[L::kUnroll][L::kVecsPerLane];
-#pragma unroll
-      for (int u = 0; u < L::kUnroll; ++u) {
-        const int c = grp + (u0 + u) * L::kGroups;
-        const int64_t off = c < n ? row_offset(bt, c0 + c, shift, bmask, p.stride_vb, p.stride_vt) : 0;
-#pragma unroll
-        for (int v = 0; v < L::kVecsPerLane; ++v) {
-          const int vi = glane + v * L::kLanes;
-          raw[u][v] = make_uint4(0u, 0u, 0u, 0u);
-          if (c < n && vi < L::kNumVecs)
-            raw[u][v] = __ldg(reinterpret_cast<const uint4*>(vbase + off + vi * kVec));
-        }
-      }
+      load_rows<L>(raw, vbase, bt, c0, n, u0, grp, glane, shift, bmask, p.stride_vb, p.stride_vt);
 #pragma unroll
       for (int u = 0; u < L::kUnroll; ++u) {
         const int c = grp + (u0 + u) * L::kGroups;
