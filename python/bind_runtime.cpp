@@ -3,13 +3,14 @@
 
 #include "bindings.h"
 #include "cb_kernels/runtime.h"
+#include "threads.h"
 
 namespace py = pybind11;
 
 void bind_runtime(py::module_& m) {
-  m.def("set_num_threads", [](int n) { omp_set_num_threads(n > 0 ? n : 1); },
+  m.def("set_num_threads", [](int n) { cbk::cpu::thread_setting().store(n > 0 ? n : 1); },
         "Threads the CPU kernels use (the wrappers keep it equal to torch.get_num_threads()).");
-  m.def("get_num_threads", []() { return omp_get_max_threads(); });
+  m.def("get_num_threads", []() { return cbk::cpu::max_threads(); });
 #if CBK_WITH_CUDA
   m.def("cuda_device_error", []() { return cbk::cuda::device_error(); });
   m.def("cuda_device_count", []() { return cbk::cuda::device_count(); });

@@ -63,3 +63,20 @@ def test_wheel_installs_into_fresh_venv_and_imports(tmp_path):
     out = subprocess.run([py, "-c", code], capture_output=True, text=True, cwd=str(tmp_path))
     assert out.returncode == 0, out.stderr
     assert str(tmp_path / "venv") in out.stdout
+
+
+def test_kernel_thread_count_reaches_every_python_thread():
+    """The count the wrappers set is process-wide: OpenMP's own setting is per calling thread,
+    so a kernel called from another Python thread would otherwise use every core."""
+    import threading
+
+    old = _C.get_num_threads()
+    seen = []
+    try:
+        _C.set_num_threads(1)
+        t = threading.Thread(target=lambda: seen.append(_C.get_num_threads()))
+        t.start()
+        t.join()
+    finally:
+        _C.set_num_threads(old)
+    assert seen == [1]

@@ -9,6 +9,7 @@
 
 #include "cb_kernels/cache_ops.h"
 #include "isa.h"
+#include "threads.h"
 
 namespace cbk {
 namespace CBK_CPU_NS {
@@ -81,7 +82,7 @@ Status write_kv(const WriteKvParams& p) {
   const bool parallel = p.num_tokens * H * row * 2 >= kParallelBytes;
   const bool nt = p.num_tokens * H * row * 2 >= kStreamBytes;
   auto copy = nt ? copy_nt : copy_cached;
-#pragma omp parallel for schedule(static) if (parallel)
+#pragma omp parallel for schedule(static) num_threads(cpu::max_threads()) if (parallel)
   for (int64_t t = 0; t < p.num_tokens; ++t) {
     const int64_t slot = p.slot_mapping[t];
     if (slot < 0 || slot >= p.num_slots) continue;
@@ -113,7 +114,7 @@ Status copy_blocks(const BlockCopyParams& p) {
   const bool nt = bytes_per_pair * p.num_pairs >= kStreamBytes;
   // One item is one block of one tensor. Items run pair-major inside a tensor so consecutive
   // items of a thread read nearby blocks when the ids are sorted.
-#pragma omp parallel for schedule(static) if (parallel)
+#pragma omp parallel for schedule(static) num_threads(cpu::max_threads()) if (parallel)
   for (int64_t i = 0; i < items; ++i) {
     const int64_t t = i / p.num_pairs, k = i % p.num_pairs;
     const int64_t src = p.block_mapping[2 * k], dst = p.block_mapping[2 * k + 1];

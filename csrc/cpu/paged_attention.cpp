@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "isa.h"
+#include "threads.h"
 
 #if defined(__F16C__)
 #include <immintrin.h>
@@ -483,7 +484,7 @@ Status paged_attention(const PagedAttentionParams& p) {
   // oversubscribed, waits for a descheduled worker (a 1-token decode took 33 ms on 2 threads
   // against 7 us on one, on the shared 2-core box).
   const int threads = static_cast<int>(
-      std::min<int64_t>(omp_get_max_threads(), std::max<int64_t>(1, plan.work / kGrainWork)));
+      std::min<int64_t>(cpu::max_threads(), std::max<int64_t>(1, plan.work / kGrainWork)));
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
 #pragma omp for schedule(dynamic, kv_chunk)
