@@ -36,7 +36,8 @@ class Engine:
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
         self.config = config
         self.tokenizer = tokenizer
-        self.adapter = ModelAdapter(model, attention_backend=config.attention_backend)
+        self.adapter = ModelAdapter(model, attention_backend=config.attention_backend,
+                                    pack_weights=config.pack_weights)
         a = self.adapter
         self.resolved = resolve(config, ModelShape(a.num_layers, a.num_kv_heads, a.head_dim,
                                                    a.max_positions, a.dtype, a.device))
