@@ -15,6 +15,7 @@ from cb_kernels.engine.sequence import Sequence, SequenceStatus
 from cb_kernels.engine.sizing import ModelShape, resolve
 from cb_kernels.engine.streams import StreamOrchestrator
 from cb_kernels.engine.swapper import make_swapper
+from cb_kernels.ops.sampling import greedy_tokens
 
 logger = logging.getLogger("cb_kernels.engine")
 
@@ -143,7 +144,7 @@ class Engine:
             logits = a.forward(input_ids, position_ids, logits_idx, step)
         if sampled and all(seq.params.greedy for seq in sampled):
             # Greedy ids come back on the d2h stream behind an event (on CPU: a plain copy).
-            return sampled, self.streams.tokens_to_host(logits.argmax(dim=-1))
+            return sampled, self.streams.tokens_to_host(greedy_tokens(logits))
         tokens = self.sampler(logits, sampled) if sampled else []
         return sampled, tokens
 
