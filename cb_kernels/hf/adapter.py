@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from cb_kernels import ops
+from cb_kernels.hf.fast_llama import LlamaFastPath
 from cb_kernels.hf.packed_linears import PackedLinears
 from cb_kernels.ops.cache_ops import write_kv_unchecked
 
@@ -188,6 +189,8 @@ class ModelAdapter:
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         # None off CPU fp32 or when the packed copy does not fit (see hf/packed_linears.py)
         self._packed = PackedLinears.build(model, pack_weights)
+        # Our own forward for the Llama family when the model is exactly that (hf/fast_llama.py).
+        self._fast = LlamaFastPath.build(model, self._packed, self)
         self._check_layers()
         self.k_caches: list = []
         self.v_caches: list = []
@@ -276,6 +279,8 @@ class ModelAdapter:
     @torch.inference_mode()
     def forward(self, input_ids, position_ids, logits_indices, step: StepInputs) -> torch.Tensor:
         """Returns logits [len(logits_indices), vocab_size] in fp32."""
+        if self._fast is not None and self._fast.usable():
+            return self._fast(input_ids, position_ids, logits_indices, step)
         saved = [cfg._attn_implementation_internal for cfg in self._configs]
         for cfg in self._configs:
             cfg._attn_implementation_internal = ATTN_NAME

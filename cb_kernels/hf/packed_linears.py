@@ -147,10 +147,15 @@ class PackedLinears:
                     sum(len(g.members) for g in groups), len(groups), nbytes / 2**20)
         return cls(groups)
 
+    def refresh(self) -> None:
+        """Repack the weights that were replaced or changed in place since the last step."""
+        for g in self.groups:
+            g.refresh()
+
     def __enter__(self) -> "PackedLinears":
         try:
+            self.refresh()
             for g in self.groups:
-                g.refresh()
                 for i, m in enumerate(g.members):
                     self._installed.append((m, m.__dict__.get("forward")))
                     m.forward = g.forwards[i]

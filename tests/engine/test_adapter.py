@@ -13,7 +13,7 @@ pytestmark = pytest.mark.one_thread
 LENGTHS, NEW = [30, 4, 45, 17], [10, 14, 6, 30]
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "mistral", "gemma", "gemma2", "gemma3"])
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3"])
 def test_family_greedy_matches_generate(kind):
     model = make_model(kind, seed=1)
     prompts = random_prompts(LENGTHS, seed=6)
@@ -49,7 +49,9 @@ def test_no_dense_mask_and_no_cache_object_reach_attention():
     from transformers import AttentionInterface
 
     model = make_model("llama", seed=3)
-    engine = Engine(model, EngineConfig(block_size=8, num_blocks=16,
+    # pack_weights=False: transformers' forward (the Llama family's own path is in
+    # tests/hf/test_fast_llama.py).
+    engine = Engine(model, EngineConfig(block_size=8, num_blocks=16, pack_weights=False,
                                         attention_backend=ATTN_BACKEND))
     calls = []
 

@@ -17,12 +17,16 @@ def _engine(device="cpu", num_layers=2, **config):
     return Engine(model, EngineConfig(**{**cfg, **config}))
 
 
-def test_layers_use_the_unchecked_write_kv(monkeypatch):
-    engine = _engine()
+@pytest.mark.parametrize("pack", [True, False], ids=["llama-path", "transformers-path"])
+def test_layers_use_the_unchecked_write_kv(monkeypatch, pack):
+    from cb_kernels.hf import fast_llama
+
+    engine = _engine(pack_weights=pack)
     unchecked, checked = [], []
     real = adapter_mod.write_kv_unchecked
-    monkeypatch.setattr(adapter_mod, "write_kv_unchecked",
-                        lambda *a, **k: (unchecked.append(1), real(*a, **k)))
+    for module in (adapter_mod, fast_llama):
+        monkeypatch.setattr(module, "write_kv_unchecked",
+                            lambda *a, **k: (unchecked.append(1), real(*a, **k)))
     monkeypatch.setattr(adapter_mod.ops, "write_kv", lambda *a, **k: checked.append(1))
     outs = engine.generate(random_prompts([9, 5], seed=2), SamplingParams(max_new_tokens=3))
     assert [len(o.token_ids) for o in outs] == [3, 3]

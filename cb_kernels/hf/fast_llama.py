@@ -1,0 +1,179 @@
+"""The engine's own forward for the Llama family (llama, mistral, qwen2, qwen3) on CPU fp32.
+
+Why: with the linears packed (packed_linears.py), what remains of a decode step beyond the
+GEMMs is transformers' per-layer Python: module calls, kwarg decorators, views and transposes,
+an 8-op RMSNorm, 16 ops of rotary, the checks of our attention op on every layer. Measured on
+SmolLM2-135M (30 layers), 16 decode rows, 1 thread: 16 ms of an 81 ms forward outside the
+linears. This path runs the same math with fewer ops: `F.rms_norm` (bit-equal to transformers'
+RMSNorm, checked on the model's own weights at build time), the fused packed projections, the
+rotary formula of transformers with its own cos/sin module, and the attention kernels called
+directly after one check of the step's metadata on layer 0.
+
+It applies only when the model is exactly what it expects: a known model type, the decoder
+layout of these families, RMSNorms and activation that probe equal to `F.rms_norm`/`F.silu`, the
+q/k/v and gate/up projections packed as groups, and no forward hooks anywhere (a hook would be
+skipped). Anything else keeps transformers' forward (with packed linears); `build` says None.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from cb_kernels import ops
+from cb_kernels.ops.cache_ops import write_kv_unchecked
+from cb_kernels.ops.paged_attention import paged_attention_unchecked
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class _Norm:
+    """An RMSNorm module run as F.rms_norm (its weight read at each call: it may be replaced)."""
+
+    def __init__(self, module, eps: float):
+        self.module, self.eps = module, eps
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.module.weight
+        return F.rms_norm(x, (w.shape[0],), w, self.eps)
+
+
+def _rms_norm(norm) -> Optional[_Norm]:
+    """`norm` as a _Norm when it computes exactly F.rms_norm(x, weight, eps), else None."""
+    w, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
+    if not type(norm).__name__.endswith("RMSNorm") or not isinstance(w, torch.Tensor) \
+            or w.dim() != 1 or w.dtype != torch.float32 or not isinstance(eps, float):
+        return None
+    probe = torch.randn(3, w.shape[0], generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        if not torch.equal(norm(probe), F.rms_norm(probe, (w.shape[0],), w, eps)):
+            return None
+    return _Norm(norm, eps)
+
+
+def _is_silu(act) -> bool:
+    probe = torch.randn(64, generator=torch.Generator().manual_seed(0)) * 4
+    with torch.no_grad():
+        return callable(act) and torch.equal(act(probe), F.silu(probe))
+
+
+def _has_hooks(model) -> bool:
+    from torch.nn.modules import module as nn_module
+
+    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' rotary: x * cos + rotate_half(x) * sin, the same ops in the same order.
+    x: [T, heads, head_dim]; cos, sin: [T, 1, head_dim]."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class _Layer:
+    def __init__(self, layer, groups, model_type, adapter):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.in_norm = _rms_norm(layer.input_layernorm)
+        self.post_norm = _rms_norm(layer.post_attention_layernorm)
+        self.qkv = groups.get(id(attn.q_proj))
+        self.o = groups.get(id(attn.o_proj))
+        self.gate_up = groups.get(id(mlp.gate_proj))
+        self.down = groups.get(id(mlp.down_proj))
+        self.q_norm = self.k_norm = None
+        if model_type == "qwen3":
+            self.q_norm = _rms_norm(getattr(attn, "q_norm", None))
+            self.k_norm = _rms_norm(getattr(attn, "k_norm", None))
+        self.head_dim = attn.head_dim
+        self.scaling = attn.scaling
+        if model_type == "mistral":
+            self.window = getattr(attn.config, "sliding_window", None)
+        elif model_type in ("qwen2", "qwen3"):
+            self.window = getattr(attn, "sliding_window", None)
+        else:
+            self.window = None
+        self.num_heads, self.num_kv_heads = adapter.num_heads, adapter.num_kv_heads
+        self.ok = (self.in_norm is not None and self.post_norm is not None
+                   and self.qkv is not None and [m for m in self.qkv.members]
+                   == [attn.q_proj, attn.k_proj, attn.v_proj]
+                   and self.gate_up is not None and self.gate_up.members == [mlp.gate_proj,
+                                                                             mlp.up_proj]
+                   and self.o is not None and self.down is not None and _is_silu(mlp.act_fn)
+                   and (model_type != "qwen3" or (self.q_norm is not None
+                                                  and self.k_norm is not None))
+                   and attn.q_proj.out_features == self.num_heads * self.head_dim
+                   and attn.k_proj.out_features == self.num_kv_heads * self.head_dim)
+
+
+class LlamaFastPath:
+    """Callable like the adapter's model run: (input_ids [1, T], position_ids [1, T],
+    logits_indices [S], step) -> logits [S, vocab_size]."""
+
+    def __init__(self, model, decoder, layers: list, head, packed):
+        self.model, self.decoder, self.layers, self.head, self.packed = \
+            model, decoder, layers, head, packed
+        self.final_norm = _rms_norm(decoder.norm)
+
+    @classmethod
+    def build(cls, model, packed, adapter) -> Optional["LlamaFastPath"]:
+        model_type = getattr(model.config, "model_type", None)
+        if packed is None or model_type not in FAMILIES or _has_hooks(model):
+            return None
+        decoder = getattr(model, "model", None)
+        names = ("embed_tokens", "layers", "norm", "rotary_emb")
+        if decoder is None or any(not hasattr(decoder, n) for n in names) \
+                or len(decoder.layers) != adapter.num_layers:
+            return None
+        groups = {id(g.members[0]): g for g in packed.groups}
+        head = groups.get(id(getattr(model, "lm_head", None)))
+        try:
+            layers = [_Layer(layer, groups, model_type, adapter) for layer in decoder.layers]
+        except AttributeError:       # a layer without the attributes of this family
+            return None
+        path = cls(model, decoder, layers, head, packed)
+        if head is None or path.final_norm is None or not all(layer.ok for layer in layers):
+            return None
+        return path
+
+    def usable(self) -> bool:
+        """False once someone added a forward hook (this path would skip it): ~60 us a step."""
+        return not _has_hooks(self.model)
+
+    @torch.inference_mode()
+    def __call__(self, input_ids, position_ids, logits_indices, step) -> torch.Tensor:
+        self.packed.refresh()
+        d = self.decoder
+        x = d.embed_tokens(input_ids)                        # [1, T, hidden]
+        cos, sin = d.rotary_emb(x, position_ids)             # [1, T, head_dim]
+        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)
+        x = x[0]
+        num_tokens = x.shape[0]
+        backend = step.backend or "cpu"
+        for i, layer in enumerate(self.layers):
+            h = layer.in_norm(x)
+            q, k, v = layer.qkv.run(h).split(layer.qkv.splits, dim=-1)
+            q = q.view(num_tokens, layer.num_heads, layer.head_dim)
+            k = k.view(num_tokens, layer.num_kv_heads, layer.head_dim)
+            v = v.view(num_tokens, layer.num_kv_heads, layer.head_dim)
+            if layer.q_norm is not None:
+                q, k = layer.q_norm(q), layer.k_norm(k)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            k_cache, v_cache = step.k_caches[i], step.v_caches[i]
+            write_kv_unchecked(k, v, k_cache, v_cache, step.slot_mapping)
+            if i == 0:      # one full check of the step's metadata; the other layers share it
+                out = ops.paged_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens,
+                                          step.cu_seqlens_q, scale=layer.scaling,
+                                          sliding_window=layer.window, backend=backend)
+            else:
+                out = paged_attention_unchecked(
+                    q, k_cache, v_cache, step.block_tables, step.seq_lens, step.cu_seqlens_q,
+                    torch.empty_like(q), scale=layer.scaling, sliding_window=layer.window,
+                    backend=backend)
+            x = x + layer.o.run(out.view(num_tokens, -1))
+            h = layer.post_norm(x)
+            gate, up = layer.gate_up.run(h).split(layer.gate_up.splits, dim=-1)
+            x = x + layer.down.run(F.silu(gate) * up)
+        x = self.final_norm(x)
+        return self.head.run(x.index_select(0, logits_indices))
