@@ -58,12 +58,12 @@ def _is_silu(act) -> bool:
         return callable(act) and torch.equal(act(probe), F.silu(probe))
 
 
-def _has_hooks(model) -> bool:
+def _has_hooks(modules: list) -> bool:
     from torch.nn.modules import module as nn_module
 
     if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
         return True
-    return any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -115,11 +115,12 @@ class LlamaFastPath:
         self.model, self.decoder, self.layers, self.head, self.packed = \
             model, decoder, layers, head, packed
         self.final_norm = _rms_norm(decoder.norm)
+        self.modules = list(model.modules())
 
     @classmethod
     def build(cls, model, packed, adapter) -> Optional["LlamaFastPath"]:
         model_type = getattr(model.config, "model_type", None)
-        if packed is None or model_type not in FAMILIES or _has_hooks(model):
+        if packed is None or model_type not in FAMILIES or _has_hooks(list(model.modules())):
             return None
         decoder = getattr(model, "model", None)
         names = ("embed_tokens", "layers", "norm", "rotary_emb")
@@ -138,8 +139,8 @@ class LlamaFastPath:
         return path
 
     def usable(self) -> bool:
-        """False once someone added a forward hook (this path would skip it): ~60 us a step."""
-        return not _has_hooks(self.model)
+        """False once someone added a forward hook (this path would skip it)."""
+        return not _has_hooks(self.modules)
 
     @torch.inference_mode()
     def __call__(self, input_ids, position_ids, logits_indices, step) -> torch.Tensor:
