@@ -1,0 +1,82 @@
+"""Engine.generate and Engine.stream: many prompts through add_request + step."""
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+from cb_kernels.engine import requests
+from cb_kernels.engine.config import RequestOutput
+from cb_kernels.engine.sequence import Sequence
+
+
+class BatchFrontend:
+    """The batch helpers of Engine (mixed in; they use only its request API and `_seqs`)."""
+
+    def _add_all(self, prompts, params) -> list:
+        """Add every prompt; a bad one becomes an "error" output instead of stopping the rest.
+        Returns one entry per prompt: a request id, or the finished error output."""
+        if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__iter__"):
+            raise TypeError("prompts must be a list of prompts (token-id lists or strings), got "
+                            f"{type(prompts).__name__}")
+        prompts = list(prompts)
+        if isinstance(params, (list, tuple)):
+            if len(params) != len(prompts):
+                raise ValueError(f"params has {len(params)} entries for {len(prompts)} prompts")
+            per_prompt = list(params)
+        else:
+            per_prompt = [params] * len(prompts)
+        entries = []
+        for prompt, p in zip(prompts, per_prompt):
+            try:
+                entries.append(self.add_request(prompt, p))
+            except (ValueError, TypeError) as e:
+                entries.append(requests.error_output(f"req_rejected_{self._next_id}", prompt, e))
+                self._next_id += 1
+        return entries
+
+    def generate(self, prompts, params=None) -> list:
+        """Run `prompts` to completion; returns their RequestOutputs in prompt order. A prompt
+        that add_request rejects gets an output with finish_reason "error" and the message."""
+        entries = self._add_all(prompts, params)
+        wanted = {e for e in entries if isinstance(e, str)}
+        done, others = {}, []
+        while wanted - done.keys():
+            for out in self.step():
+                if out.request_id in wanted:
+                    done[out.request_id] = out
+                else:
+                    others.append(out)
+        self._ended += others     # requests added by add_request() still reach step()'s caller
+        return [done[e] if isinstance(e, str) else e for e in entries]
+
+    def stream(self, prompts, params=None) -> Iterator[RequestOutput]:
+        """Yield, after each step, one RequestOutput per request that got new tokens, holding
+        only those tokens (and their text); the last one of a request has its finish_reason."""
+        entries = self._add_all(prompts, params)
+        for e in entries:
+            if not isinstance(e, str):
+                yield e
+        live = {e: self._seqs[e] for e in entries if isinstance(e, str)}
+        others = []
+        while live:
+            ended = set()
+            for out in self.step():
+                (ended.add(out.request_id) if out.request_id in live else others.append(out))
+            for rid, seq in list(live.items()):
+                new = seq.token_ids[seq.num_prompt_tokens + seq.num_streamed_tokens:]
+                if not new and rid not in ended:
+                    continue
+                seq.num_streamed_tokens += len(new)
+                yield self._output(seq, new, self._text_delta(seq))
+                if rid in ended:
+                    del live[rid]
+        self._ended += others
+
+    def _text_delta(self, seq: Sequence) -> Optional[str]:
+        """New text since the last delta. Decoding all output tokens and cutting off what was
+        sent keeps the spaces and multi-token characters that decoding a delta alone loses."""
+        if self.tokenizer is None:
+            return None
+        full = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        sent, seq.streamed_text = seq.streamed_text, full
+        return full[len(sent):] if full.startswith(sent) else full
+
