@@ -9,7 +9,7 @@ from cb_kernels.engine import requests
 from cb_kernels.engine.block_manager import BlockManager
 from cb_kernels.engine.config import EngineConfig, RequestOutput, SamplingParams
 from cb_kernels.engine.cuda_graphs import adapter_decode_runner, graphs_enabled
-from cb_kernels.engine.frontend import BatchFrontend
+from cb_kernels.engine.frontend import EngineFrontend
 from cb_kernels.engine.pipeline import LaunchedStep, StepClock, fill_placeholders, placeholder_rows
 from cb_kernels.engine.sampler import Sampler
 from cb_kernels.engine.scheduler import ScheduledBatch, Scheduler
@@ -21,7 +21,7 @@ from cb_kernels.engine.swapper import make_swapper
 logger = logging.getLogger("cb_kernels.engine")
 
 
-class Engine(BatchFrontend):
+class Engine(EngineFrontend):
     """Continuous batching for one transformers causal LM (see DESIGN.md, "Engine API").
 
     The model runs as given (call model.eval() first if it has dropout layers); its config is
@@ -124,6 +124,7 @@ class Engine(BatchFrontend):
             self._overlapped_steps += prev is not None
             try:
                 launched = self._launch(batch, prev)
+                self.clock.launch_s += launched.launch_s
             except Exception as e:  # one bad step fails its requests, never the engine
                 error = e
         if prev is not None:
@@ -267,49 +268,3 @@ class Engine(BatchFrontend):
             text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
         return RequestOutput(seq.request_id, seq.prompt_token_ids, list(token_ids), text,
                              seq.finish_reason, seq.error, seq.metrics)
-
-    # -- introspection --------------------------------------------------------------------------
-    def check_invariants(self) -> None:
-        """Raise AssertionError if any block, ref count or queue is inconsistent."""
-        s = self.scheduler
-        self.block_manager.check_invariants(s.seqs_holding_blocks())
-        for seq in s.running:
-            assert seq.status is SequenceStatus.RUNNING, f"{seq} in running"
-            assert self._seqs.get(seq.request_id) is seq, f"{seq} running but unknown"
-        for seq in s.waiting:
-            assert seq.status is SequenceStatus.WAITING and not seq.block_table, f"{seq} waiting"
-        if self.swapper is not None:
-            self.swapper.check_invariants(s.swapped)
-        assert not s.swapped or self.swapper is not None, "swapped requests without a host pool"
-        assert len(s.running) + len(s.waiting) + len(s.swapped) == len(self._seqs), \
-            "a request is lost"
-        assert len(s.running) <= s.max_num_seqs
-        for seq in self._seqs.values():
-            assert not seq.has_placeholder, f"{seq} keeps a placeholder between steps"
-        if self._in_flight is not None:
-            assert self._in_flight.pending, "a step in flight with no tokens to wait for"
-            for seq in self._in_flight.batch.seqs:
-                assert not self._live(seq) or seq.status is SequenceStatus.RUNNING, \
-                    f"{seq} in flight but not running"
-
-    def stats(self) -> dict:
-        bm, s = self.block_manager, self.scheduler
-        return {
-            "used_blocks": bm.num_used_blocks, "free_blocks": len(bm.free_ids),
-            "cached_blocks": bm.num_cached_blocks, "num_blocks": bm.num_blocks,
-            **self._offload_stats(),
-            "recomputes": s.num_recomputes, "preemptions": s.num_preemptions,
-            "prefix_hit_blocks": bm.num_hit_blocks, "evicted_blocks": bm.num_evicted_blocks,
-            "steps": self._steps, "failed_steps": self._failed_steps,
-            "running": len(s.running), "waiting": len(s.waiting), "swapped": len(s.swapped),
-            "generated_tokens": self._num_generated,
-            "overlapped_steps": self._overlapped_steps, "placeholder_fills": self._num_filled,
-            "discarded_tokens": self._num_discarded, **self.clock.stats(),
-        }
-
-    def _offload_stats(self) -> dict:
-        if self.swapper is None:
-            return {"host_used_blocks": 0, "host_total_blocks": 0, "host_occupancy": 0.0,
-                    "swaps_out": 0, "swaps_in": 0, "swap_blocks_out": 0, "swap_blocks_in": 0,
-                    "swap_bytes": 0, "swap_failures": 0}
-        return self.swapper.offload.stats()

@@ -1,15 +1,16 @@
-"""Engine.generate and Engine.stream: many prompts through add_request + step."""
+"""The parts of Engine built on its core (add_request / step / cancel): generate and stream over
+many prompts, and the introspection (check_invariants, stats)."""
 from __future__ import annotations
 
 from typing import Iterator, Optional
 
 from cb_kernels.engine import requests
 from cb_kernels.engine.config import RequestOutput
-from cb_kernels.engine.sequence import Sequence
+from cb_kernels.engine.sequence import Sequence, SequenceStatus
 
 
-class BatchFrontend:
-    """The batch helpers of Engine (mixed in; they use only its request API and `_seqs`)."""
+class EngineFrontend:
+    """Mixed into Engine; uses its request API, queues and counters."""
 
     def _add_all(self, prompts, params) -> list:
         """Add every prompt; a bad one becomes an "error" output instead of stopping the rest.
@@ -80,3 +81,52 @@ class BatchFrontend:
         sent, seq.streamed_text = seq.streamed_text, full
         return full[len(sent):] if full.startswith(sent) else full
 
+    def check_invariants(self) -> None:
+        """Raise AssertionError if any block, ref count or queue is inconsistent."""
+        s = self.scheduler
+        self.block_manager.check_invariants(s.seqs_holding_blocks())
+        for seq in s.running:
+            assert seq.status is SequenceStatus.RUNNING, f"{seq} in running"
+            assert self._seqs.get(seq.request_id) is seq, f"{seq} running but unknown"
+        for seq in s.waiting:
+            assert seq.status is SequenceStatus.WAITING and not seq.block_table, f"{seq} waiting"
+        if self.swapper is not None:
+            self.swapper.check_invariants(s.swapped)
+        assert not s.swapped or self.swapper is not None, "swapped requests without a host pool"
+        assert len(s.running) + len(s.waiting) + len(s.swapped) == len(self._seqs), \
+            "a request is lost"
+        assert len(s.running) <= s.max_num_seqs
+        for seq in self._seqs.values():
+            assert not seq.has_placeholder, f"{seq} keeps a placeholder between steps"
+        if self._in_flight is not None:
+            assert self._in_flight.pending, "a step in flight with no tokens to wait for"
+            for seq in self._in_flight.batch.seqs:
+                assert not self._live(seq) or seq.status is SequenceStatus.RUNNING, \
+                    f"{seq} in flight but not running"
+
+    def stats(self) -> dict:
+        """Counters and gauges. Of the overlap (pipeline.py): overlapped_steps (launched before
+        the previous step's tokens were read), placeholder_fills (input ids filled on the device),
+        discarded_tokens (sampled for a request that had ended meanwhile: cancelled, or stopped in
+        the step before), host_wait_s, and with clock.device_events on CUDA device_busy_s,
+        device_idle_s, timed_steps (StepClock)."""
+        bm, s = self.block_manager, self.scheduler
+        return {
+            "used_blocks": bm.num_used_blocks, "free_blocks": len(bm.free_ids),
+            "cached_blocks": bm.num_cached_blocks, "num_blocks": bm.num_blocks,
+            **self._offload_stats(),
+            "recomputes": s.num_recomputes, "preemptions": s.num_preemptions,
+            "prefix_hit_blocks": bm.num_hit_blocks, "evicted_blocks": bm.num_evicted_blocks,
+            "steps": self._steps, "failed_steps": self._failed_steps,
+            "running": len(s.running), "waiting": len(s.waiting), "swapped": len(s.swapped),
+            "generated_tokens": self._num_generated,
+            "overlapped_steps": self._overlapped_steps, "placeholder_fills": self._num_filled,
+            "discarded_tokens": self._num_discarded, **self.clock.stats(),
+        }
+
+    def _offload_stats(self) -> dict:
+        if self.swapper is None:
+            return {"host_used_blocks": 0, "host_total_blocks": 0, "host_occupancy": 0.0,
+                    "swaps_out": 0, "swaps_in": 0, "swap_blocks_out": 0, "swap_blocks_in": 0,
+                    "swap_bytes": 0, "swap_failures": 0}
+        return self.swapper.offload.stats()

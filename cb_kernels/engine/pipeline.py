@@ -105,6 +105,7 @@ class StepClock:
     """Where the time of steps goes.
 
     host_wait_s: seconds the host blocked on sampled tokens (PendingTokens.result).
+    launch_s: host seconds spent issuing steps (packing, launches; on a CPU the whole forward).
     With `device_events` on (CUDA only; the bench turns it on, a step then records two timing
     events on the compute stream, ~10 us): device_busy_s, from each step's first input copy to its
     sampled tokens, and device_idle_s, the gaps between one step's end and the next one's start
@@ -115,6 +116,7 @@ class StepClock:
         self.on_cuda = on_cuda
         self.device_events = False
         self.host_wait_s = 0.0
+        self.launch_s = 0.0
         self.device_busy_s = 0.0
         self.device_idle_s = 0.0
         self.timed_steps = 0
@@ -153,5 +155,6 @@ class StepClock:
             if prev_end is not None:
                 self.device_idle_s += prev_end.elapsed_time(start) / 1e3
             self.timed_steps += 1
-        return {"host_wait_s": self.host_wait_s, "device_busy_s": self.device_busy_s,
+        return {"host_wait_s": self.host_wait_s, "launch_s": self.launch_s,
+                "device_busy_s": self.device_busy_s,
                 "device_idle_s": self.device_idle_s, "timed_steps": self.timed_steps}
