@@ -96,7 +96,8 @@ class Engine(EngineFrontend):
 
     def cancel(self, request_id: str) -> None:
         """End a waiting or running request now; its blocks return at once and its output
-        (finish_reason "cancelled") comes with the next step()."""
+        (finish_reason "cancelled") comes with the next step(). The output holds the tokens shown
+        so far: with overlap on, a token still being computed for it is dropped."""
         seq = self._seqs.get(request_id) if isinstance(request_id, str) else None
         if seq is None:
             raise ValueError(f"request_id {request_id!r} is not waiting or running (unknown, or "
@@ -135,8 +136,7 @@ class Engine(EngineFrontend):
         if error is not None:
             self._fail_step(batch, error)
         elif launched is not None:
-            if prev is not None:
-                self._commit_late(batch)
+            self._commit_late(launched)
             if not any(self._live(seq) for seq in batch.seqs):
                 self._num_discarded += len(launched.sampled)   # all stopped in `prev`
             elif self._overlap and launched.pending:
@@ -159,7 +159,7 @@ class Engine(EngineFrontend):
         a.copy_blocks(batch.blocks_to_copy)
         input_ids, position_ids, logits_idx, step, sampled = a.prepare(batch.seqs,
                                                                        batch.num_new_tokens)
-        dst, src = placeholder_rows(batch, prev)
+        dst, src, fed = placeholder_rows(batch, prev)
         if dst:
             fill_placeholders(input_ids[0], dst, src, prev.device_tokens, self.streams.to_device)
             self._num_filled += len(dst)
@@ -182,7 +182,7 @@ class Engine(EngineFrontend):
             tokens = self.sampler(logits, sampled) if sampled else []
             self.clock.end(event)
         return LaunchedStep(batch, sampled, tokens, device_tokens, start,
-                            time.perf_counter() - start)
+                            time.perf_counter() - start, fed)
 
     def _advance(self, launched: LaunchedStep, retire: bool) -> set:
         """The bookkeeping of `launched` that needs no token: computed counts grow and each
@@ -235,10 +235,10 @@ class Engine(EngineFrontend):
             if reason is not None:
                 self._end(seq, reason)
 
-    def _commit_late(self, batch: ScheduledBatch) -> None:
-        """Prefix-cache hashes of `batch`'s blocks that held a placeholder when it was
+    def _commit_late(self, launched: LaunchedStep) -> None:
+        """Prefix-cache hashes of the blocks that held a placeholder when `launched` was
         scheduled (BlockManager.commit skipped them); their tokens are known now."""
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        for seq, n in launched.fed:
             if self._live(seq) and seq.status is SequenceStatus.RUNNING:
                 self.block_manager.commit(seq, seq.num_computed_tokens + n)
 

@@ -56,17 +56,19 @@ class LaunchedStep:
     device_tokens: Optional[torch.Tensor]
     start: float                 # perf_counter at launch
     launch_s: float              # host seconds the launch took (the whole step on a CPU)
+    fed: list                    # (seq, num_new_tokens) of the rows fed a placeholder
 
     @property
     def pending(self) -> bool:
         return self.device_tokens is not None and not isinstance(self.tokens, list)
 
 
-def placeholder_rows(batch: ScheduledBatch, prev: Optional[LaunchedStep]) -> tuple[list, list]:
-    """Where `batch` feeds a placeholder: (dst, src) with dst the indices into its packed
-    input_ids [num_tokens] and src the rows of prev.device_tokens that hold those tokens.
-    Call before the batch is advanced (num_computed_tokens as scheduled)."""
-    dst, src, row_of, end = [], [], None, 0
+def placeholder_rows(batch: ScheduledBatch, prev: Optional[LaunchedStep]):
+    """Where `batch` feeds a placeholder: (dst, src, fed) with dst the indices into its packed
+    input_ids [num_tokens], src the rows of prev.device_tokens that hold those tokens, and fed
+    the (seq, num_new_tokens) pairs of those rows (their hashes are committed late). Call before
+    the batch is advanced (num_computed_tokens as scheduled)."""
+    dst, src, fed, row_of, end = [], [], [], None, 0
     for seq, n in zip(batch.seqs, batch.num_new_tokens):
         end += n
         if seq.has_placeholder and seq.num_computed_tokens + n == len(seq.token_ids):
@@ -76,7 +78,8 @@ def placeholder_rows(batch: ScheduledBatch, prev: Optional[LaunchedStep]) -> tup
                 row_of = {s.seq_id: i for i, s in enumerate(prev.sampled)}
             dst.append(end - 1)
             src.append(row_of[seq.seq_id])
-    return dst, src
+            fed.append((seq, n))
+    return dst, src, fed
 
 
 def _is_range(idx: list) -> bool:

@@ -3,8 +3,6 @@ synchronous device: step N+1 is scheduled and launched before step N's tokens ar
 placeholder inputs filled from step N's token tensor. Every test compares the tokens with an
 oracle (transformers' greedy generate, cut at stop tokens and cancellations) or with overlap off,
 and checks the invariants after every step; the counters prove the pipeline really ran."""
-import itertools
-
 import pytest
 import torch
 
@@ -140,11 +138,10 @@ def test_preempted_while_its_token_is_unknown(llama, workload, monkeypatch, pree
     real_rows = engine_mod.placeholder_rows
 
     def counted_rows(batch, prev):
-        dst, src = real_rows(batch, prev)
-        ends = dict(zip(itertools.accumulate(batch.num_new_tokens), batch.num_new_tokens))
-        for d in dst:
-            rows["prefill" if ends[d + 1] > 1 else "decode"] += 1
-        return dst, src
+        dst, src, fed = real_rows(batch, prev)
+        for _, n in fed:
+            rows["prefill" if n > 1 else "decode"] += 1
+        return dst, src, fed
 
     monkeypatch.setattr(sched, "schedule", schedule)
     monkeypatch.setattr(engine_mod, "placeholder_rows", counted_rows)
@@ -195,6 +192,20 @@ def test_failed_step_in_flight_fails_only_its_requests(llama, workload, monkeypa
             assert o.token_ids == ref[k] and o.finish_reason == "length"
     later = run(engine, prompts[:2], [SamplingParams(max_new_tokens=n) for n in NEW[:2]])
     assert [o.token_ids for o in later] == ref[:2]
+
+
+def test_requests_ending_by_length_cost_no_extra_rows(llama, workload):
+    """A request whose in-flight step gives its last token (max_new_tokens) is retired before
+    the next schedule: no discarded rows and as many steps and tokens as without overlap."""
+    prompts, ref = workload
+    params = [SamplingParams(max_new_tokens=n) for n in NEW]
+    stats = {}
+    for overlap in ("off", "on"):
+        engine = make_engine(llama, overlap)
+        assert [o.token_ids for o in run(engine, prompts, params)] == ref
+        stats[overlap] = engine.stats()
+    assert stats["on"]["discarded_tokens"] == 0 and stats["on"]["overlapped_steps"] > 0
+    assert stats["on"]["steps"] == stats["off"]["steps"]
 
 
 def test_cancel_while_in_flight_keeps_the_shown_tokens(llama, workload):
