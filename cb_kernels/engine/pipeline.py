@@ -23,11 +23,21 @@ for recompute or swapped in inside the same schedule; `placeholder_rows` finds t
 Prefix-cache hashes of a block holding a placeholder are committed after resolve(N)
 (BlockManager.commit skips that block until then).
 
-What does not overlap (the step resolves at once, as without overlap):
-  - a step with non-greedy rows: the Sampler draws on the host from the logits, so its tokens
-    are known at launch and the next step is scheduled after it;
-  - a step that samples nothing (prefill chunks only): nothing to wait for, it resolves at once;
-  - the first step after the engine was idle, and a step after a failed one.
+So on CUDA the host's schedule + input packing of N+1 runs while the device computes N, and the
+postprocess of N (token appends, stop checks, outputs) while it computes N+1; the host blocks
+only in resolve(N), normally after N+1 was queued. What does not overlap:
+  - a step with non-greedy rows: the Sampler draws on the host from the logits (a sync inside
+    the launch), so its tokens are known at launch, it resolves at once and the next step is
+    scheduled after it (seeded requests keep their tokens: one draw per token, as without overlap);
+  - a step that samples nothing (prefill chunks only): nothing to wait for, it resolves at once
+    (the device still runs it while the next one is scheduled);
+  - the first step after the engine was idle, and the step after a failed one;
+  - the swap-in/out copies and copy-on-write copies that a schedule issues: on their own streams
+    behind the compute already queued (streams.py), not new overlap here;
+  - on a CPU nothing: the forward runs inside the launch. overlap="on" there runs this pipeline
+    synchronously, which is how the CPU tests prove its outputs equal the synchronous path's.
+A request that stops on a stop token costs one discarded row in the step after (Engine.stats()
+"discarded_tokens"); one that ends by max_new_tokens is retired first and costs none.
 """
 from __future__ import annotations
 
