@@ -137,7 +137,7 @@ class Engine(EngineFrontend):
             self._fail_step(batch, error)
         elif launched is not None:
             self._commit_late(launched)
-            if not any(self._live(seq) for seq in batch.seqs):
+            if not any(self._seqs.get(seq.request_id) is seq for seq in batch.seqs):
                 self._num_discarded += len(launched.sampled)   # all stopped in `prev`
             elif self._overlap and launched.pending:
                 self._in_flight = launched
@@ -159,7 +159,7 @@ class Engine(EngineFrontend):
         a.copy_blocks(batch.blocks_to_copy)
         input_ids, position_ids, logits_idx, step, sampled = a.prepare(batch.seqs,
                                                                        batch.num_new_tokens)
-        dst, src, fed = placeholder_rows(batch, prev)
+        dst, src, late_commits = placeholder_rows(batch, prev, a.block_size)
         if dst:
             fill_placeholders(input_ids[0], dst, src, prev.device_tokens, self.streams.to_device)
             self._num_filled += len(dst)
@@ -182,23 +182,24 @@ class Engine(EngineFrontend):
             tokens = self.sampler(logits, sampled) if sampled else []
             self.clock.end(event)
         return LaunchedStep(batch, sampled, tokens, device_tokens, start,
-                            time.perf_counter() - start, fed)
+                            time.perf_counter() - start, late_commits)
 
     def _advance(self, launched: LaunchedStep, retire: bool) -> set:
         """The bookkeeping of `launched` that needs no token: computed counts grow and each
         sampling sequence gets a PLACEHOLDER last token. With `retire`, a sequence that surely
         ends in that step (max_new_tokens) gives its blocks back now, so the next schedule does
         not spend a row on it. Returns the seq ids retired."""
-        now, retired = time.perf_counter(), set()
+        now, retired, live = time.perf_counter(), set(), self._seqs
         for seq, n in zip(launched.batch.seqs, launched.batch.num_new_tokens):
-            if not self._live(seq):
+            if live.get(seq.request_id) is not seq:
                 continue          # cancelled while in flight
             seq.num_computed_tokens += n
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
-            if seq.num_computed_tokens == len(seq.token_ids):
-                seq.token_ids.append(PLACEHOLDER)
-                if retire and seq.num_generated_tokens >= seq.params.max_new_tokens:
+            tokens = seq.token_ids
+            if seq.num_computed_tokens == len(tokens):
+                tokens.append(PLACEHOLDER)
+                if retire and len(tokens) - seq.num_prompt_tokens >= seq.params.max_new_tokens:
                     self.scheduler.finish(seq)
                     retired.add(seq.seq_id)
         return retired
@@ -216,9 +217,9 @@ class Engine(EngineFrontend):
             seconds = (time.perf_counter() - launched.start if self.streams.asynchronous
                        else launched.launch_s)
             self.swapper.policy.record_prefill(launched.batch.num_tokens, seconds)
-        now = time.perf_counter()
+        now, live = time.perf_counter(), self._seqs
         for seq, token in zip(launched.sampled, tokens):
-            if not self._live(seq):
+            if live.get(seq.request_id) is not seq:
                 self._num_discarded += 1    # cancelled, or stopped in the step before
                 continue
             assert seq.token_ids[-1] == PLACEHOLDER, f"{seq} lost its placeholder"
@@ -238,7 +239,7 @@ class Engine(EngineFrontend):
     def _commit_late(self, launched: LaunchedStep) -> None:
         """Prefix-cache hashes of the blocks that held a placeholder when `launched` was
         scheduled (BlockManager.commit skipped them); their tokens are known now."""
-        for seq, n in launched.fed:
+        for seq, n in launched.late_commits:
             if self._live(seq) and seq.status is SequenceStatus.RUNNING:
                 self.block_manager.commit(seq, seq.num_computed_tokens + n)
 

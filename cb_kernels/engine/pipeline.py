@@ -49,6 +49,7 @@ from typing import Optional
 import torch
 
 from cb_kernels.engine.scheduler import ScheduledBatch
+from cb_kernels.engine.sequence import PLACEHOLDER
 
 
 @dataclass
@@ -66,30 +67,33 @@ class LaunchedStep:
     device_tokens: Optional[torch.Tensor]
     start: float                 # perf_counter at launch
     launch_s: float              # host seconds the launch took (the whole step on a CPU)
-    fed: list                    # (seq, num_new_tokens) of the rows fed a placeholder
+    late_commits: list           # (seq, num_new_tokens): blocks to hash once tokens are known
 
     @property
     def pending(self) -> bool:
         return self.device_tokens is not None and not isinstance(self.tokens, list)
 
 
-def placeholder_rows(batch: ScheduledBatch, prev: Optional[LaunchedStep]):
-    """Where `batch` feeds a placeholder: (dst, src, fed) with dst the indices into its packed
-    input_ids [num_tokens], src the rows of prev.device_tokens that hold those tokens, and fed
-    the (seq, num_new_tokens) pairs of those rows (their hashes are committed late). Call before
-    the batch is advanced (num_computed_tokens as scheduled)."""
-    dst, src, fed, row_of, end = [], [], [], None, 0
+def placeholder_rows(batch: ScheduledBatch, prev: Optional[LaunchedStep], block_size: int):
+    """Where `batch` feeds a placeholder: (dst, src, fills) with dst the indices into its packed
+    input_ids [num_tokens], src the rows of prev.device_tokens that hold those tokens, and fills
+    the (seq, num_new_tokens) of the rows among them that fill a block, whose hash waits for the
+    token (BlockManager.commit). Call before the batch is advanced (num_computed_tokens as
+    scheduled)."""
+    dst, src, fills, row_of, end = [], [], [], None, 0
     for seq, n in zip(batch.seqs, batch.num_new_tokens):
         end += n
-        if seq.has_placeholder and seq.num_computed_tokens + n == len(seq.token_ids):
+        tokens = seq.token_ids
+        if tokens[-1] == PLACEHOLDER and seq.num_computed_tokens + n == len(tokens):
             if row_of is None:
                 assert prev is not None and prev.device_tokens is not None, \
                     f"{seq} holds a placeholder but no step is in flight"
                 row_of = {s.seq_id: i for i, s in enumerate(prev.sampled)}
             dst.append(end - 1)
             src.append(row_of[seq.seq_id])
-            fed.append((seq, n))
-    return dst, src, fed
+            if len(tokens) % block_size == 0:
+                fills.append((seq, n))
+    return dst, src, fills
 
 
 def _is_range(idx: list) -> bool:

@@ -3,6 +3,8 @@ synchronous device: step N+1 is scheduled and launched before step N's tokens ar
 placeholder inputs filled from step N's token tensor. Every test compares the tokens with an
 oracle (transformers' greedy generate, cut at stop tokens and cancellations) or with overlap off,
 and checks the invariants after every step; the counters prove the pipeline really ran."""
+import itertools
+
 import pytest
 import torch
 
@@ -137,11 +139,12 @@ def test_preempted_while_its_token_is_unknown(llama, workload, monkeypatch, pree
     rows = {"prefill": 0, "decode": 0}
     real_rows = engine_mod.placeholder_rows
 
-    def counted_rows(batch, prev):
-        dst, src, fed = real_rows(batch, prev)
-        for _, n in fed:
-            rows["prefill" if n > 1 else "decode"] += 1
-        return dst, src, fed
+    def counted_rows(batch, prev, block_size):
+        dst, src, late = real_rows(batch, prev, block_size)
+        ends = dict(zip(itertools.accumulate(batch.num_new_tokens), batch.num_new_tokens))
+        for d in dst:
+            rows["prefill" if ends[d + 1] > 1 else "decode"] += 1
+        return dst, src, late
 
     monkeypatch.setattr(sched, "schedule", schedule)
     monkeypatch.setattr(engine_mod, "placeholder_rows", counted_rows)
