@@ -211,6 +211,23 @@ def test_requests_ending_by_length_cost_no_extra_rows(llama, workload):
     assert stats["on"]["steps"] == stats["off"]["steps"]
 
 
+def test_stream_deltas_with_overlap(llama, workload):
+    """stream() reads the tokens between steps: never a placeholder, each token once."""
+    prompts, ref = workload
+    params, stops, _ = scenario(ref)
+    want = expected(ref, stops, {})
+    engine = make_engine(llama, "on", num_blocks=20, preemption="recompute")
+    got, reasons = {}, {}
+    for delta in engine.stream(prompts, params):
+        assert delta.request_id not in reasons and min(delta.token_ids, default=0) >= 0
+        got.setdefault(delta.request_id, []).extend(delta.token_ids)
+        if delta.finished:
+            reasons[delta.request_id] = delta.finish_reason
+    order = sorted(got, key=lambda rid: int(rid.rsplit("_", 1)[1]))     # req_0, req_1, ...
+    assert [(got[r], reasons[r]) for r in order] == want
+    assert engine.stats()["overlapped_steps"] > 0
+
+
 def test_cancel_while_in_flight_keeps_the_shown_tokens(llama, workload):
     prompts, ref = workload
     engine = make_engine(llama, "on")
