@@ -51,6 +51,9 @@ class EngineConfig:
     attention_backend: backend of the paged-attention op (None = the op's default).
     dtype: KV-cache dtype name (None = the model's dtype).
     cuda_graphs: "auto", True or False (replay decode steps as CUDA graphs; "auto" = on CUDA).
+    pack_weights: "auto", True or False (CPU fp32: run the model's linears on weights packed once
+        for oneDNN, one extra copy of them; "auto" = when that copy takes under a quarter of
+        the available host memory; see cb_kernels/hf/packed_linears.py).
     """
 
     block_size: Optional[int] = None
@@ -64,6 +67,7 @@ class EngineConfig:
     attention_backend: Optional[str] = None
     dtype: Optional[str] = None
     cuda_graphs: object = "auto"
+    pack_weights: object = "auto"
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, 1)
@@ -93,6 +97,9 @@ class EngineConfig:
         _check_choice("dtype", self.dtype, DTYPES, allow_none=True)
         if self.cuda_graphs != "auto" and not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be 'auto', True or False, got {self.cuda_graphs!r}")
+        if self.pack_weights != "auto" and not isinstance(self.pack_weights, bool):
+            raise ValueError("pack_weights must be 'auto', True or False, got "
+                             f"{self.pack_weights!r}")
 
 
 @dataclass

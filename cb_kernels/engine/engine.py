@@ -17,6 +17,7 @@ from cb_kernels.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from cb_kernels.engine.sizing import ModelShape, resolve
 from cb_kernels.engine.streams import StreamOrchestrator
 from cb_kernels.engine.swapper import make_swapper
+from cb_kernels.ops.sampling import greedy_tokens
 
 logger = logging.getLogger("cb_kernels.engine")
 
@@ -38,7 +39,8 @@ class Engine(EngineFrontend):
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
         self.config = config
         self.tokenizer = tokenizer
-        self.adapter = ModelAdapter(model, attention_backend=config.attention_backend)
+        self.adapter = ModelAdapter(model, attention_backend=config.attention_backend,
+                                    pack_weights=config.pack_weights)
         a = self.adapter
         self.resolved = resolve(config, ModelShape(a.num_layers, a.num_kv_heads, a.head_dim,
                                                    a.max_positions, a.dtype, a.device))
@@ -175,7 +177,7 @@ class Engine(EngineFrontend):
         device_tokens = None
         if sampled and all(seq.params.greedy for seq in sampled):
             # Greedy ids come back on the d2h stream behind an event (on CPU: a plain copy).
-            device_tokens = logits.argmax(dim=-1)
+            device_tokens = greedy_tokens(logits)
             self.clock.end(event)
             tokens = self.streams.tokens_to_host(device_tokens)
         else:

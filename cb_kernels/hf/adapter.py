@@ -23,6 +23,7 @@ model.generate() keeps working with its own attention.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 from array import array
@@ -33,7 +34,7 @@ import numpy as np
 import torch
 
 from cb_kernels import ops
-from cb_kernels.hf.lm_head import PackedHead
+from cb_kernels.hf.packed_linears import PackedLinears
 from cb_kernels.ops.cache_ops import write_kv_unchecked
 
 ATTN_NAME = "cb_kernels_engine"
@@ -163,7 +164,7 @@ class ModelAdapter:
     device (the offload manager swaps blocks of these lists).
     """
 
-    def __init__(self, model, attention_backend: Optional[str] = None):
+    def __init__(self, model, attention_backend: Optional[str] = None, pack_weights="auto"):
         if not hasattr(model, "config") or not callable(getattr(model, "forward", None)):
             raise TypeError(f"model must be a transformers causal LM, got {type(model).__name__}")
         register_attention()
@@ -185,7 +186,8 @@ class ModelAdapter:
         self.attention_backend = attention_backend
         self._configs = _configs_of(model)
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self._packed_head = PackedHead.build(model)     # None off CPU fp32 (see hf/lm_head.py)
+        # None off CPU fp32 or when the packed copy does not fit (see hf/packed_linears.py)
+        self._packed = PackedLinears.build(model, pack_weights)
         self._check_layers()
         self.k_caches: list = []
         self.v_caches: list = []
@@ -278,17 +280,19 @@ class ModelAdapter:
         for cfg in self._configs:
             cfg._attn_implementation_internal = ATTN_NAME
         try:
-            if self._packed_head is not None:
-                logits = self._packed_head(input_ids, position_ids, logits_indices, cbk_step=step)
-            elif self._keeps_logits:
-                out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                                 logits_to_keep=logits_indices, cbk_step=step)
-                logits = out.logits[0]
-            else:   # a model without logits_to_keep: project every token, keep the last ones
-                out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                                 cbk_step=step)
-                logits = out.logits[0, logits_indices]
+            with self._packed if self._packed is not None else contextlib.nullcontext():
+                logits = self._run_model(input_ids, position_ids, logits_indices, step)
         finally:
             for cfg, name in zip(self._configs, saved):
                 cfg._attn_implementation_internal = name
         return logits.float()
+
+    def _run_model(self, input_ids, position_ids, logits_indices, step: StepInputs):
+        if self._keeps_logits:
+            out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                             logits_to_keep=logits_indices, cbk_step=step)
+            return out.logits[0]
+        # A model without logits_to_keep: project every token, keep the last ones.
+        out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                         cbk_step=step)
+        return out.logits[0, logits_indices]

@@ -4,6 +4,7 @@ from cb_kernels.ops._backend import available_backends
 from cb_kernels.ops.cache_ops import copy_blocks, swap_blocks, write_kv
 from cb_kernels.ops.host_pool import HostPool
 from cb_kernels.ops.paged_attention import paged_attention
+from cb_kernels.ops.sampling import greedy_tokens
 
 __all__ = ["available_backends", "paged_attention", "write_kv", "copy_blocks", "swap_blocks",
-           "HostPool"]
+           "HostPool", "greedy_tokens"]

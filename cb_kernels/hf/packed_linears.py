@@ -1,0 +1,173 @@
+"""A CPU fp32 model's nn.Linear layers through weights packed once for oneDNN, for engine steps.
+
+Why: torch's F.linear goes to MKL, which takes a slow path on the AMD bench machine, and linears
+are most of a step on small models (78% of a SmolLM2-135M decode step at 16 rows, profiled).
+Measured there, fp32, 16 rows, per call: F.linear vs a weight packed by
+`torch.ops.mkldnn._reorder_linear_weight`, 1 thread: 1.2-1.45x; 2 threads on the shared machine:
+2-3.3x; LM heads (a wide vocab) 2 threads: 32.1 -> 8.6 ms (tiny Llama 32000 x 256, 32 rows),
+23.8 -> 7.1 ms (SmolLM2 49152 x 576). A row's result does not depend on how many rows share the
+call (checked for 1..700 rows), so batch composition still cannot change a sequence's tokens.
+
+How: for the duration of one step (`with packed:`) every plain `torch.nn.Linear` of the model gets
+an instance `forward` that calls the packed weight; leaving restores the module exactly (the
+user's model.generate keeps MKL). Sibling projections that read the same input (q/k/v of an
+attention layer, gate/up of an MLP) share one packed weight: the first call computes all of them
+and the siblings return their slices when called with the same input tensor object, else compute
+their own. Weights are packed lazily and repacked when a weight tensor is
+replaced or changed in place (data_ptr and version checked on entry).
+
+Cost: one packed copy of every linear weight (the model's own weights stay untouched). `build`
+skips packing (returns None) when that copy would take more than a quarter of the host's
+available memory; `EngineConfig(pack_weights=...)` forces either way.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger("cb_kernels.engine")
+
+SIBLING_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+_PACK_ROWS_HINT = 32
+
+
+def supported() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise") \
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def _plain_linear(m) -> bool:
+    """A torch.nn.Linear (not a subclass with its own forward), CPU fp32, no accelerate hook."""
+    return type(m) is torch.nn.Linear and m.weight.device.type == "cpu" \
+        and m.weight.dtype == torch.float32 and not hasattr(m, "_hf_hook") \
+        and (m.bias is None or m.bias.dtype == torch.float32)
+
+
+def _identity(t: Optional[torch.Tensor]):
+    """What changes when a parameter is replaced or written in place (inference tensors have no
+    version counter: their in-place writes cannot be seen)."""
+    if t is None:
+        return None
+    return (t.data_ptr(), 0 if t.is_inference() else t._version)
+
+
+class _Group:
+    """One packed weight serving one or more linears that read the same input.
+
+    members: nn.Linear modules, their outputs concatenated in this order."""
+
+    def __init__(self, members: list):
+        self.members = members
+        self.splits = [m.out_features for m in members]
+        self.key = None
+        self.weight: Optional[torch.Tensor] = None
+        self.bias: Optional[torch.Tensor] = None
+        self.last_input = None
+        self.last_outputs: list = []
+        self.forwards = [self._forward_of(i) for i in range(len(members))]
+
+    def refresh(self) -> None:
+        key = tuple((_identity(m.weight), _identity(m.bias)) for m in self.members)
+        if key == self.key:
+            return
+        w = torch.cat([m.weight.detach() for m in self.members]) if len(self.members) > 1 \
+            else self.members[0].weight.detach()
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), _PACK_ROWS_HINT)
+        biases = [m.bias for m in self.members]
+        if all(b is None for b in biases):
+            self.bias = None
+        else:
+            self.bias = torch.cat([b.detach() if b is not None else
+                                   torch.zeros(m.out_features, dtype=torch.float32)
+                                   for m, b in zip(self.members, biases)])
+        self.key = key
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., in_features] -> [..., sum of out_features]."""
+        rows = x.reshape(-1, x.shape[-1])
+        if not rows.is_contiguous():
+            rows = rows.contiguous()
+        out = torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    def _forward_of(self, index: int):
+        if len(self.members) == 1:
+            return self.run
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            if index == 0 or self.last_input is not x:
+                self.last_outputs = list(self.run(x).split(self.splits, dim=-1))
+                self.last_input = x
+            out = self.last_outputs[index]
+            if index == len(self.members) - 1:
+                self.last_input, self.last_outputs = None, []
+            return out
+        return forward
+
+
+class PackedLinears:
+    """Context manager: inside it, the model's plain linears run on packed weights."""
+
+    def __init__(self, groups: list):
+        self.groups = groups
+        self._installed: list = []     # (module, instance forward it had or None)
+
+    @classmethod
+    def build(cls, model, pack_weights="auto") -> Optional["PackedLinears"]:
+        """None when nothing qualifies or `pack_weights` is False, or ("auto") when the packed
+        copy would not fit comfortably in the host's available memory."""
+        if pack_weights is False or not supported():
+            return None
+        groups, grouped = [], set()
+        for parent in model.modules():
+            for names in SIBLING_GROUPS:
+                members = [getattr(parent, n, None) for n in names]
+                if all(_plain_linear(m) and id(m) not in grouped for m in members) and \
+                        len({m.in_features for m in members}) == 1:
+                    groups.append(_Group(members))
+                    grouped.update(id(m) for m in members)
+        for m in model.modules():
+            if _plain_linear(m) and id(m) not in grouped:
+                groups.append(_Group([m]))
+        if not groups:
+            return None
+        nbytes = sum(m.weight.numel() * 4 for g in groups for m in g.members)
+        if pack_weights == "auto":
+            from cb_kernels.engine.sizing import host_available_bytes
+
+            available = host_available_bytes()
+            if nbytes > available // 4:
+                logger.info("pack_weights: not packing %.2f GiB of linear weights (available "
+                            "host memory %.2f GiB); pass EngineConfig(pack_weights=True) to force",
+                            nbytes / 2**30, available / 2**30)
+                return None
+        logger.info("pack_weights: %d linears in %d packed weights (%.1f MiB extra)",
+                    sum(len(g.members) for g in groups), len(groups), nbytes / 2**20)
+        return cls(groups)
+
+    def __enter__(self) -> "PackedLinears":
+        try:
+            for g in self.groups:
+                g.refresh()
+                for i, m in enumerate(g.members):
+                    self._installed.append((m, m.__dict__.get("forward")))
+                    m.forward = g.forwards[i]
+        except BaseException:
+            self._restore()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
+        for m, previous in self._installed:
+            if previous is None:
+                m.__dict__.pop("forward", None)
+            else:
+                m.forward = previous
+        self._installed.clear()
+        for g in self.groups:
+            g.last_input, g.last_outputs = None, []

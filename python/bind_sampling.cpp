@@ -1,0 +1,28 @@
+// Binding of the greedy-sampling kernel; cb_kernels/ops/sampling.py owns the checks.
+#include <pybind11/pybind11.h>
+
+#include "bindings.h"
+#include "cb_kernels/sampling.h"
+
+namespace py = pybind11;
+
+void bind_sampling(py::module_& m) {
+  m.def(
+      "argmax_rows",
+      [](uintptr_t logits, uintptr_t out, int64_t num_rows, int64_t num_cols, int64_t row_stride) {
+        cbk::ArgmaxParams p;
+        p.logits = cbk::as_ptr<const float>(logits);
+        p.out = cbk::as_ptr<int64_t>(out);
+        p.num_rows = num_rows;
+        p.num_cols = num_cols;
+        p.row_stride = row_stride;
+        cbk::Status s;
+        {
+          py::gil_scoped_release release;
+          s = cbk::cpu::argmax_rows(p);
+        }
+        cbk::throw_if_error(s);
+      },
+      py::arg("logits"), py::arg("out"), py::arg("num_rows"), py::arg("num_cols"), py::arg("row_stride"),
+      "out[r] = first index of the largest value of fp32 row r (NaN counts as largest).");
+}
