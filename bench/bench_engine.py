@@ -6,6 +6,7 @@
     python bench/bench_engine.py --model smollm2-135m --vllm --repeats 2 --threads 2  # 16 chat x 64
     python bench/bench_engine.py --device cuda --dtype bfloat16 --model-shape llama-1b \
         --num-requests 128 --json out.json                 # GPU: a random Llama-3.2-1B shape
+    python bench/bench_engine.py --overlap [--device cuda]  # step time split, overlap on vs off
 
 Models and workloads: bench/engine_workloads.py. Default: 64 requests with prompt lengths uniform
 in 16..512 and their own output lengths 16..256 (--quick: 16 requests, 16..128, 16..64) on a
@@ -166,6 +167,9 @@ def main(argv=None) -> int:
     p.add_argument("--pressure", action="store_true",
                    help="instead: the memory-pressure workload of bench/bench_offload.py (swap vs "
                         "recompute vs transformers' offloading)")
+    p.add_argument("--overlap", action="store_true",
+                   help="instead: step time split with overlap on vs off (bench/bench_overlap.py; "
+                        "uses --quick, --device, --dtype, --model-shape, --requests, --repeats)")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: torch sees no CUDA GPU here (torch.cuda.is_available() is False)")
@@ -184,6 +188,15 @@ def main(argv=None) -> int:
             with open(args.json, "w") as f:
                 json.dump({"pressure": rows}, f, indent=2)
         return 0
+    if args.overlap:
+        from bench_overlap import run as run_overlap
+        rows = run_overlap(args.device, args.quick, args.model_shape, DTYPES[args.dtype],
+                           args.requests, max(args.repeats, 2))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"meta": {"bench": "overlap", "device": args.device}, "rows": rows}, f,
+                      indent=2)
+        return 0 if all(r["identical_tokens"] for r in rows) else 1
     logging.basicConfig(level=logging.WARNING)
     kind = args.workload or ("chat" if args.model == "smollm2-135m" else "mixed")
     skip = set(filter(None, args.skip.split(",")))

@@ -84,6 +84,7 @@ run_stage attention 120 "$PY" bench/bench_attention.py --device cuda --quick --j
 run_stage cache 90 "$PY" bench/bench_cache.py --device cuda --json "$OUT/cache.json"
 run_stage engine 180 "$PY" bench/bench_engine.py --device cuda --dtype bfloat16 \
   --model-shape llama-1b --num-requests 128 --skip hf_tuned --json "$OUT/engine.json"
+run_stage overlap 120 "$PY" bench/bench_overlap.py --device cuda --quick --json "$OUT/overlap.json"
 
 # Tests compile many Triton specialisations (CPU-bound): spread them over 4 workers when
 # pytest-xdist is installed.

@@ -8,8 +8,9 @@ cb_kernels.ops and cb_kernels.hf.adapter).
     scheduler.py      Scheduler: token budget, decode-first order, admission, preemption
     sampler.py        Sampler: greedy / temperature / top-k / top-p, per-request seeds
     requests.py       the checks a request passes before it is queued
-    engine.py         Engine: add_request / step (schedule -> run -> postprocess) / cancel /
-                      generate / stream / check_invariants / stats
+    engine.py         Engine: add_request / step (schedule -> run -> postprocess) / cancel
+    pipeline.py       overlapped steps: step N+1 launched before step N's tokens reach the host
+    frontend.py       Engine's generate / stream / check_invariants / stats
 """
 from cb_kernels.engine.config import EngineConfig, RequestMetrics, RequestOutput, SamplingParams
 from cb_kernels.engine.engine import Engine

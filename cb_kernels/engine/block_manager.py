@@ -21,7 +21,7 @@ import sys
 from array import array
 from collections import OrderedDict, deque
 
-from cb_kernels.engine.sequence import Sequence
+from cb_kernels.engine.sequence import PLACEHOLDER, Sequence
 
 _NO_HASH = b""
 _NO_COPIES: list = []      # shared, never mutated
@@ -92,9 +92,12 @@ class BlockManager:
 
     def commit(self, seq: Sequence, num_tokens: int) -> None:
         """Register the hashes of the full blocks among the first `num_tokens` tokens of `seq`
-        (called when the step that computes them is scheduled)."""
+        (called when the step that computes them is scheduled). A block that holds a
+        PLACEHOLDER token waits: the engine commits it again once the token is known."""
         if not self.enable_prefix_caching:
             return
+        if seq.token_ids[-1] == PLACEHOLDER:
+            num_tokens = min(num_tokens, len(seq.token_ids) - 1)
         num_full = num_tokens // self.block_size
         if num_full <= seq.num_registered_blocks:
             return

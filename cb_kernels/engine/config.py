@@ -46,7 +46,8 @@ class EngineConfig:
     cpu_offload_gib: size of the host swap pool in GiB (auto: from available memory; 0 = none).
     preemption: "auto", "swap" or "recompute" (what to do with a victim when blocks run out).
     prefix_caching: reuse KV blocks of identical prompt prefixes across requests.
-    overlap: "auto", "on" or "off" (overlap host work with device compute; CPU runs "off").
+    overlap: "auto", "on" or "off": schedule and launch step N+1 before step N's tokens reach the
+        host (pipeline.py). auto = on for CUDA; "on" on a CPU runs the same pipeline with no gain.
     attention_backend: backend of the paged-attention op (None = the op's default).
     dtype: KV-cache dtype name (None = the model's dtype).
     cuda_graphs: "auto", True or False (replay decode steps as CUDA graphs; "auto" = on CUDA).

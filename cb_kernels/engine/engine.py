@@ -3,15 +3,17 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Iterator, Optional
+from typing import Optional
 
 from cb_kernels.engine import requests
 from cb_kernels.engine.block_manager import BlockManager
 from cb_kernels.engine.config import EngineConfig, RequestOutput, SamplingParams
 from cb_kernels.engine.cuda_graphs import adapter_decode_runner, graphs_enabled
+from cb_kernels.engine.frontend import EngineFrontend
+from cb_kernels.engine.pipeline import LaunchedStep, StepClock, fill_placeholders, placeholder_rows
 from cb_kernels.engine.sampler import Sampler
 from cb_kernels.engine.scheduler import ScheduledBatch, Scheduler
-from cb_kernels.engine.sequence import Sequence, SequenceStatus
+from cb_kernels.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from cb_kernels.engine.sizing import ModelShape, resolve
 from cb_kernels.engine.streams import StreamOrchestrator
 from cb_kernels.engine.swapper import make_swapper
@@ -20,7 +22,7 @@ from cb_kernels.ops.sampling import greedy_tokens
 logger = logging.getLogger("cb_kernels.engine")
 
 
-class Engine:
+class Engine(EngineFrontend):
     """Continuous batching for one transformers causal LM (see DESIGN.md, "Engine API").
 
     The model runs as given (call model.eval() first if it has dropout layers); its config is
@@ -62,6 +64,12 @@ class Engine:
         self._steps = 0
         self._failed_steps = 0
         self._num_generated = 0
+        self._overlap = r.overlap == "on"     # pipelined steps (pipeline.py)
+        self._in_flight: Optional[LaunchedStep] = None
+        self.clock = StepClock(a.device.type == "cuda")
+        self._overlapped_steps = 0
+        self._num_filled = 0
+        self._num_discarded = 0
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, prompt, params: Optional[SamplingParams] = None,
@@ -90,7 +98,8 @@ class Engine:
 
     def cancel(self, request_id: str) -> None:
         """End a waiting or running request now; its blocks return at once and its output
-        (finish_reason "cancelled") comes with the next step()."""
+        (finish_reason "cancelled") comes with the next step(). The output holds the tokens shown
+        so far: with overlap on, a token still being computed for it is dropped."""
         seq = self._seqs.get(request_id) if isinstance(request_id, str) else None
         if seq is None:
             raise ValueError(f"request_id {request_id!r} is not waiting or running (unknown, or "
@@ -102,68 +111,142 @@ class Engine:
 
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list:
-        """Run one batch; returns the RequestOutputs of the requests that ended in it (plus
-        those cancelled since the last step)."""
+        """Run one batch; returns the RequestOutputs of the requests that ended (plus those
+        cancelled since the last step).
+
+        With overlap on, the batch is launched before the tokens of the one in flight are read
+        (pipeline.py): the outputs are then those of the requests that ended in the previous
+        batch, and this one stays in flight until the next call.
+        """
+        prev, self._in_flight = self._in_flight, None
+        retired = self._advance(prev, retire=True) if prev is not None else set()
         batch = self.scheduler.schedule()
+        launched = error = None
+        if batch.seqs:
+            self._steps += 1
+            self._overlapped_steps += prev is not None
+            try:
+                launched = self._launch(batch, prev)
+                self.clock.launch_s += launched.launch_s
+            except Exception as e:  # one bad step fails its requests, never the engine
+                error = e
+        if prev is not None:
+            self._resolve(prev, retired)
         for seq in self.scheduler.failed:     # a swap failed: that request alone ends
             self._end(seq, "error", seq.error)
         self.scheduler.failed.clear()
-        if not batch.seqs and self.scheduler.has_unfinished():
+        if error is not None:
+            self._fail_step(batch, error)
+        elif launched is not None:
+            self._commit_late(launched)
+            if not any(self._seqs.get(seq.request_id) is seq for seq in batch.seqs):
+                self._num_discarded += len(launched.sampled)   # all stopped in `prev`
+            elif self._overlap and launched.pending:
+                self._in_flight = launched
+            else:
+                self._resolve(launched, self._advance(launched, retire=False))
+        elif prev is None and self.scheduler.has_unfinished():
             # Cannot happen while add_request rejects requests that never fit (see scheduler.py);
             # raising beats spinning forever in generate() if that proof ever breaks.
             raise RuntimeError(f"the scheduler found nothing to run: {self.stats()}")
-        if batch.seqs:
-            self._steps += 1
-            start = time.perf_counter()
-            try:
-                sampled, tokens = self._run(batch)
-                if not isinstance(tokens, list):
-                    tokens = tokens.result()
-            except Exception as e:  # one bad step fails its requests, never the engine
-                self._fail_step(batch, e)
-            else:
-                if self.swapper is not None and batch.num_prefill_tokens:
-                    # The swap-or-recompute choice weighs copies against this measured rate.
-                    self.swapper.policy.record_prefill(batch.num_tokens, time.perf_counter() - start)
-                self._postprocess(batch, sampled, tokens)
+        if not self._seqs:
+            self.clock.idle()
         ended, self._ended = self._ended, []
         return ended
 
-    def _run(self, batch: ScheduledBatch):
-        a = self.adapter
+    def _launch(self, batch: ScheduledBatch, prev: Optional[LaunchedStep]) -> LaunchedStep:
+        """Issue `batch` to the device; placeholders are filled from `prev`'s tokens there."""
+        a, start = self.adapter, time.perf_counter()
         self.streams.begin_compute()
         a.copy_blocks(batch.blocks_to_copy)
         input_ids, position_ids, logits_idx, step, sampled = a.prepare(batch.seqs,
                                                                        batch.num_new_tokens)
+        dst, src, late_commits = placeholder_rows(batch, prev, a.block_size)
+        if dst:
+            fill_placeholders(input_ids[0], dst, src, prev.device_tokens, self.streams.to_device)
+            self._num_filled += len(dst)
+        event = self.clock.start()
         if self.graphs is not None and batch.num_prefill_tokens == 0:
+            # The graph copies input_ids (placeholders already filled) into its static buffer.
             logits = self.graphs({"input_ids": input_ids[0], "positions": position_ids[0],
                                   "slot_mapping": step.slot_mapping, "seq_lens": step.seq_lens,
                                   "block_tables": step.block_tables,
                                   "cu_seqlens_q": step.cu_seqlens_q})
         else:
             logits = a.forward(input_ids, position_ids, logits_idx, step)
+        device_tokens = None
         if sampled and all(seq.params.greedy for seq in sampled):
             # Greedy ids come back on the d2h stream behind an event (on CPU: a plain copy).
-            return sampled, self.streams.tokens_to_host(greedy_tokens(logits))
-        tokens = self.sampler(logits, sampled) if sampled else []
-        return sampled, tokens
+            device_tokens = greedy_tokens(logits)
+            self.clock.end(event)
+            tokens = self.streams.tokens_to_host(device_tokens)
+        else:
+            tokens = self.sampler(logits, sampled) if sampled else []
+            self.clock.end(event)
+        return LaunchedStep(batch, sampled, tokens, device_tokens, start,
+                            time.perf_counter() - start, late_commits)
 
-    def _postprocess(self, batch: ScheduledBatch, sampled: list, tokens: list) -> None:
-        now = time.perf_counter()
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+    def _advance(self, launched: LaunchedStep, retire: bool) -> set:
+        """The bookkeeping of `launched` that needs no token: computed counts grow and each
+        sampling sequence gets a PLACEHOLDER last token. With `retire`, a sequence that surely
+        ends in that step (max_new_tokens) gives its blocks back now, so the next schedule does
+        not spend a row on it. Returns the seq ids retired."""
+        now, retired, live = time.perf_counter(), set(), self._seqs
+        for seq, n in zip(launched.batch.seqs, launched.batch.num_new_tokens):
+            if live.get(seq.request_id) is not seq:
+                continue          # cancelled while in flight
             seq.num_computed_tokens += n
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
-        for seq, token in zip(sampled, tokens):
-            seq.token_ids.append(token)
+            tokens = seq.token_ids
+            if seq.num_computed_tokens == len(tokens):
+                tokens.append(PLACEHOLDER)
+                if retire and len(tokens) - seq.num_prompt_tokens >= seq.params.max_new_tokens:
+                    self.scheduler.finish(seq)
+                    retired.add(seq.seq_id)
+        return retired
+
+    def _resolve(self, launched: LaunchedStep, retired: set) -> None:
+        """Read `launched`'s tokens (waiting for them if needed), write them over the
+        placeholders and end the requests that stop."""
+        tokens = launched.tokens
+        if not isinstance(tokens, list):
+            tokens = self.clock.wait(tokens)
+        if self.swapper is not None and launched.batch.num_prefill_tokens:
+            # The swap-or-recompute choice weighs copies against this measured rate: the launch
+            # time where the device is synchronous; else until the tokens are read (an upper
+            # bound when a later step was launched in between).
+            seconds = (time.perf_counter() - launched.start if self.streams.asynchronous
+                       else launched.launch_s)
+            self.swapper.policy.record_prefill(launched.batch.num_tokens, seconds)
+        now, live = time.perf_counter(), self._seqs
+        for seq, token in zip(launched.sampled, tokens):
+            if live.get(seq.request_id) is not seq:
+                self._num_discarded += 1    # cancelled, or stopped in the step before
+                continue
+            assert seq.token_ids[-1] == PLACEHOLDER, f"{seq} lost its placeholder"
+            seq.token_ids[-1] = token
             m = seq.metrics
             m.token_times.append(now)
             if m.first_token_time is None:
                 m.first_token_time = now
             self._num_generated += 1
+            if seq.status is SequenceStatus.FINISHED and seq.seq_id not in retired:
+                continue          # a failed swap ended it; its error output comes next
             reason = seq.check_stop(token)
+            assert reason is not None or seq.seq_id not in retired, f"{seq} retired early"
             if reason is not None:
                 self._end(seq, reason)
+
+    def _commit_late(self, launched: LaunchedStep) -> None:
+        """Prefix-cache hashes of the blocks that held a placeholder when `launched` was
+        scheduled (BlockManager.commit skipped them); their tokens are known now."""
+        for seq, n in launched.late_commits:
+            if self._live(seq) and seq.status is SequenceStatus.RUNNING:
+                self.block_manager.commit(seq, seq.num_computed_tokens + n)
+
+    def _live(self, seq: Sequence) -> bool:
+        return self._seqs.get(seq.request_id) is seq
 
     def _fail_step(self, batch: ScheduledBatch, error: Exception) -> None:
         self._failed_steps += 1
@@ -172,7 +255,8 @@ class Engine:
                      message)
         self.block_manager.discard_step_hashes()
         for seq in batch.seqs:
-            self._end(seq, "error", message)
+            if self._live(seq):
+                self._end(seq, "error", message)
 
     def _end(self, seq: Sequence, reason: str, error: Optional[str] = None) -> None:
         if seq.status is not SequenceStatus.FINISHED:
@@ -187,110 +271,3 @@ class Engine:
             text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
         return RequestOutput(seq.request_id, seq.prompt_token_ids, list(token_ids), text,
                              seq.finish_reason, seq.error, seq.metrics)
-
-    # -- batch helpers --------------------------------------------------------------------------
-    def _add_all(self, prompts, params) -> list:
-        """Add every prompt; a bad one becomes an "error" output instead of stopping the rest.
-        Returns one entry per prompt: a request id, or the finished error output."""
-        if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__iter__"):
-            raise TypeError("prompts must be a list of prompts (token-id lists or strings), got "
-                            f"{type(prompts).__name__}")
-        prompts = list(prompts)
-        if isinstance(params, (list, tuple)):
-            if len(params) != len(prompts):
-                raise ValueError(f"params has {len(params)} entries for {len(prompts)} prompts")
-            per_prompt = list(params)
-        else:
-            per_prompt = [params] * len(prompts)
-        entries = []
-        for prompt, p in zip(prompts, per_prompt):
-            try:
-                entries.append(self.add_request(prompt, p))
-            except (ValueError, TypeError) as e:
-                entries.append(requests.error_output(f"req_rejected_{self._next_id}", prompt, e))
-                self._next_id += 1
-        return entries
-
-    def generate(self, prompts, params=None) -> list:
-        """Run `prompts` to completion; returns their RequestOutputs in prompt order. A prompt
-        that add_request rejects gets an output with finish_reason "error" and the message."""
-        entries = self._add_all(prompts, params)
-        wanted = {e for e in entries if isinstance(e, str)}
-        done, others = {}, []
-        while wanted - done.keys():
-            for out in self.step():
-                if out.request_id in wanted:
-                    done[out.request_id] = out
-                else:
-                    others.append(out)
-        self._ended += others     # requests added by add_request() still reach step()'s caller
-        return [done[e] if isinstance(e, str) else e for e in entries]
-
-    def stream(self, prompts, params=None) -> Iterator[RequestOutput]:
-        """Yield, after each step, one RequestOutput per request that got new tokens, holding
-        only those tokens (and their text); the last one of a request has its finish_reason."""
-        entries = self._add_all(prompts, params)
-        for e in entries:
-            if not isinstance(e, str):
-                yield e
-        live = {e: self._seqs[e] for e in entries if isinstance(e, str)}
-        others = []
-        while live:
-            ended = set()
-            for out in self.step():
-                (ended.add(out.request_id) if out.request_id in live else others.append(out))
-            for rid, seq in list(live.items()):
-                new = seq.token_ids[seq.num_prompt_tokens + seq.num_streamed_tokens:]
-                if not new and rid not in ended:
-                    continue
-                seq.num_streamed_tokens += len(new)
-                yield self._output(seq, new, self._text_delta(seq))
-                if rid in ended:
-                    del live[rid]
-        self._ended += others
-
-    def _text_delta(self, seq: Sequence) -> Optional[str]:
-        """New text since the last delta. Decoding all output tokens and cutting off what was
-        sent keeps the spaces and multi-token characters that decoding a delta alone loses."""
-        if self.tokenizer is None:
-            return None
-        full = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-        sent, seq.streamed_text = seq.streamed_text, full
-        return full[len(sent):] if full.startswith(sent) else full
-
-    # -- introspection --------------------------------------------------------------------------
-    def check_invariants(self) -> None:
-        """Raise AssertionError if any block, ref count or queue is inconsistent."""
-        s = self.scheduler
-        self.block_manager.check_invariants(s.seqs_holding_blocks())
-        for seq in s.running:
-            assert seq.status is SequenceStatus.RUNNING, f"{seq} in running"
-            assert self._seqs.get(seq.request_id) is seq, f"{seq} running but unknown"
-        for seq in s.waiting:
-            assert seq.status is SequenceStatus.WAITING and not seq.block_table, f"{seq} waiting"
-        if self.swapper is not None:
-            self.swapper.check_invariants(s.swapped)
-        assert not s.swapped or self.swapper is not None, "swapped requests without a host pool"
-        assert len(s.running) + len(s.waiting) + len(s.swapped) == len(self._seqs), \
-            "a request is lost"
-        assert len(s.running) <= s.max_num_seqs
-
-    def stats(self) -> dict:
-        bm, s = self.block_manager, self.scheduler
-        return {
-            "used_blocks": bm.num_used_blocks, "free_blocks": len(bm.free_ids),
-            "cached_blocks": bm.num_cached_blocks, "num_blocks": bm.num_blocks,
-            **self._offload_stats(),
-            "recomputes": s.num_recomputes, "preemptions": s.num_preemptions,
-            "prefix_hit_blocks": bm.num_hit_blocks, "evicted_blocks": bm.num_evicted_blocks,
-            "steps": self._steps, "failed_steps": self._failed_steps,
-            "running": len(s.running), "waiting": len(s.waiting), "swapped": len(s.swapped),
-            "generated_tokens": self._num_generated,
-        }
-
-    def _offload_stats(self) -> dict:
-        if self.swapper is None:
-            return {"host_used_blocks": 0, "host_total_blocks": 0, "host_occupancy": 0.0,
-                    "swaps_out": 0, "swaps_in": 0, "swap_blocks_out": 0, "swap_blocks_in": 0,
-                    "swap_bytes": 0, "swap_failures": 0}
-        return self.swapper.offload.stats()

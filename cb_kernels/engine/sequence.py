@@ -5,6 +5,10 @@ import enum
 
 from cb_kernels.engine.config import RequestMetrics, SamplingParams
 
+# The last token of a sequence whose sampled token is still on the device (overlapped steps, see
+# pipeline.py): it holds the token's slot while the next step is scheduled; never a real id.
+PLACEHOLDER = -1
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"      # not admitted yet, or preempted by recompute (holds no blocks)
@@ -68,6 +72,11 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def has_placeholder(self) -> bool:
+        """Whether the last token is not known on the host yet (only inside Engine.step())."""
+        return self.token_ids[-1] == PLACEHOLDER
 
     @property
     def is_decoding(self) -> bool:
