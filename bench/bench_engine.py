@@ -34,12 +34,15 @@ import os
 import sys
 import time
 
-import torch
-
 # Run from a checkout, the checkout's cb_kernels wins over an installed one.
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if os.path.isdir(os.path.join(_ROOT, "cb_kernels")) and _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
+
+# Before torch: cb_kernels bounds OpenMP's spin-wait, read once when torch loads libgomp. Every
+# in-process contender (transformers' included) runs under the same setting.
+import cb_kernels  # noqa: E402,F401
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from engine_workloads import (MODELS, TINY_LLAMA, WORKLOADS, checkpoint_dir,  # noqa: E402
