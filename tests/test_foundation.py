@@ -80,3 +80,17 @@ def test_kernel_thread_count_reaches_every_python_thread():
     finally:
         _C.set_num_threads(old)
     assert seen == [1]
+
+
+@pytest.mark.parametrize("user_env, want", [
+    ({}, "20000"),                                   # ours: a bounded spin
+    ({"OMP_WAIT_POLICY": "PASSIVE"}, None),          # the user's policy is left alone
+    ({"GOMP_SPINCOUNT": "7"}, "7"),                  # the user's count wins
+], ids=["default", "user-policy", "user-spincount"])
+def test_openmp_spin_bound_is_set_unless_the_user_chose(user_env, want):
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env.update(user_env)
+    code = "import os, cb_kernels; print(os.environ.get('GOMP_SPINCOUNT'))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == str(want)
