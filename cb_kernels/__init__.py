@@ -6,15 +6,16 @@ import os  # noqa: E402
 # How long an OpenMP worker spins after a parallel region before it sleeps. A decode step is a
 # chain of short parallel regions (one per linear and kernel, a few us apart): a worker that
 # sleeps at once (OMP_WAIT_POLICY=PASSIVE) must be woken for each of them, and one that spins
-# without end (ACTIVE) starves other work on a shared machine (measured before: Engine steps ~7x
-# slower on the 2-core box shared with other jobs). A bounded spin keeps the workers awake across
-# one step's regions and lets them sleep between bursts. Measured on the 2-core bench machine, 2
-# threads, one decode forward: tiny Llama (32 rows) 11.3 ms passive, 8.1 ms at 2,000 spins, 7.2 ms
-# at 20,000; SmolLM2-135M (16 rows) 78 / 53 / 50 ms. libgomp (_C shares torch's, same soname)
-# reads this once, when it loads, so it takes effect when cb_kernels is imported before torch (the
-# CLI does); a user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT always wins.
+# long (ACTIVE, or libgomp's default 300,000 spins) starves other work when a core is shared and
+# is then itself scheduled late. Measured on the 2-core bench machine, tiny Llama, 2 threads:
+#   one decode forward, machine idle:          passive 11.3 ms, 2,000 spins 8.1, 20,000 spins 7.2
+#   one engine step, one core busy elsewhere:  passive 13.4 ms, 2,000 spins 14.8, 20,000 spins 34.5
+# (SmolLM2-135M decode forward, idle: 78 / 53 / 50 ms). 2,000 keeps most of the gain and little
+# of the risk. libgomp (_C shares torch's, same soname) reads this once, when it loads, so it takes
+# effect when cb_kernels is imported before torch (the CLI and the benches do); a user's own
+# OMP_WAIT_POLICY or GOMP_SPINCOUNT always wins.
 if "OMP_WAIT_POLICY" not in os.environ:
-    os.environ.setdefault("GOMP_SPINCOUNT", "20000")
+    os.environ.setdefault("GOMP_SPINCOUNT", "2000")
 
 from cb_kernels import models, ops  # noqa: E402
 from cb_kernels.engine import Engine, EngineConfig, RequestOutput, SamplingParams  # noqa: E402
