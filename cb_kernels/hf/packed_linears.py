@@ -13,14 +13,14 @@ an instance `forward` that calls the packed weight; leaving restores the module 
 user's model.generate keeps MKL), in reverse order, so nested entries unwind correctly. A linear
 that has an instance `forward` of someone else's (a monkeypatch, an accelerate hook) keeps it:
 that forward may not compute a plain linear. Installing is not thread-safe: the adapter holds
-one lock per model around it (hf/adapter.py, `model_lock`). Sibling projections that read the same input (q/k/v of an
-attention layer, gate/up of an MLP) share one packed weight: the first call computes all of them
-and the siblings return their slices when called with the same input tensor object, else compute
-their own. Weights are packed lazily and repacked when a weight tensor is
-replaced or changed in place (data_ptr and version checked on entry). Writes that bypass the
-version counter are not seen: through `.data` (`w.data.copy_(...)`, `w.data += delta`) or to
-inference tensors; after such a write call `refresh(force=True)` (an Engine's PackedLinears is
-`engine.adapter._packed`), or the steps keep the old weights.
+one lock per model around it (hf/adapter.py, `model_lock`). Sibling projections that read the
+same input (q/k/v of an attention layer, gate/up of an MLP) share one packed weight: the first
+call computes all of them and the siblings return their slices when called with the same input
+tensor object, else compute their own. Weights are packed lazily and repacked when a weight
+tensor is replaced or changed in place (data_ptr and version checked on entry). Writes that
+bypass the version counter are not seen: through `.data` (`w.data.copy_(...)`,
+`w.data += delta`) or to inference tensors; after such a write call `refresh(force=True)` (an
+Engine's PackedLinears is `engine.adapter._packed`), or the steps keep the old weights.
 
 Cost: one packed copy of every linear weight (the model's own weights stay untouched). `build`
 skips packing (returns None) when that copy would take more than a quarter of the host's
@@ -117,7 +117,8 @@ class _Group:
 
 def is_packed_forward(fn) -> bool:
     """Whether `fn` (a module's instance `forward`) is one that PackedLinears installs."""
-    return isinstance(getattr(fn, "__self__", None), _Group) or getattr(fn, "cbk_packed", False)
+    return isinstance(getattr(fn, "__self__", None), _Group) or \
+        getattr(fn, "cbk_packed", None) is True
 
 
 class PackedLinears:
