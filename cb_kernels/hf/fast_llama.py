@@ -65,18 +65,22 @@ def _is_silu(act) -> bool:
 def _has_hooks(modules: list) -> bool:
     """A forward hook, or an instance `forward` not installed by PackedLinears (another engine's
     step may be running on the model in another thread), on any of `modules`. Reads each
-    module's __dict__: 36 us a step for SmolLM2's 397 modules, 33 us for the hooks alone."""
+    module's __dict__: 37 us a step for the 397 modules of a 30-layer Llama (SmolLM2-135M's
+    layout) on the dev box, 33 us for the hooks alone."""
     from torch.nn.modules import module as nn_module
 
     if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
         return True
-    for m in modules:
-        d = m.__dict__
-        if d["_forward_hooks"] or d["_forward_pre_hooks"]:
-            return True
-        forward = d.get("forward")
-        if forward is not None and not is_packed_forward(forward):
-            return True
+    try:
+        for m in modules:
+            d = m.__dict__
+            if d["_forward_hooks"] or d["_forward_pre_hooks"]:
+                return True
+            forward = d.get("forward")
+            if forward is not None and not is_packed_forward(forward):
+                return True
+    except KeyError:            # a module without hook dicts: not one this path knows
+        return True
     return False
 
 
