@@ -231,9 +231,14 @@ class Engine(EngineFrontend):
             if m.first_token_time is None:
                 m.first_token_time = now
             self._num_generated += 1
-            if seq.status is SequenceStatus.FINISHED and seq.seq_id not in retired:
-                continue          # a failed swap ended it; its error output comes next
             reason = seq.check_stop(token)
+            if seq.status is SequenceStatus.FINISHED and seq.seq_id not in retired:
+                # A failed swap ended it; its error output comes next, unless this token had
+                # ended it first (as the synchronous path sees it: it never swapped then).
+                if reason is not None:
+                    self.scheduler.failed.remove(seq)
+                    self._end(seq, reason)
+                continue
             assert reason is not None or seq.seq_id not in retired, f"{seq} retired early"
             if reason is not None:
                 self._end(seq, reason)

@@ -19,13 +19,18 @@ rotated K/V to the attention function.
 
 The user's model is not changed between steps: `config._attn_implementation` of the model's
 configs is switched to our name for the duration of one forward and restored right after, so
-model.generate() keeps working with its own attention.
+model.generate() keeps working with its own attention. That switch (and the packed linears'
+forwards, hf/packed_linears.py) is state of the model, not of one Engine: two Engines on one model
+stepping in two threads hold one lock per model around it (`model_lock`), else one would restore
+the model under the other's running forward (its later layers then run sdpa without a mask).
 """
 from __future__ import annotations
 
 import contextlib
 import inspect
 import math
+import threading
+import weakref
 from array import array
 from dataclasses import dataclass
 from typing import Optional
@@ -39,6 +44,20 @@ from cb_kernels.hf.packed_linears import PackedLinears
 from cb_kernels.ops.cache_ops import write_kv_unchecked
 
 ATTN_NAME = "cb_kernels_engine"
+# One lock per model object, shared by every adapter of it. Engines do not know each other, the
+# model is what they share; a weak map, since a lock stored on the model would stop it from being
+# pickled or deep-copied.
+_MODEL_LOCKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_MODEL_LOCKS_GUARD = threading.Lock()
+
+
+def model_lock(model) -> threading.RLock:
+    """The lock held while an engine step switches `model`'s attention and linears."""
+    with _MODEL_LOCKS_GUARD:
+        lock = _MODEL_LOCKS.get(model)
+        if lock is None:
+            lock = _MODEL_LOCKS[model] = threading.RLock()
+        return lock
 
 
 @dataclass
@@ -186,6 +205,7 @@ class ModelAdapter:
         self.softcap = getattr(cfg, "attn_logit_softcapping", None)
         self.attention_backend = attention_backend
         self._configs = _configs_of(model)
+        self._lock = model_lock(model)
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         # None off CPU fp32 or when the packed copy does not fit (see hf/packed_linears.py)
         self._packed = PackedLinears.build(model, pack_weights)
@@ -280,16 +300,18 @@ class ModelAdapter:
     def forward(self, input_ids, position_ids, logits_indices, step: StepInputs) -> torch.Tensor:
         """Returns logits [len(logits_indices), vocab_size] in fp32."""
         if self._fast is not None and self._fast.usable():
+            # Switches no attention or forward of the model: needs no lock.
             return self._fast(input_ids, position_ids, logits_indices, step)
-        saved = [cfg._attn_implementation_internal for cfg in self._configs]
-        for cfg in self._configs:
-            cfg._attn_implementation_internal = ATTN_NAME
-        try:
-            with self._packed if self._packed is not None else contextlib.nullcontext():
-                logits = self._run_model(input_ids, position_ids, logits_indices, step)
-        finally:
-            for cfg, name in zip(self._configs, saved):
-                cfg._attn_implementation_internal = name
+        with self._lock:
+            saved = [cfg._attn_implementation_internal for cfg in self._configs]
+            for cfg in self._configs:
+                cfg._attn_implementation_internal = ATTN_NAME
+            try:
+                with self._packed if self._packed is not None else contextlib.nullcontext():
+                    logits = self._run_model(input_ids, position_ids, logits_indices, step)
+            finally:
+                for cfg, name in zip(self._configs, saved):
+                    cfg._attn_implementation_internal = name
         return logits.float()
 
     def _run_model(self, input_ids, position_ids, logits_indices, step: StepInputs):

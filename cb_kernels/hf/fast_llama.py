@@ -9,10 +9,13 @@ RMSNorm, checked on the model's own weights at build time), the fused packed pro
 rotary formula of transformers with its own cos/sin module, and the attention kernels called
 directly after one check of the step's metadata on layer 0.
 
-It applies only when the model is exactly what it expects: a known model type, the decoder
-layout of these families, RMSNorms and activation that probe equal to `F.rms_norm`/`F.silu`, the
-q/k/v and gate/up projections packed as groups, and no forward hooks anywhere (a hook would be
-skipped). Anything else keeps transformers' forward (with packed linears); `build` says None.
+It applies only when the model is exactly what it expects: a known model type whose modules (the
+model, decoder, layers, attention, MLP, norms) are that family's own transformers classes, not
+subclasses (which may override forward: a silent divergence otherwise), RMSNorms and activation
+that probe equal to `F.rms_norm`/`F.silu`, the q/k/v and gate/up projections packed as groups,
+and no forward hooks or instance `forward`s anywhere (a monkeypatch or an accelerate hook would be
+skipped; the packed linears' own are fine). Anything else keeps transformers' forward (with packed
+linears); `build` says None.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from cb_kernels import ops
+from cb_kernels.hf.packed_linears import is_packed_forward
 from cb_kernels.ops.cache_ops import write_kv_unchecked
 from cb_kernels.ops.paged_attention import paged_attention_unchecked
 
@@ -59,11 +63,36 @@ def _is_silu(act) -> bool:
 
 
 def _has_hooks(modules: list) -> bool:
+    """A forward hook, or an instance `forward` not installed by PackedLinears (another engine's
+    step may be running on the model in another thread), on any of `modules`. Reads each
+    module's __dict__: 37 us a step for the 397 modules of a 30-layer Llama (SmolLM2-135M's
+    layout) on the dev box, 33 us for the hooks alone."""
     from torch.nn.modules import module as nn_module
 
     if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
         return True
-    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+    try:
+        for m in modules:
+            d = m.__dict__
+            if d["_forward_hooks"] or d["_forward_pre_hooks"]:
+                return True
+            forward = d.get("forward")
+            if forward is not None and not is_packed_forward(forward):
+                return True
+    except KeyError:            # a module without hook dicts: not one this path knows
+        return True
+    return False
+
+
+def _own_classes(model, decoder, model_type: str) -> bool:
+    """Every module this path re-implements is of the family's transformers modeling module."""
+    home = f"transformers.models.{model_type}.modeling_{model_type}"
+    mods = [model, decoder, decoder.norm]
+    for layer in decoder.layers:
+        attn = layer.self_attn
+        mods += [layer, attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm]
+        mods += [getattr(attn, n) for n in ("q_norm", "k_norm") if hasattr(attn, n)]
+    return all(type(m).__module__ == home for m in mods)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -130,6 +159,8 @@ class LlamaFastPath:
         groups = {id(g.members[0]): g for g in packed.groups}
         head = groups.get(id(getattr(model, "lm_head", None)))
         try:
+            if not _own_classes(model, decoder, model_type):
+                return None
             layers = [_Layer(layer, groups, model_type, adapter) for layer in decoder.layers]
         except AttributeError:       # a layer without the attributes of this family
             return None
@@ -139,7 +170,8 @@ class LlamaFastPath:
         return path
 
     def usable(self) -> bool:
-        """False once someone added a forward hook (this path would skip it)."""
+        """False once someone added a forward hook or an instance forward (this path would skip
+        it)."""
         return not _has_hooks(self.modules)
 
     @torch.inference_mode()

@@ -10,11 +10,17 @@ call (checked for 1..700 rows), so batch composition still cannot change a seque
 
 How: for the duration of one step (`with packed:`) every plain `torch.nn.Linear` of the model gets
 an instance `forward` that calls the packed weight; leaving restores the module exactly (the
-user's model.generate keeps MKL). Sibling projections that read the same input (q/k/v of an
-attention layer, gate/up of an MLP) share one packed weight: the first call computes all of them
-and the siblings return their slices when called with the same input tensor object, else compute
-their own. Weights are packed lazily and repacked when a weight tensor is
-replaced or changed in place (data_ptr and version checked on entry).
+user's model.generate keeps MKL), in reverse order, so nested entries unwind correctly. A linear
+that has an instance `forward` of someone else's (a monkeypatch, an accelerate hook) keeps it:
+that forward may not compute a plain linear. Installing is not thread-safe: the adapter holds
+one lock per model around it (hf/adapter.py, `model_lock`). Sibling projections that read the
+same input (q/k/v of an attention layer, gate/up of an MLP) share one packed weight: the first
+call computes all of them and the siblings return their slices when called with the same input
+tensor object, else compute their own. Weights are packed lazily and repacked when a weight
+tensor is replaced or changed in place (data_ptr and version checked on entry). Writes that
+bypass the version counter are not seen: through `.data` (`w.data.copy_(...)`,
+`w.data += delta`) or to inference tensors; after such a write call `refresh(force=True)` (an
+Engine's PackedLinears is `engine.adapter._packed`), or the steps keep the old weights.
 
 Cost: one packed copy of every linear weight (the model's own weights stay untouched). `build`
 skips packing (returns None) when that copy would take more than a quarter of the host's
@@ -39,10 +45,11 @@ def supported() -> bool:
 
 
 def _plain_linear(m) -> bool:
-    """A torch.nn.Linear (not a subclass with its own forward), CPU fp32, no accelerate hook."""
+    """A torch.nn.Linear (not a subclass with its own forward), CPU fp32, no accelerate hook,
+    no instance forward."""
     return type(m) is torch.nn.Linear and m.weight.device.type == "cpu" \
         and m.weight.dtype == torch.float32 and not hasattr(m, "_hf_hook") \
-        and (m.bias is None or m.bias.dtype == torch.float32)
+        and "forward" not in m.__dict__ and (m.bias is None or m.bias.dtype == torch.float32)
 
 
 def _identity(t: Optional[torch.Tensor]):
@@ -68,9 +75,9 @@ class _Group:
         self.last_outputs: list = []
         self.forwards = [self._forward_of(i) for i in range(len(members))]
 
-    def refresh(self) -> None:
+    def refresh(self, force: bool = False) -> None:
         key = tuple((_identity(m.weight), _identity(m.bias)) for m in self.members)
-        if key == self.key:
+        if key == self.key and not force:
             return
         w = torch.cat([m.weight.detach() for m in self.members]) if len(self.members) > 1 \
             else self.members[0].weight.detach()
@@ -104,7 +111,14 @@ class _Group:
             if index == len(self.members) - 1:
                 self.last_input, self.last_outputs = None, []
             return out
+        forward.cbk_packed = True
         return forward
+
+
+def is_packed_forward(fn) -> bool:
+    """Whether `fn` (a module's instance `forward`) is one that PackedLinears installs."""
+    return isinstance(getattr(fn, "__self__", None), _Group) or \
+        getattr(fn, "cbk_packed", None) is True
 
 
 class PackedLinears:
@@ -113,6 +127,7 @@ class PackedLinears:
     def __init__(self, groups: list):
         self.groups = groups
         self._installed: list = []     # (module, instance forward it had or None)
+        self._depth = 0                # entries not yet left (re-entering installs nothing)
 
     @classmethod
     def build(cls, model, pack_weights="auto") -> Optional["PackedLinears"]:
@@ -124,7 +139,9 @@ class PackedLinears:
         for parent in model.modules():
             for names in SIBLING_GROUPS:
                 members = [getattr(parent, n, None) for n in names]
+                # Distinct modules only: one module twice (tied k/v) would get two forwards.
                 if all(_plain_linear(m) and id(m) not in grouped for m in members) and \
+                        len({id(m) for m in members}) == len(members) and \
                         len({m.in_features for m in members}) == 1:
                     groups.append(_Group(members))
                     grouped.update(id(m) for m in members)
@@ -147,28 +164,38 @@ class PackedLinears:
                     sum(len(g.members) for g in groups), len(groups), nbytes / 2**20)
         return cls(groups)
 
-    def refresh(self) -> None:
-        """Repack the weights that were replaced or changed in place since the last step."""
+    def refresh(self, force: bool = False) -> None:
+        """Repack the weights that were replaced or changed in place since the last step (all of
+        them with `force`: after writes the version counter misses, see the module docstring)."""
         for g in self.groups:
-            g.refresh()
+            g.refresh(force)
 
     def __enter__(self) -> "PackedLinears":
+        self._depth += 1
+        if self._depth > 1:
+            return self
         try:
             self.refresh()
             for g in self.groups:
                 for i, m in enumerate(g.members):
-                    self._installed.append((m, m.__dict__.get("forward")))
+                    previous = m.__dict__.get("forward")
+                    if previous is not None and not is_packed_forward(previous):
+                        continue        # someone else's forward: it runs, not the packed one
+                    self._installed.append((m, previous))
                     m.forward = g.forwards[i]
         except BaseException:
+            self._depth = 0
             self._restore()
             raise
         return self
 
     def __exit__(self, *exc) -> None:
-        self._restore()
+        self._depth -= 1
+        if self._depth == 0:
+            self._restore()
 
     def _restore(self) -> None:
-        for m, previous in self._installed:
+        for m, previous in reversed(self._installed):
             if previous is None:
                 m.__dict__.pop("forward", None)
             else:

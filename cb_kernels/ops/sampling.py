@@ -22,8 +22,8 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
         raise ValueError("logits must have at least one column (vocab_size >= 1)")
     if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.requires_grad:
         return logits.argmax(dim=-1)
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
+    if logits.stride(1) != 1 or (logits.shape[0] > 1 and logits.stride(0) < logits.shape[1]):
+        logits = logits.contiguous()      # columns apart, or rows that overlap (expand)
     out = torch.empty(logits.shape[0], dtype=torch.int64)
     _C.argmax_rows(logits.data_ptr(), out.data_ptr(), logits.shape[0], logits.shape[1],
                    logits.stride(0) if logits.shape[0] > 1 else logits.shape[1])

@@ -83,6 +83,52 @@ def test_user_model_is_left_as_it_was():
                                       torch.zeros(1, 2, 1, 16), torch.zeros(1, 2, 1, 16), None)
 
 
+def test_two_engines_on_one_model_in_two_threads():
+    """Engine B steps while engine A's forward is halfway: a hook on layer 0 (which also keeps
+    transformers' forward, where the model is switched) starts B and waits for it to reach
+    layer 0. Without the model lock, A leaving would restore the model under B's forward, and B
+    leaving would put A's attention name and packed forwards back on the model for good. With
+    it, B waits for A's step (the hook's wait times out)."""
+    import threading
+
+    model = make_model("llama", seed=6)
+    prompts = random_prompts([7, 12], seed=8)
+    want = reference_tokens(model, prompts, 5)
+    cfg = EngineConfig(block_size=8, num_blocks=32, pack_weights=True,
+                       attention_backend=ATTN_BACKEND)
+    first, second = Engine(model, cfg), Engine(model, cfg)
+    b_inside, a_done, got = threading.Event(), threading.Event(), {}
+    worker = threading.Thread(target=lambda: got.update(
+        b=second.generate([prompts[1]], SamplingParams(max_new_tokens=5))))
+
+    def hook(module, args, output):
+        if threading.current_thread() is worker:
+            b_inside.set()
+            a_done.wait(timeout=5)
+        elif not worker.is_alive() and not a_done.is_set():
+            worker.start()
+            b_inside.wait(timeout=0.5)
+
+    real = first.adapter.forward
+
+    def forward_a(*args):
+        try:
+            return real(*args)
+        finally:
+            if worker.ident is not None:
+                a_done.set()
+    first.adapter.forward = forward_a
+    handle = model.model.layers[0].register_forward_hook(hook)
+    try:
+        outs = first.generate([prompts[0]], SamplingParams(max_new_tokens=5))
+        worker.join(timeout=60)
+    finally:
+        handle.remove()
+    assert outs[0].token_ids == want[0] and got["b"][0].token_ids == want[1]
+    assert model.config._attn_implementation == "sdpa"
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
 def test_non_attention_interface_model_is_rejected():
     with pytest.raises(TypeError, match="must be a transformers causal LM"):
         Engine(object(), EngineConfig(num_blocks=4))

@@ -12,6 +12,7 @@ from cb_kernels.engine import Engine, EngineConfig, SamplingParams
 from cb_kernels.engine import engine as engine_mod
 from cb_kernels.engine import pipeline
 from cb_kernels.engine.cuda_graphs import adapter_decode_runner
+from cb_kernels.engine.swapper import OffloadError
 from tiny_models import ATTN_BACKEND, make_model, random_prompts, reference_tokens
 
 pytestmark = pytest.mark.one_thread
@@ -312,3 +313,37 @@ def test_overlap_on_gpu_matches_and_is_timed(graphs):
         assert st["timed_steps"] == st["steps"] and st["device_busy_s"] > 0, st
         assert (st["overlapped_steps"] > 0) == (overlap == "on")
     assert got["on"] == got["off"]
+
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_failed_swap_of_a_request_whose_token_in_flight_stops_it(llama, workload, monkeypatch,
+                                                                   overlap):
+    """With overlap on, a request is scheduled again before its stop token is read; a failed
+    swap-out of it in that schedule must not turn its "stop" into an "error" (without overlap
+    it had ended before that schedule)."""
+    prompts, ref = workload
+    k, at = 3, 4                                        # request 3 stops at its 5th token
+    params = [SamplingParams(max_new_tokens=n, stop_token_ids=(ref[k][at],) if i == k else ())
+              for i, n in enumerate(NEW)]
+    engine = make_engine(llama, overlap, host_blocks=200, preemption="swap")
+    sched, real_schedule, victims = engine.scheduler, engine.scheduler.schedule, []
+
+    def schedule():
+        seq = engine._seqs.get(f"req_{k}")
+        if seq is not None and seq in sched.running and len(seq.output_token_ids) == at + 1:
+            victims.append(seq)          # its stop token is in flight (overlap) or known (off)
+            sched._preempt(seq)
+        return real_schedule()
+
+    def failing_swap_out(seq):
+        raise OffloadError("injected swap-out failure")
+
+    monkeypatch.setattr(sched, "schedule", schedule)
+    monkeypatch.setattr(engine.swapper, "swap_out", failing_swap_out)
+    monkeypatch.setattr(engine.swapper, "choose", lambda seq: "swap")
+    outs = run(engine, prompts, params)
+    assert (outs[k].token_ids, outs[k].finish_reason, outs[k].error) == \
+        (ref[k][:at + 1], "stop", None)
+    assert [o.token_ids for i, o in enumerate(outs) if i != k] == \
+        [t for i, t in enumerate(ref) if i != k]
+    assert len(victims) == (1 if overlap == "on" else 0)

@@ -35,6 +35,33 @@ def test_not_without_packed_weights_or_with_a_hook():
     handle.remove()
 
 
+def test_subclasses_and_instance_forwards_keep_transformers_path():
+    """A subclass may override forward, an instance forward replaces it: this path would skip
+    both and silently compute the stock layer."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    class Halved(LlamaDecoderLayer):
+        def forward(self, hidden_states, *args, **kwargs):
+            return super().forward(hidden_states, *args, **kwargs) * 0.5
+
+    model = make_model()
+    model.model.layers[1].__class__ = Halved
+    assert _engine(model).adapter._fast is None
+    model = make_model()
+    mlp = model.model.layers[0].mlp
+    stock = mlp.forward
+    mlp.forward = lambda x: stock(x) * 2
+    assert _engine(model).adapter._fast is None
+    del mlp.forward
+    engine = _engine(model)
+    assert engine.adapter._fast.usable()
+    model.model.norm.forward = lambda x: x              # patched after the engine was built
+    assert not engine.adapter._fast.usable()
+    del model.model.norm.forward
+    with engine.adapter._packed:        # the packed linears' own forwards are no reason to stop
+        assert engine.adapter._fast.usable()
+
+
 def test_a_norm_that_is_not_plain_rms_norm_keeps_transformers_path():
     model = make_model()
     norm = model.model.layers[0].post_attention_layernorm
@@ -62,10 +89,26 @@ class _Both:
         return got
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral"])
+WINDOWS = dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)
+
+
+@pytest.mark.parametrize("kind, overrides", [
+    ("llama", {}), ("qwen2", {}), ("qwen3", {}), ("mistral", {}),
+    ("qwen2", WINDOWS), ("qwen3", WINDOWS),               # layer 1 slides, layer 0 does not
+    ("mistral", {"sliding_window": 8}),
+    ("llama", {"attention_bias": True, "mlp_bias": True}),
+    ("llama", {"tie_word_embeddings": True, "num_key_value_heads": 4, "head_dim": 32}),
+    ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 16}}),
+    ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                   "original_max_position_embeddings": 256}}),
+], ids=["llama", "qwen2", "qwen3", "mistral", "qwen2-layer-windows", "qwen3-layer-windows",
+        "mistral-window-8", "llama-biases", "llama-tied-mha-head-dim-32", "llama3-rope",
+        "yarn-rope"])
 @pytest.mark.one_thread
-def test_logits_bit_equal_to_transformers_forward(kind):
-    model = make_model(kind, seed=5)
+def test_logits_bit_equal_to_transformers_forward(kind, overrides):
+    model = make_model(kind, seed=5, **overrides)
     engine = _engine(model, max_batch_tokens=16)       # chunked prefill, then decodes
     both = _Both(engine.adapter)
     engine.adapter._fast = both

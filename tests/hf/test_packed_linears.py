@@ -69,19 +69,86 @@ def test_follows_weight_changes_and_sibling_calls_with_other_inputs():
 
 
 def test_keeps_a_forward_someone_else_installed():
+    """A monkeypatched forward may compute something else than the plain linear: it runs inside a
+    step too (installed before the build: the linear is not packed; after it: not overridden)."""
     model = make_model()
-    lin = model.model.layers[0].mlp.down_proj
+    mlp, attn = model.model.layers[0].mlp, model.model.layers[0].self_attn
     calls = []
 
-    def hooked(x):
-        calls.append(1)
-        return torch.nn.Linear.forward(lin, x)
-    lin.forward = hooked
-    with torch.no_grad(), PackedLinears.build(model, True):
-        lin(torch.randn(2, 128))
-    assert lin.forward is hooked and not calls      # packed inside, the user's one restored
-    lin(torch.randn(2, 128))
-    assert calls == [1]
+    def patch(lin, scale):
+        def forward(x):
+            calls.append(lin)
+            return torch.nn.Linear.forward(lin, x) * scale
+        lin.forward = forward
+        return forward
+    before = patch(mlp.down_proj, 2.0)
+    packed = PackedLinears.build(model, True)
+    assert all(mlp.down_proj not in g.members for g in packed.groups)
+    after = patch(attn.k_proj, 3.0)          # k_proj is packed with q and v
+    x, h = torch.randn(2, 64), torch.randn(2, 128)
+    with torch.no_grad():
+        with packed:
+            assert mlp.down_proj.forward is before and attn.k_proj.forward is after
+            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+            down = mlp.down_proj(h)
+        assert calls == [attn.k_proj, mlp.down_proj]
+        torch.testing.assert_close(k, 3 * (x @ attn.k_proj.weight.t()), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v, x @ attn.v_proj.weight.t(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(down, 2 * (h @ mlp.down_proj.weight.t()), rtol=1e-5, atol=1e-5)
+    assert mlp.down_proj.forward is before and attn.k_proj.forward is after
+    assert "forward" not in attn.q_proj.__dict__ and "forward" not in attn.v_proj.__dict__
+
+
+def test_nested_entries_and_an_exception_restore_the_model():
+    model = make_model()
+    first, second = PackedLinears.build(model, True), PackedLinears.build(model, True)
+    with first:
+        with first:                    # re-entered: installs nothing, leaves nothing behind
+            pass
+        assert all("forward" in m.__dict__ for g in first.groups for m in g.members)
+        with second:                   # another instance on the same model, nested
+            pass
+        assert all(m.forward == g.forwards[i] for g in first.groups
+                   for i, m in enumerate(g.members))
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    with pytest.raises(RuntimeError, match="in the middle"):
+        with torch.no_grad(), first:
+            model.model.layers[0].self_attn.q_proj(torch.randn(2, 64))   # caches q/k/v
+            raise RuntimeError("in the middle of a step")
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    assert all(g.last_input is None for g in first.groups)
+
+
+@pytest.mark.one_thread
+def test_one_module_in_two_sibling_places_is_not_fused():
+    model = make_model()
+    attn = model.model.layers[0].self_attn
+    attn.v_proj = attn.k_proj                 # tied k/v: one module, two names
+    packed = PackedLinears.build(model, True)
+    assert not any(attn.q_proj in g.members and len(g.members) > 1 for g in packed.groups)
+    ids = torch.randint(0, 500, (1, 9))
+    with torch.inference_mode():
+        want = model(input_ids=ids).logits
+        with packed:
+            got = model(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+@pytest.mark.one_thread
+def test_refresh_force_sees_writes_through_data():
+    model = make_model()
+    lin = model.model.layers[1].mlp.down_proj
+    packed = PackedLinears.build(model, True)
+    h = torch.randn(3, 128)
+    with torch.no_grad():
+        with packed:
+            lin(h)
+        lin.weight.data.mul_(3)               # no version bump: not seen on entry
+        packed.refresh(force=True)
+        with packed:
+            got = lin(h)
+    torch.testing.assert_close(got, h @ lin.weight.t(), rtol=1e-5, atol=1e-5)
 
 
 def test_config_rejects_bad_values():

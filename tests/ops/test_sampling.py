@@ -28,6 +28,7 @@ def _cases():
         ("vector-tail", tail), ("ties", tie), ("many-ties", many_ties), ("nan", nan), ("all-minus-inf", inf),
         ("wide-parallel", wide), ("strided-rows", r(8, 700)[:, :512]), ("empty-rows", r(0, 10)),
         ("column-strided", r(512, 6).t()),
+        ("expanded-rows", r(1, 300).expand(4, 300)),        # row stride 0: rows overlap
     ]
 
 
