@@ -16,7 +16,7 @@ that forward may not compute a plain linear. Installing is not thread-safe: the 
 one lock per model around it (hf/adapter.py, `model_lock`). Sibling projections that read the
 same input (q/k/v of an attention layer, gate/up of an MLP) share one packed weight: the first
 call computes all of them and the siblings return their slices when called with the same input
-tensor object, else compute their own. Weights are packed lazily and repacked when a weight
+tensor object, else compute their own. Weights are packed when built and repacked when a weight
 tensor is replaced or changed in place (data_ptr and version checked on entry). Writes that
 bypass the version counter are not seen: through `.data` (`w.data.copy_(...)`,
 `w.data += delta`) or to inference tensors; after such a write call `refresh(force=True)` (an
@@ -162,7 +162,11 @@ class PackedLinears:
                 return None
         logger.info("pack_weights: %d linears in %d packed weights (%.1f MiB extra)",
                     sum(len(g.members) for g in groups), len(groups), nbytes / 2**20)
-        return cls(groups)
+        packed = cls(groups)
+        # Now, not at the first step: the engine sizes its KV pool from the memory left after
+        # this copy, and a second Engine's "auto" check sees the first one's copy.
+        packed.refresh()
+        return packed
 
     def refresh(self, force: bool = False) -> None:
         """Repack the weights that were replaced or changed in place since the last step (all of
