@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import mmap
 import threading
 import weakref
 from array import array
@@ -152,6 +153,34 @@ def check_slots(slots: list, num_slots: int) -> None:
                            "are corrupt")
 
 
+def host_zeros(shape, dtype: torch.dtype) -> torch.Tensor:
+    """A zero CPU tensor whose pages are mapped lazily, on transparent huge pages where the
+    kernel allows them.
+
+    torch.zeros writes every page (1.1 s for a 1 GiB pool on the bench machine); a private
+    anonymous mapping gets the kernel's zero pages as blocks are first written. MADV_HUGEPAGE
+    asks for 2 MiB pages (the bench machine's THP mode is "madvise", so without it a pool gets
+    4 KiB pages): decode attention reads K/V rows scattered over the pool, and with huge pages
+    the C++ kernel ran 10-15% faster on 16 x 2048 tokens (one thread, measured by the attention
+    rework). Where mmap or madvise is missing, numpy's calloc'd memory does the same without
+    huge pages.
+    """
+    nbytes = max(1, torch.empty((), dtype=dtype).element_size() * math.prod(shape))
+    buf = None
+    if hasattr(mmap, "MAP_PRIVATE") and hasattr(mmap, "MAP_ANONYMOUS"):
+        try:
+            buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            if hasattr(mmap, "MADV_HUGEPAGE"):
+                buf.madvise(mmap.MADV_HUGEPAGE)
+        except (OSError, ValueError):
+            buf = None
+    if buf is None:
+        buf = np.zeros(nbytes, dtype=np.uint8)
+    # frombuffer keeps `buf` alive as long as the tensor.
+    flat = torch.frombuffer(buf, dtype=torch.uint8)[:nbytes]
+    return flat.view(dtype).view(shape)
+
+
 def register_attention() -> None:
     """Add our attention function to transformers' registry (a new key only; idempotent). No
     mask function is registered on purpose: see the module docstring."""
@@ -239,10 +268,7 @@ class ModelAdapter:
     def _zeros(self, shape, dtype) -> torch.Tensor:
         if self.device.type != "cpu":
             return torch.zeros(shape, dtype=dtype, device=self.device)
-        # On CPU, torch.zeros writes every page (1.1 s for a 1 GiB pool on the bench machine);
-        # calloc'd memory (numpy) gets the kernel's zero pages lazily, as blocks are first used.
-        nbytes = torch.empty((), dtype=dtype).element_size() * math.prod(shape)
-        return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+        return host_zeros(shape, dtype)
 
     def copy_blocks(self, pairs: list) -> None:
         """pairs: (src, dst) block ids, copied in every layer (copy-on-write)."""
