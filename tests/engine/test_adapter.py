@@ -145,3 +145,15 @@ def test_model_without_logits_to_keep_projects_all_tokens():
     engine.adapter._keeps_logits = False
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=5))
     assert [o.token_ids for o in outs] == reference_tokens(model, prompts, 5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_host_zeros_are_zero_writable_and_outlive_their_mapping(dtype):
+    import gc
+
+    t = adapter_mod.host_zeros((5, 16, 2, 8), dtype)
+    assert t.shape == (5, 16, 2, 8) and t.dtype == dtype and t.is_contiguous()
+    assert not t.any()
+    gc.collect()                       # only the tensor holds the mapping now
+    t[3, 7] = 1.5
+    assert t.float().sum().item() == 1.5 * 16
