@@ -45,8 +45,8 @@ import cb_kernels  # noqa: E402,F401
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_workloads import (MODELS, TINY_LLAMA, WORKLOADS, checkpoint_dir,  # noqa: E402
-                              load_model, versions, workload)
+from engine_workloads import (MODELS, TINY_LLAMA, WORKLOADS, check_common_args,  # noqa: E402
+                              checkpoint_dir, load_model, versions, workload)
 
 MODEL_CFG = TINY_LLAMA
 MODEL_SHAPES = {"tiny": MODEL_CFG,
@@ -174,14 +174,7 @@ def main(argv=None) -> int:
                    help="instead: step time split with overlap on vs off (bench/bench_overlap.py; "
                         "uses --quick, --device, --dtype, --model-shape, --requests, --repeats)")
     args = p.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: torch sees no CUDA GPU here (torch.cuda.is_available() is False)")
-    if args.requests is not None and args.requests < 1:
-        p.error(f"--requests must be >= 1, got {args.requests}")
-    if args.repeats < 1:
-        p.error(f"--repeats must be >= 1, got {args.repeats}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    check_common_args(p, args)
     if args.pressure:
         from bench_offload import run_pressure
         rows = run_pressure("cuda" if torch.cuda.is_available() else "cpu",

@@ -26,12 +26,14 @@ import random
 import sys
 import time
 
-import torch
-
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if os.path.isdir(os.path.join(_ROOT, "cb_kernels")) and _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import cb_kernels  # noqa: E402,F401  (before torch: sets the OpenMP spin bound)
+import torch  # noqa: E402
+from engine_workloads import check_common_args  # noqa: E402
 
 
 def workload(num_requests: int, vocab_size: int, seed: int = 0):
@@ -129,14 +131,7 @@ def main(argv=None) -> int:
                    help="runs per config, alternating the order; the best is kept")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = p.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: torch sees no CUDA GPU here")
-    if args.requests is not None and args.requests < 1:
-        p.error(f"--requests must be >= 1, got {args.requests}")
-    if args.repeats < 1:
-        p.error(f"--repeats must be >= 1, got {args.repeats}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    check_common_args(p, args)
     rows = run(args.device, args.quick, args.model_shape, DTYPES[args.dtype], args.requests,
                args.repeats)
     if args.json:

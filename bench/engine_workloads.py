@@ -97,6 +97,19 @@ def workload(kind: str, n: int | None, quick: bool, vocab_size: int, tokenizer=N
     raise ValueError(f"workload must be one of {WORKLOADS}, got {kind!r}")
 
 
+def check_common_args(parser, args) -> None:
+    """The checks bench_engine.py and bench_overlap.py share; applies --threads."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA GPU here (torch.cuda.is_available() is "
+                     "False)")
+    if args.requests is not None and args.requests < 1:
+        parser.error(f"--requests must be >= 1, got {args.requests}")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+
 def versions() -> dict:
     import platform
 
