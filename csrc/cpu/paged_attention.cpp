@@ -111,13 +111,21 @@ inline v8f softcap8(v8f x, float cap) {
   return splat(cap) * (y < splat(0.0f) ? -t : t);
 }
 
-// Scores of one query row against 8 key rows: acc[t] holds lane partial sums of q.k_t; a
-// transposing add tree then yields all 8 sums in one vector (each sum in the same order).
-inline v8f dot8(const float* q, const float* const* k, int64_t dim8) {
+// Scores of R query rows (q_stride floats apart) against T = 8 / R key rows, in one vector:
+// lane r * T + t holds q_r . k_t. Each K chunk loaded feeds R FMAs. Every (row, key) pair keeps
+// its own lane partial sums over head_dim and goes through the same transposing add tree, so a
+// score does not depend on R or on its place in the block.
+template <int R>
+inline v8f dot_block(const float* q, int64_t q_stride, const float* const* k, int64_t dim8) {
+  constexpr int T = 8 / R;
   v8f acc[8] = {};
   for (int64_t c = 0; c < dim8; c += 8) {
-    const v8f qv = load8(q + c);
-    for (int t = 0; t < 8; ++t) acc[t] += qv * load8(k[t] + c);
+    v8f qv[R];
+    for (int r = 0; r < R; ++r) qv[r] = load8(q + r * q_stride + c);
+    for (int t = 0; t < T; ++t) {
+      const v8f kv = load8(k[t] + c);
+      for (int r = 0; r < R; ++r) acc[r * T + t] += qv[r] * kv;
+    }
   }
   v8f x[4];
   for (int i = 0; i < 4; ++i)
@@ -131,33 +139,59 @@ inline v8f dot8(const float* q, const float* const* k, int64_t dim8) {
          CBK_SHUFFLE(y[0], y[1], 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
-// o[0 .. 8*NV) = o * alpha + sum_j p[j] * v[j][0 .. 8*NV), accumulators kept in registers.
-template <int NV>
-inline void pv_chunk(float* o, float alpha, const float* p, const float* const* v, int j0, int j1,
-                     int64_t c0) {
-  v8f acc[NV];
-  for (int i = 0; i < NV; ++i) acc[i] = load8(o + c0 + 8 * i) * splat(alpha);
-  for (int j = j0; j < j1; ++j) {
-    const v8f pj = splat(p[j]);
-    const float* vr = v[j] + c0;
-    for (int i = 0; i < NV; ++i) acc[i] += pj * load8(vr + 8 * i);
+// Scores of rows [0, rows) against the keys of one tile, kTile per row at s (s_stride apart):
+// blocks of two rows (4 keys per tree), a last odd row alone (8 keys per tree).
+template <int kTileKeys>
+inline void tile_scores(const float* q, int64_t rows, const float* const* k, int g0, int g1,
+                        int64_t dim8, float* s) {
+  int64_t r = 0;
+  for (; r + 2 <= rows; r += 2) {
+    for (int g = g0; g < g1; g += 4) {
+      const v8f v = dot_block<2>(q + r * dim8, dim8, k + g, dim8);
+      __builtin_memcpy(s + r * kTileKeys + g, &v, 16);
+      __builtin_memcpy(s + (r + 1) * kTileKeys + g, reinterpret_cast<const char*>(&v) + 16, 16);
+    }
   }
-  for (int i = 0; i < NV; ++i) store8(o + c0 + 8 * i, acc[i]);
+  if (r < rows)
+    for (int g = g0 / 8 * 8; g < g1; g += 8) store8(s + r * kTileKeys + g, dot_block<1>(q + r * dim8, dim8, k + g, dim8));
 }
 
-inline void pv_row(float* o, float alpha, const float* p, const float* const* v, int j0, int j1,
-                   int64_t dim8) {
+// o_r[0 .. 8*NV) = o_r * alpha_r + sum_j p_r[j] * v[j][0 .. 8*NV) for R rows at once, so each V
+// chunk loaded feeds R FMAs; accumulators stay in registers. A row's sums run in j order
+// whatever R is.
+template <int R, int NV>
+inline void pv_block(float* o, int64_t o_stride, const float* alpha, const float* p,
+                     int64_t p_stride, const float* const* v, int j0, int j1, int64_t c0) {
+  v8f acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < NV; ++i) acc[r][i] = load8(o + r * o_stride + c0 + 8 * i) * splat(alpha[r]);
+  for (int j = j0; j < j1; ++j) {
+    v8f pj[R];
+    for (int r = 0; r < R; ++r) pj[r] = splat(p[r * p_stride + j]);
+    const float* vr = v[j] + c0;
+    for (int i = 0; i < NV; ++i) {
+      const v8f vv = load8(vr + 8 * i);
+      for (int r = 0; r < R; ++r) acc[r][i] += pj[r] * vv;
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < NV; ++i) store8(o + r * o_stride + c0 + 8 * i, acc[r][i]);
+}
+
+template <int R, int NV>
+inline void pv_rows(float* o, int64_t dim8, const float* alpha, const float* p, int64_t p_stride,
+                    const float* const* v, int j0, int j1) {
   int64_t c = 0;
-  for (; c + 64 <= dim8; c += 64) pv_chunk<8>(o, alpha, p, v, j0, j1, c);
-  if (c + 32 <= dim8) {
-    pv_chunk<4>(o, alpha, p, v, j0, j1, c);
+  for (; c + 8 * NV <= dim8; c += 8 * NV) pv_block<R, NV>(o, dim8, alpha, p, p_stride, v, j0, j1, c);
+  if (NV > 4 && c + 32 <= dim8) {
+    pv_block<R, 4>(o, dim8, alpha, p, p_stride, v, j0, j1, c);
     c += 32;
   }
-  if (c + 16 <= dim8) {
-    pv_chunk<2>(o, alpha, p, v, j0, j1, c);
+  if (NV > 2 && c + 16 <= dim8) {
+    pv_block<R, 2>(o, dim8, alpha, p, p_stride, v, j0, j1, c);
     c += 16;
   }
-  if (c + 8 <= dim8) pv_chunk<1>(o, alpha, p, v, j0, j1, c);
+  if (NV > 1 && c + 8 <= dim8) pv_block<R, 1>(o, dim8, alpha, p, p_stride, v, j0, j1, c);
 }
 
 // Element conversions: n elements of `dtype` at src to fp32 at dst.
@@ -243,14 +277,18 @@ void run_item(const Ctx& c, const Item& it, float* partials) {
   const int32_t* table = p.block_tables + it.seq * p.block_table_stride;
 
   thread_local Scratch scratch;
-  const int64_t need = rows * (2 * dim8 + kTile + 2) + 2 * kTile * dim8 + dim8;
+  const int64_t rows8 = round8(rows);  // per-row scalars are read 8 rows at a time
+  const int64_t need = rows * (2 * dim8 + kTile) + 5 * rows8 + 2 * kTile * dim8 + dim8;
   if (static_cast<int64_t>(scratch.buf.size()) < need) scratch.buf.resize(need);
   int64_t used = 0;
   float* qs = scratch.take(rows * dim8, used);
   float* os = scratch.take(rows * dim8, used);
   float* ss = scratch.take(rows * kTile, used);
-  float* ms = scratch.take(rows, used);
-  float* ls = scratch.take(rows, used);
+  float* ms = scratch.take(rows8, used);     // running max
+  float* ls = scratch.take(rows8, used);     // running sum
+  float* mnew = scratch.take(rows8, used);   // max after this tile
+  float* lsum = scratch.take(rows8, used);   // this tile's sum of exp
+  float* alphas = scratch.take(rows8, used); // rescale of the previous tiles
   float* kt = scratch.take(kTile * dim8, used);
   float* vt = scratch.take(kTile * dim8, used);
   float* zero = scratch.take(dim8, used);
@@ -265,8 +303,10 @@ void run_item(const Ctx& c, const Item& it, float* partials) {
     std::fill(qr + dim, qr + dim8, 0.0f);
   }
   std::fill(os, os + rows * dim8, 0.0f);
-  std::fill(ms, ms + rows, kNegInf);
-  std::fill(ls, ls + rows, 0.0f);
+  std::fill(ms, ms + rows8, kNegInf);
+  std::fill(ls, ls + rows8, 0.0f);
+  std::fill(mnew, mnew + rows8, kNegInf);
+  std::fill(lsum, lsum + rows8, 0.0f);
 
   const char* kb = static_cast<const char*>(p.k_cache);
   const char* vb = static_cast<const char*>(p.v_cache);
@@ -332,38 +372,54 @@ void run_item(const Ctx& c, const Item& it, float* partials) {
     for (int j = 0; j < kTile; ++j)
       if (j < lo - t0 || j >= hi - t0) kp[j] = vp[j] = zero;
 
+    const int jl = lo - t0, jh = hi - t0;  // the tile's keys inside this item's range
+    tile_scores<kTile>(qs, rows, kp, jl / 4 * 4, jh, dim8, ss);
     for (int64_t r = 0; r < rows; ++r) {
       const int32_t pos = first_pos + it.i0 + static_cast<int32_t>(r / group);
       const int32_t vlo = std::max(lo, p.sliding_window > 0 ? pos - p.sliding_window + 1 : 0);
-      const int32_t vhi = std::min(hi, pos + 1);
-      if (vlo >= vhi) continue;
-      const int j0 = vlo - t0, j1 = vhi - t0;
+      const int j0 = vlo - t0, j1 = std::min(hi, pos + 1) - t0;  // keys this row sees
       float* s = ss + r * kTile;
+      if (j0 >= j1) {
+        std::fill(s, s + kTile, 0.0f);
+        mnew[r] = ms[r];
+        lsum[r] = 0.0f;
+        continue;
+      }
+      v8f sc[kTile / 8];
       v8f mx = splat(kNegInf);
+      const bool masked = j0 > 0 || j1 < kTile;
       for (int g = 0; g < kTile; g += 8) {
-        if (g + 8 <= j0 || g >= j1) {
-          store8(s + g, splat(kNegInf));
-          continue;
+        sc[g / 8] = load8(s + g);
+        if (p.softcap > 0.0f) sc[g / 8] = softcap8(sc[g / 8], p.softcap);
+        if (masked) {
+          const v8i lane = v8i{0, 1, 2, 3, 4, 5, 6, 7} + g;
+          sc[g / 8] = (lane >= j0) & (lane < j1) ? sc[g / 8] : splat(kNegInf);
         }
-        v8f sc = dot8(qs + r * dim8, kp + g, dim8);
-        if (p.softcap > 0.0f) sc = softcap8(sc, p.softcap);
-        const v8i lane = v8i{0, 1, 2, 3, 4, 5, 6, 7} + (g);
-        sc = (lane >= j0) & (lane < j1) ? sc : splat(kNegInf);
-        store8(s + g, sc);
-        mx = vmax(mx, sc);
+        mx = vmax(mx, sc[g / 8]);
       }
       const float m_new = std::max(ms[r], hmax(mx));
-      const float alpha = std::exp(ms[r] - m_new);
       v8f sum = splat(0.0f);
       for (int g = 0; g < kTile; g += 8) {
-        const v8f e = exp8(load8(s + g) - splat(m_new));
+        const v8f e = exp8(sc[g / 8] - splat(m_new));
         store8(s + g, e);
         sum += e;
       }
-      ls[r] = ls[r] * alpha + hsum(sum);
-      ms[r] = m_new;
-      pv_row(os + r * dim8, alpha, s, vp, j0, j1, dim8);
+      mnew[r] = m_new;
+      lsum[r] = hsum(sum);
     }
+    // Rescale factors of 8 rows per exp8; a row that has seen no key yet keeps alpha 1.
+    for (int64_t r = 0; r < rows; r += 8) {
+      const v8f m_new = load8(mnew + r);
+      const v8f a = exp8(load8(ms + r) - m_new);
+      const v8f alpha = m_new == splat(kNegInf) ? splat(1.0f) : a;
+      store8(alphas + r, alpha);
+      store8(ls + r, load8(ls + r) * alpha + load8(lsum + r));
+      store8(ms + r, m_new);
+    }
+    int64_t r = 0;
+    for (; r + 2 <= rows; r += 2)
+      pv_rows<2, 4>(os + r * dim8, dim8, alphas + r, ss + r * kTile, kTile, vp, jl, jh);
+    if (r < rows) pv_rows<1, 8>(os + r * dim8, dim8, alphas + r, ss + r * kTile, kTile, vp, jl, jh);
   }
 
   if (it.partial < 0) {
