@@ -122,12 +122,14 @@ inline v8f softcap8(v8f x, float cap) {
   return splat(cap) * (y < splat(0.0f) ? -t : t);
 }
 
-// Scores of R query rows (q_stride floats apart) against T = 8 / R key rows, in one vector:
-// lane r * T + t holds q_r . k_t. Each K chunk loaded feeds R FMAs. Every (row, key) pair keeps
+// Scores of R query rows (q_stride floats apart) against T = 8 / R key rows, written to
+// s[r * s_stride + t]; a transposing add tree turns the 8 (row, key) accumulators into one vector
+// (lane r * T + t). Each K chunk loaded feeds R FMAs. Every (row, key) pair keeps
 // its own lane partial sums over head_dim and goes through the same transposing add tree, so a
 // score does not depend on R or on its place in the block.
 template <int R>
-inline v8f dot_block(const float* q, int64_t q_stride, const float* const* k, int64_t dim8) {
+inline void dot_block(const float* q, int64_t q_stride, const float* const* k, int64_t dim8,
+                      float* s, int64_t s_stride) {
   constexpr int T = 8 / R;
   v8f acc[8] = {};
   for (int64_t c = 0; c < dim8; c += 8) {
@@ -146,22 +148,22 @@ inline v8f dot_block(const float* q, int64_t q_stride, const float* const* k, in
   for (int i = 0; i < 2; ++i)
     y[i] = CBK_SHUFFLE(x[2 * i], x[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
            CBK_SHUFFLE(x[2 * i], x[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
-  return CBK_SHUFFLE(y[0], y[1], 0, 1, 2, 3, 8, 9, 10, 11) +
-         CBK_SHUFFLE(y[0], y[1], 4, 5, 6, 7, 12, 13, 14, 15);
+  const v8f z = CBK_SHUFFLE(y[0], y[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+                CBK_SHUFFLE(y[0], y[1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int r = 0; r < R; ++r)
+    __builtin_memcpy(s + r * s_stride, reinterpret_cast<const float*>(&z) + r * T, T * 4);
 }
 
 // Software prefetch of the next tile's K/V rows into L2, issued a few cache lines at a time
 // between pieces of this tile's work.
 struct Prefetcher {
-  const char* k;
-  const char* v;
-  const int64_t* ko;
-  const int64_t* vo;
+  const char* const* k;  // [keys] row addresses
+  const char* const* v;
   int64_t keys = 0, key = 0, line = 0, lines_per_row = 0;
   inline void step(int n) {
     for (; n > 0 && key < keys; --n) {
-      __builtin_prefetch(k + ko[key] + 64 * line, 0, 1);
-      __builtin_prefetch(v + vo[key] + 64 * line, 0, 1);
+      __builtin_prefetch(k[key] + 64 * line, 0, 1);
+      __builtin_prefetch(v[key] + 64 * line, 0, 1);
       if (++line == lines_per_row) {
         line = 0;
         ++key;
@@ -179,13 +181,12 @@ inline void tile_scores(const float* q, int64_t rows, const float* const* k, int
   for (; r + 2 <= rows; r += 2) {
     for (int g = g0; g < g1; g += 4) {
       pf.step(pf_step);
-      const v8f v = dot_block<2>(q + r * dim8, dim8, k + g, dim8);
-      __builtin_memcpy(s + r * kTileKeys + g, &v, 16);
-      __builtin_memcpy(s + (r + 1) * kTileKeys + g, reinterpret_cast<const char*>(&v) + 16, 16);
+      dot_block<2>(q + r * dim8, dim8, k + g, dim8, s + r * kTileKeys + g, kTileKeys);
     }
   }
   if (r < rows)
-    for (int g = g0 / 8 * 8; g < g1; g += 8, pf.step(pf_step)) store8(s + r * kTileKeys + g, dot_block<1>(q + r * dim8, dim8, k + g, dim8));
+    for (int g = g0 / 8 * 8; g < g1; g += 8, pf.step(pf_step))
+      dot_block<1>(q + r * dim8, dim8, k + g, dim8, s + r * kTileKeys + g, kTileKeys);
 }
 
 // o_r[0 .. 8*NV) = o_r * alpha_r + sum_j p_r[j] * v[j][0 .. 8*NV) for R rows at once, so each V
@@ -344,55 +345,55 @@ void run_item(const Ctx& c, const Item& it, float* partials) {
   const char* vb = static_cast<const char*>(p.v_cache);
   const float* kp[kTile];
   const float* vp[kTile];
-  // Byte offsets of the K/V rows of this tile and the next: the next tile's rows are
+  // Addresses of the K/V rows of this tile and the next (slot pos - t0): the next tile's rows are
   // prefetched while this one is computed. Tiles of one head are 256-byte rows 1 KiB apart in
   // blocks in random order, which the hardware prefetcher does not follow: without this, decode
   // at 16 x 2048 fp32 read 2.0 GB/s on one thread against 12 GB/s with the KV in L3.
-  int64_t koff[2][kTile], voff[2][kTile];
+  const char* krow[2][kTile];
+  const char* vrow[2][kTile];
   static const int pf_mode = getenv("PF") ? atoi(getenv("PF")) : 4;
-  Prefetcher pf{kb, vb, nullptr, nullptr};
-  const int64_t row_bytes = dim * c.esize;
-  auto locate = [&](int32_t t0, int64_t* ko, int64_t* vo, int64_t head) {
+  Prefetcher pf;
+  const int64_t kstep = p.k_stride_token * c.esize, vstep = p.v_stride_token * c.esize;
+  auto locate = [&](int32_t t0, const char** kr, const char** vr, int64_t head) {
     const int32_t lo = std::max(t0, it.kv_begin), hi = std::min(t0 + kTile, it.kv_end);
-    int64_t bi = lo / p.block_size, off = lo % p.block_size;
-    for (int32_t pos = lo; pos < hi; ++pos) {
-      const int64_t block = table[bi];
-      ko[pos - lo] = (block * p.k_stride_block + off * p.k_stride_token +
-                      head * p.k_stride_head) * c.esize;
-      vo[pos - lo] = (block * p.v_stride_block + off * p.v_stride_token +
-                      head * p.v_stride_head) * c.esize;
-      if (++off == p.block_size) {
-        off = 0;
-        ++bi;
+    for (int32_t pos = lo; pos < hi;) {
+      const int64_t block = table[pos / p.block_size];
+      const int32_t off = static_cast<int32_t>(pos % p.block_size);
+      const int32_t n = std::min<int32_t>(hi - pos, static_cast<int32_t>(p.block_size) - off);
+      const char* k0 = kb + (block * p.k_stride_block + off * p.k_stride_token +
+                             head * p.k_stride_head) * c.esize;
+      const char* v0 = vb + (block * p.v_stride_block + off * p.v_stride_token +
+                             head * p.v_stride_head) * c.esize;
+      for (int32_t i = 0; i < n; ++i) {
+        kr[pos - t0 + i] = k0 + i * kstep;
+        vr[pos - t0 + i] = v0 + i * vstep;
       }
+      pos += n;
     }
-    pf = Prefetcher{kb, vb, ko, vo, hi - lo, 0, 0, (row_bytes + 63) / 64};
+    pf = Prefetcher{kr + (lo - t0), vr + (lo - t0), hi - lo, 0, 0, (dim * c.esize + 63) / 64};
     if (pf_mode == 0) pf.step(1 << 30);
   };
   int cur = 0;
   const int32_t first_tile = it.kv_begin / kTile * kTile;
-  locate(first_tile, koff[0], voff[0], it.kv_head);
+  locate(first_tile, krow[0], vrow[0], it.kv_head);
   for (int32_t t0 = first_tile; t0 < it.kv_end; t0 += kTile, cur ^= 1) {
     const int32_t lo = std::max(t0, it.kv_begin), hi = std::min(t0 + kTile, it.kv_end);
     if (t0 + kTile < it.kv_end) {
-      locate(t0 + kTile, koff[cur ^ 1], voff[cur ^ 1], it.kv_head);
+      locate(t0 + kTile, krow[cur ^ 1], vrow[cur ^ 1], it.kv_head);
     } else if (it.kv_head + 1 < p.num_kv_heads) {
       // The same thread's next item is usually the next kv head of these keys (the dynamic
       // schedule hands out all heads of a partition together): start its first tile.
-      locate(first_tile, koff[cur ^ 1], voff[cur ^ 1], it.kv_head + 1);
+      locate(first_tile, krow[cur ^ 1], vrow[cur ^ 1], it.kv_head + 1);
     }
-    for (int32_t pos = lo; pos < hi; ++pos) {
-      const char* kr = kb + koff[cur][pos - lo];
-      const char* vr = vb + voff[cur][pos - lo];
-      const int j = pos - t0;
+    for (int j = lo - t0; j < hi - t0; ++j) {
       if (c.direct_kv) {
-        kp[j] = reinterpret_cast<const float*>(kr);
-        vp[j] = reinterpret_cast<const float*>(vr);
+        kp[j] = reinterpret_cast<const float*>(krow[cur][j]);
+        vp[j] = reinterpret_cast<const float*>(vrow[cur][j]);
       } else {
         float* kd = kt + j * dim8;
         float* vd = vt + j * dim8;
-        to_float(kr, p.dtype, dim, kd);
-        to_float(vr, p.dtype, dim, vd);
+        to_float(krow[cur][j], p.dtype, dim, kd);
+        to_float(vrow[cur][j], p.dtype, dim, vd);
         std::fill(kd + dim, kd + dim8, 0.0f);
         std::fill(vd + dim, vd + dim8, 0.0f);
         kp[j] = kd;
