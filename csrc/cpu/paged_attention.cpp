@@ -299,7 +299,7 @@ struct Ctx {
 
 inline int64_t round8(int64_t x) { return (x + 7) / 8 * 8; }
 
-void run_item(const Ctx& c, const Item& it, float* partials) {
+void run_item(const Ctx& c, const Item& it, const Item* next, float* partials) {
   const PagedAttentionParams& p = c.p;
   const int64_t dim = p.head_dim, dim8 = c.dim8, group = c.group;
   const int64_t rows = (it.i1 - it.i0) * group;
@@ -307,7 +307,6 @@ void run_item(const Ctx& c, const Item& it, float* partials) {
   const int32_t q_begin = p.cu_seqlens_q[it.seq];
   const int32_t q_len = p.cu_seqlens_q[it.seq + 1] - q_begin;
   const int32_t first_pos = seq_len - q_len;
-  const int32_t* table = p.block_tables + it.seq * p.block_table_stride;
 
   thread_local Scratch scratch;
   const int64_t rows8 = round8(rows);  // per-row scalars are read 8 rows at a time
@@ -354,8 +353,10 @@ void run_item(const Ctx& c, const Item& it, float* partials) {
   static const int pf_mode = getenv("PF") ? atoi(getenv("PF")) : 4;
   Prefetcher pf;
   const int64_t kstep = p.k_stride_token * c.esize, vstep = p.v_stride_token * c.esize;
-  auto locate = [&](int32_t t0, const char** kr, const char** vr, int64_t head) {
-    const int32_t lo = std::max(t0, it.kv_begin), hi = std::min(t0 + kTile, it.kv_end);
+  auto locate = [&](const Item& at, int32_t t0, const char** kr, const char** vr) {
+    const int32_t lo = std::max(t0, at.kv_begin), hi = std::min(t0 + kTile, at.kv_end);
+    const int32_t* table = p.block_tables + at.seq * p.block_table_stride;
+    const int64_t head = at.kv_head;
     for (int32_t pos = lo; pos < hi;) {
       const int64_t block = table[pos / p.block_size];
       const int32_t off = static_cast<int32_t>(pos % p.block_size);
@@ -375,15 +376,14 @@ void run_item(const Ctx& c, const Item& it, float* partials) {
   };
   int cur = 0;
   const int32_t first_tile = it.kv_begin / kTile * kTile;
-  locate(first_tile, krow[0], vrow[0], it.kv_head);
+  locate(it, first_tile, krow[0], vrow[0]);
   for (int32_t t0 = first_tile; t0 < it.kv_end; t0 += kTile, cur ^= 1) {
     const int32_t lo = std::max(t0, it.kv_begin), hi = std::min(t0 + kTile, it.kv_end);
     if (t0 + kTile < it.kv_end) {
-      locate(t0 + kTile, krow[cur ^ 1], vrow[cur ^ 1], it.kv_head);
-    } else if (it.kv_head + 1 < p.num_kv_heads) {
-      // The same thread's next item is usually the next kv head of these keys (the dynamic
-      // schedule hands out all heads of a partition together): start its first tile.
-      locate(first_tile, krow[cur ^ 1], vrow[cur ^ 1], it.kv_head + 1);
+      locate(it, t0 + kTile, krow[cur ^ 1], vrow[cur ^ 1]);
+    } else if (next) {
+      // The same thread's next item: start its first tile.
+      locate(*next, next->kv_begin / kTile * kTile, krow[cur ^ 1], vrow[cur ^ 1]);
     }
     for (int j = lo - t0; j < hi - t0; ++j) {
       if (c.direct_kv) {
@@ -576,7 +576,12 @@ Status paged_attention(const PagedAttentionParams& p) {
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
 #pragma omp for schedule(dynamic, kv_chunk)
-    for (int64_t i = 0; i < num_items; ++i) run_item(c, plan.items[i], partials);
+    for (int64_t i = 0; i < num_items; ++i) {
+      static const int nx = getenv("NX") ? atoi(getenv("NX")) : 0;
+      const Item* next = nullptr;
+      if (nx ? i + 1 < num_items : (i + 1 < num_items && plan.items[i + 1].kv_head > plan.items[i].kv_head)) next = &plan.items[i + 1];
+      run_item(c, plan.items[i], next, partials);
+    }
     if (num_merges > 0) {
       thread_local std::vector<float> acc;
       if (static_cast<int64_t>(acc.size()) < p.head_dim) acc.resize(p.head_dim);
