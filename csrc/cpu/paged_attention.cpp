@@ -24,7 +24,7 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <cstdlib>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -155,19 +155,22 @@ inline void dot_block(const float* q, int64_t q_stride, const float* const* k, i
 }
 
 // Software prefetch of the next tile's K/V rows into L2, issued a few cache lines at a time
-// between pieces of this tile's work.
+// between pieces of this tile's work (one burst of a whole tile stalled the loads behind it).
 struct Prefetcher {
-  const char* const* k;  // [keys] row addresses
+  const char* const* k;  // [keys] row addresses of the first head
   const char* const* v;
-  int64_t keys = 0, key = 0, line = 0, lines_per_row = 0;
-  inline void step(int n) {
+  int64_t k_head, v_head;  // bytes from one head's row to the next
+  int64_t keys = 0, heads = 0, lines = 0;  // lines per row
+  int64_t key = 0, head = 0, line = 0;
+  inline void step(int64_t n) {
     for (; n > 0 && key < keys; --n) {
-      __builtin_prefetch(k[key] + 64 * line, 0, 1);
-      __builtin_prefetch(v[key] + 64 * line, 0, 1);
-      if (++line == lines_per_row) {
-        line = 0;
-        ++key;
-      }
+      __builtin_prefetch(k[key] + head * k_head + 64 * line, 0, 1);
+      __builtin_prefetch(v[key] + head * v_head + 64 * line, 0, 1);
+      if (++line < lines) continue;
+      line = 0;
+      if (++head < heads) continue;
+      head = 0;
+      ++key;
     }
   }
 };
@@ -262,13 +265,15 @@ inline void from_float(const float* src, int64_t n, DType dtype, void* dst) {
 }
 
 // One unit of parallel work: rows of q tokens [i0, i1) (indices within the sequence's q range)
-// times the query heads of kv_head, over KV positions [kv_begin, kv_end).
+// times the query heads of kv heads [h0, h1), over KV positions [kv_begin, kv_end). Row r is
+// kv head h0 + r / rows_per_head, then q token i0 + (r % rows_per_head) / group, then query head
+// r % group of that kv head's group.
 struct Item {
-  int32_t seq, kv_head, i0, i1, kv_begin, kv_end;
+  int32_t seq, h0, h1, i0, i1, kv_begin, kv_end;
   int64_t partial;  // offset of this item's partial result in the workspace; -1: write `out`
 };
 
-// A chunk whose KV range spans several partitions: its items are first, first+stride, ...
+// Items that split one (chunk, kv heads) across partitions: first, first+stride, ...
 struct Merge {
   int64_t first, stride;
   int32_t num_parts;
@@ -299,121 +304,36 @@ struct Ctx {
 
 inline int64_t round8(int64_t x) { return (x + 7) / 8 * 8; }
 
-void run_item(const Ctx& c, const Item& it, const Item* next, float* partials) {
-  const PagedAttentionParams& p = c.p;
-  const int64_t dim = p.head_dim, dim8 = c.dim8, group = c.group;
-  const int64_t rows = (it.i1 - it.i0) * group;
-  const int32_t seq_len = p.seq_lens[it.seq];
-  const int32_t q_begin = p.cu_seqlens_q[it.seq];
-  const int32_t q_len = p.cu_seqlens_q[it.seq + 1] - q_begin;
-  const int32_t first_pos = seq_len - q_len;
+// Offset of row r's query/output vector, in elements, for q or out strides.
+inline int64_t row_offset(const Ctx& c, const Item& it, int64_t r, int64_t stride_token,
+                          int64_t stride_head) {
+  const int64_t per_head = (it.i1 - it.i0) * c.group, rem = r % per_head;
+  const int64_t tok = c.p.cu_seqlens_q[it.seq] + it.i0 + rem / c.group;
+  const int64_t head = (it.h0 + r / per_head) * c.group + rem % c.group;
+  return tok * stride_token + head * stride_head;
+}
 
-  thread_local Scratch scratch;
-  const int64_t rows8 = round8(rows);  // per-row scalars are read 8 rows at a time
-  const int64_t need = rows * (2 * dim8 + kTile) + 5 * rows8 + 2 * kTile * dim8 + dim8;
-  if (static_cast<int64_t>(scratch.buf.size()) < need) scratch.buf.resize(need);
-  int64_t used = 0;
-  float* qs = scratch.take(rows * dim8, used);
-  float* os = scratch.take(rows * dim8, used);
-  float* ss = scratch.take(rows * kTile, used);
-  float* ms = scratch.take(rows8, used);     // running max
-  float* ls = scratch.take(rows8, used);     // running sum
-  float* mnew = scratch.take(rows8, used);   // max after this tile
-  float* lsum = scratch.take(rows8, used);   // this tile's sum of exp
-  float* alphas = scratch.take(rows8, used); // rescale of the previous tiles
-  float* kt = scratch.take(kTile * dim8, used);
-  float* vt = scratch.take(kTile * dim8, used);
-  float* zero = scratch.take(dim8, used);
-  std::fill(zero, zero + dim8, 0.0f);
-
-  const char* qb = static_cast<const char*>(p.q);
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t tok = q_begin + it.i0 + r / group, head = it.kv_head * group + r % group;
-    float* qr = qs + r * dim8;
-    to_float(qb + (tok * p.q_stride_token + head * p.q_stride_head) * c.esize, p.dtype, dim, qr);
-    for (int64_t d = 0; d < dim; ++d) qr[d] *= p.scale;
-    std::fill(qr + dim, qr + dim8, 0.0f);
-  }
-  std::fill(os, os + rows * dim8, 0.0f);
-  std::fill(ms, ms + rows8, kNegInf);
-  std::fill(ls, ls + rows8, 0.0f);
-  std::fill(mnew, mnew + rows8, kNegInf);
-  std::fill(lsum, lsum + rows8, 0.0f);
-
-  const char* kb = static_cast<const char*>(p.k_cache);
-  const char* vb = static_cast<const char*>(p.v_cache);
-  const float* kp[kTile];
-  const float* vp[kTile];
-  // Addresses of the K/V rows of this tile and the next (slot pos - t0): the next tile's rows are
-  // prefetched while this one is computed. Tiles of one head are 256-byte rows 1 KiB apart in
-  // blocks in random order, which the hardware prefetcher does not follow: without this, decode
-  // at 16 x 2048 fp32 read 2.0 GB/s on one thread against 12 GB/s with the KV in L3.
-  const char* krow[2][kTile];
-  const char* vrow[2][kTile];
-  static const int pf_mode = getenv("PF") ? atoi(getenv("PF")) : 4;
-  Prefetcher pf;
-  const int64_t kstep = p.k_stride_token * c.esize, vstep = p.v_stride_token * c.esize;
-  auto locate = [&](const Item& at, int32_t t0, const char** kr, const char** vr) {
-    const int32_t lo = std::max(t0, at.kv_begin), hi = std::min(t0 + kTile, at.kv_end);
-    const int32_t* table = p.block_tables + at.seq * p.block_table_stride;
-    const int64_t head = at.kv_head;
-    for (int32_t pos = lo; pos < hi;) {
-      const int64_t block = table[pos / p.block_size];
-      const int32_t off = static_cast<int32_t>(pos % p.block_size);
-      const int32_t n = std::min<int32_t>(hi - pos, static_cast<int32_t>(p.block_size) - off);
-      const char* k0 = kb + (block * p.k_stride_block + off * p.k_stride_token +
-                             head * p.k_stride_head) * c.esize;
-      const char* v0 = vb + (block * p.v_stride_block + off * p.v_stride_token +
-                             head * p.v_stride_head) * c.esize;
-      for (int32_t i = 0; i < n; ++i) {
-        kr[pos - t0 + i] = k0 + i * kstep;
-        vr[pos - t0 + i] = v0 + i * vstep;
-      }
-      pos += n;
-    }
-    pf = Prefetcher{kr + (lo - t0), vr + (lo - t0), hi - lo, 0, 0, (dim * c.esize + 63) / 64};
-    if (pf_mode == 0) pf.step(1 << 30);
-  };
-  int cur = 0;
-  const int32_t first_tile = it.kv_begin / kTile * kTile;
-  locate(it, first_tile, krow[0], vrow[0]);
-  for (int32_t t0 = first_tile; t0 < it.kv_end; t0 += kTile, cur ^= 1) {
-    const int32_t lo = std::max(t0, it.kv_begin), hi = std::min(t0 + kTile, it.kv_end);
-    if (t0 + kTile < it.kv_end) {
-      locate(it, t0 + kTile, krow[cur ^ 1], vrow[cur ^ 1]);
-    } else if (next) {
-      // The same thread's next item: start its first tile.
-      locate(*next, next->kv_begin / kTile * kTile, krow[cur ^ 1], vrow[cur ^ 1]);
-    }
-    for (int j = lo - t0; j < hi - t0; ++j) {
-      if (c.direct_kv) {
-        kp[j] = reinterpret_cast<const float*>(krow[cur][j]);
-        vp[j] = reinterpret_cast<const float*>(vrow[cur][j]);
-      } else {
-        float* kd = kt + j * dim8;
-        float* vd = vt + j * dim8;
-        to_float(krow[cur][j], p.dtype, dim, kd);
-        to_float(vrow[cur][j], p.dtype, dim, vd);
-        std::fill(kd + dim, kd + dim8, 0.0f);
-        std::fill(vd + dim, vd + dim8, 0.0f);
-        kp[j] = kd;
-        vp[j] = vd;
-      }
-    }
-    for (int j = 0; j < kTile; ++j)
-      if (j < lo - t0 || j >= hi - t0) kp[j] = vp[j] = zero;
-
-    const int jl = lo - t0, jh = hi - t0;  // the tile's keys inside this item's range
-    tile_scores<kTile>(qs, rows, kp, jl / 4 * 4, jh, dim8, ss, pf, pf_mode);
-    for (int64_t r = 0; r < rows; ++r) {
-      const int32_t pos = first_pos + it.i0 + static_cast<int32_t>(r / group);
+// Online-softmax step of rows [r0, r1) over one tile: scores in ss become probabilities,
+// alphas get the rescale of the earlier tiles, the running max and sum move on. Keys [j0, j1) of
+// the tile are the ones a row at position pos sees; masking runs only where that is not the
+// whole tile.
+inline void softmax_tile(const PagedAttentionParams& p, int64_t r0, int64_t r1, int64_t group,
+                         int32_t pos0, int32_t t0, int32_t lo, int32_t hi, float* ss, float* ms,
+                         float* ls, float* alphas) {
+  for (int64_t r8 = r0; r8 < r1; r8 += 8) {
+    float m_old[8], m_new[8], sums[8];
+    const int64_t n = std::min<int64_t>(8, r1 - r8);
+    for (int64_t i = 0; i < 8; ++i) {
+      const int64_t r = r8 + i;
+      m_old[i] = m_new[i] = i < n ? ms[r] : 0.0f;
+      sums[i] = 0.0f;
+      if (i >= n) continue;
+      const int32_t pos = pos0 + static_cast<int32_t>((r - r0) / group);
       const int32_t vlo = std::max(lo, p.sliding_window > 0 ? pos - p.sliding_window + 1 : 0);
-      const int j0 = vlo - t0, j1 = std::min(hi, pos + 1) - t0;  // keys this row sees
+      const int j0 = vlo - t0, j1 = std::min(hi, pos + 1) - t0;
       float* s = ss + r * kTile;
       if (j0 >= j1) {
         std::fill(s, s + kTile, 0.0f);
-        mnew[r] = ms[r];
-        lsum[r] = 0.0f;
         continue;
       }
       v8f sc[kTile / 8];
@@ -428,41 +348,154 @@ void run_item(const Ctx& c, const Item& it, const Item* next, float* partials) {
         }
         mx = vmax(mx, sc[g / 8]);
       }
-      const float m_new = std::max(ms[r], hmax(mx));
+      m_new[i] = std::max(m_old[i], hmax(mx));
       v8f sum = splat(0.0f);
       for (int g = 0; g < kTile; g += 8) {
-        const v8f e = exp8(sc[g / 8] - splat(m_new));
+        const v8f e = exp8(sc[g / 8] - splat(m_new[i]));
         store8(s + g, e);
         sum += e;
       }
-      mnew[r] = m_new;
-      lsum[r] = hsum(sum);
+      sums[i] = hsum(sum);
     }
-    // Rescale factors of 8 rows per exp8; a row that has seen no key yet keeps alpha 1.
-    for (int64_t r = 0; r < rows; r += 8) {
-      const v8f m_new = load8(mnew + r);
-      const v8f a = exp8(load8(ms + r) - m_new);
-      const v8f alpha = m_new == splat(kNegInf) ? splat(1.0f) : a;
-      store8(alphas + r, alpha);
-      store8(ls + r, load8(ls + r) * alpha + load8(lsum + r));
-      store8(ms + r, m_new);
+    // A row that has seen no key yet (max still -inf) keeps alpha 1.
+    const v8f mn = load8(m_new);
+    const v8f a = mn == splat(kNegInf) ? splat(1.0f) : exp8(load8(m_old) - mn);
+    for (int64_t i = 0; i < n; ++i) {
+      alphas[r8 + i] = a[i];
+      ls[r8 + i] = ls[r8 + i] * a[i] + sums[i];
+      ms[r8 + i] = m_new[i];
     }
-    int64_t r = 0;
-    for (; r + 2 <= rows; r += 2, pf.step(pf_mode * 4))
-      pv_rows<2, 4>(os + r * dim8, dim8, alphas + r, ss + r * kTile, kTile, vp, jl, jh);
-    if (r < rows) pv_rows<1, 8>(os + r * dim8, dim8, alphas + r, ss + r * kTile, kTile, vp, jl, jh);
-    pf.step(1 << 30);
+  }
+}
+
+void run_item(const Ctx& c, const Item& it, const Item* next, float* partials) {
+  const PagedAttentionParams& p = c.p;
+  const int64_t dim = p.head_dim, dim8 = c.dim8, group = c.group;
+  const int64_t per_head = (it.i1 - it.i0) * group, heads = it.h1 - it.h0;
+  const int64_t rows = per_head * heads;
+  const int32_t seq_len = p.seq_lens[it.seq];
+  const int32_t q_len = p.cu_seqlens_q[it.seq + 1] - p.cu_seqlens_q[it.seq];
+  const int32_t pos0 = seq_len - q_len + it.i0;  // position of the item's first q token
+
+  thread_local Scratch scratch;
+  const int64_t need = rows * (2 * dim8 + kTile + 3) + 2 * kTile * dim8 + dim8;
+  if (static_cast<int64_t>(scratch.buf.size()) < need) scratch.buf.resize(need);
+  int64_t used = 0;
+  float* qs = scratch.take(rows * dim8, used);
+  float* os = scratch.take(rows * dim8, used);
+  float* ss = scratch.take(rows * kTile, used);
+  float* ms = scratch.take(rows, used);      // running max
+  float* ls = scratch.take(rows, used);      // running sum
+  float* alphas = scratch.take(rows, used);  // this tile's rescale of the earlier ones
+  float* kt = scratch.take(kTile * dim8, used);
+  float* vt = scratch.take(kTile * dim8, used);
+  float* zero = scratch.take(dim8, used);
+  std::fill(zero, zero + dim8, 0.0f);
+
+  const char* qb = static_cast<const char*>(p.q);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* qr = qs + r * dim8;
+    to_float(qb + row_offset(c, it, r, p.q_stride_token, p.q_stride_head) * c.esize, p.dtype,
+             dim, qr);
+    for (int64_t d = 0; d < dim; ++d) qr[d] *= p.scale;
+    std::fill(qr + dim, qr + dim8, 0.0f);
+  }
+  std::fill(os, os + rows * dim8, 0.0f);
+  std::fill(ms, ms + rows, kNegInf);
+  std::fill(ls, ls + rows, 0.0f);
+
+  const char* kb = static_cast<const char*>(p.k_cache);
+  const char* vb = static_cast<const char*>(p.v_cache);
+  const float* kp[kTile];
+  const float* vp[kTile];
+  // Addresses of head h0's K/V rows of this tile and the next (slot pos - t0); the item's other
+  // heads are k_head/v_head bytes on. The next tile's rows of all the item's heads are prefetched
+  // while this one is computed: blocks come in random order, which the hardware prefetcher does
+  // not follow.
+  const char* krow[2][kTile];
+  const char* vrow[2][kTile];
+  const int64_t k_head = p.k_stride_head * c.esize, v_head = p.v_stride_head * c.esize;
+  const int64_t k_tok = p.k_stride_token * c.esize, v_tok = p.v_stride_token * c.esize;
+  Prefetcher pf{};
+  auto locate = [&](const Item& at, int32_t t0, const char** kr, const char** vr) {
+    const int32_t lo = std::max(t0, at.kv_begin), hi = std::min(t0 + kTile, at.kv_end);
+    const int32_t* table = p.block_tables + at.seq * p.block_table_stride;
+    for (int32_t pos = lo; pos < hi;) {
+      const int64_t block = table[pos / p.block_size];
+      const int32_t off = static_cast<int32_t>(pos % p.block_size);
+      const int32_t n = std::min<int32_t>(hi - pos, static_cast<int32_t>(p.block_size) - off);
+      const char* k0 = kb + (block * p.k_stride_block + off * p.k_stride_token) * c.esize +
+                       at.h0 * k_head;
+      const char* v0 = vb + (block * p.v_stride_block + off * p.v_stride_token) * c.esize +
+                       at.h0 * v_head;
+      for (int32_t i = 0; i < n; ++i) {
+        kr[pos - t0 + i] = k0 + i * k_tok;
+        vr[pos - t0 + i] = v0 + i * v_tok;
+      }
+      pos += n;
+    }
+    pf = Prefetcher{kr + (lo - t0), vr + (lo - t0), k_head, v_head, hi - lo, at.h1 - at.h0,
+                    (dim * c.esize + 63) / 64};
+  };
+  // Prefetch steps per tile: one per QK dot block and per PV row pair, for every head.
+  const int64_t pairs = (per_head + 1) / 2;
+  const int64_t pf_calls = heads * pairs * (kTile / 4 + 1);
+  int cur = 0;
+  const int32_t first_tile = it.kv_begin / kTile * kTile;
+  locate(it, first_tile, krow[0], vrow[0]);
+  pf.step(pf.keys * pf.heads * pf.lines);
+  for (int32_t t0 = first_tile; t0 < it.kv_end; t0 += kTile, cur ^= 1) {
+    const int32_t lo = std::max(t0, it.kv_begin), hi = std::min(t0 + kTile, it.kv_end);
+    if (t0 + kTile < it.kv_end) {
+      locate(it, t0 + kTile, krow[cur ^ 1], vrow[cur ^ 1]);
+    } else if (next) {
+      // The first tile of the item this thread runs next.
+      locate(*next, next->kv_begin / kTile * kTile, krow[cur ^ 1], vrow[cur ^ 1]);
+    } else {
+      pf.keys = 0;
+    }
+    const int64_t pf_quota = (pf.keys * pf.heads * pf.lines + pf_calls - 1) / pf_calls;
+    const int jl = lo - t0, jh = hi - t0;  // the tile's keys inside this item's range
+    for (int j = 0; j < kTile; ++j)
+      if (j < jl || j >= jh) kp[j] = vp[j] = zero;
+    for (int64_t h = 0; h < heads; ++h) {
+      for (int j = jl; j < jh; ++j) {
+        const char* kr = krow[cur][j] + h * k_head;
+        const char* vr = vrow[cur][j] + h * v_head;
+        if (c.direct_kv) {
+          kp[j] = reinterpret_cast<const float*>(kr);
+          vp[j] = reinterpret_cast<const float*>(vr);
+        } else {
+          float* kd = kt + j * dim8;
+          float* vd = vt + j * dim8;
+          to_float(kr, p.dtype, dim, kd);
+          to_float(vr, p.dtype, dim, vd);
+          std::fill(kd + dim, kd + dim8, 0.0f);
+          std::fill(vd + dim, vd + dim8, 0.0f);
+          kp[j] = kd;
+          vp[j] = vd;
+        }
+      }
+      const int64_t r0 = h * per_head, r1 = r0 + per_head;
+      tile_scores<kTile>(qs + r0 * dim8, per_head, kp, jl / 4 * 4, jh, dim8, ss + r0 * kTile, pf,
+                         pf_quota);
+      softmax_tile(p, r0, r1, group, pos0, t0, lo, hi, ss, ms, ls, alphas);
+      int64_t r = r0;
+      for (; r + 2 <= r1; r += 2, pf.step(pf_quota))
+        pv_rows<2, 4>(os + r * dim8, dim8, alphas + r, ss + r * kTile, kTile, vp, jl, jh);
+      if (r < r1) pv_rows<1, 8>(os + r * dim8, dim8, alphas + r, ss + r * kTile, kTile, vp, jl, jh);
+    }
+    pf.step(pf.keys * pf.heads * pf.lines);
   }
 
   if (it.partial < 0) {
     char* ob = static_cast<char*>(p.out);
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t tok = q_begin + it.i0 + r / group, head = it.kv_head * group + r % group;
       float* o = os + r * dim8;
       const float inv = 1.0f / ls[r];
       for (int64_t d = 0; d < dim; ++d) o[d] *= inv;
       from_float(o, dim, p.dtype,
-                 ob + (tok * p.out_stride_token + head * p.out_stride_head) * c.esize);
+                 ob + row_offset(c, it, r, p.out_stride_token, p.out_stride_head) * c.esize);
     }
     return;
   }
@@ -475,9 +508,8 @@ void run_item(const Ctx& c, const Item& it, const Item* next, float* partials) {
 void run_merge(const Ctx& c, const Plan& plan, const Merge& mg, float* acc) {
   const PagedAttentionParams& p = c.p;
   const Item& first = plan.items[mg.first];
-  const int64_t dim = p.head_dim, group = c.group;
-  const int64_t rows = (first.i1 - first.i0) * group;
-  const int32_t q_begin = p.cu_seqlens_q[first.seq];
+  const int64_t dim = p.head_dim;
+  const int64_t rows = (first.i1 - first.i0) * c.group * (first.h1 - first.h0);
   char* ob = static_cast<char*>(p.out);
   for (int64_t r = 0; r < rows; ++r) {
     float m = kNegInf;
@@ -495,50 +527,76 @@ void run_merge(const Ctx& c, const Plan& plan, const Merge& mg, float* acc) {
     }
     const float inv = 1.0f / l;
     for (int64_t d = 0; d < dim; ++d) acc[d] *= inv;
-    const int64_t tok = q_begin + first.i0 + r / group, head = first.kv_head * group + r % group;
     from_float(acc, dim, p.dtype,
-               ob + (tok * p.out_stride_token + head * p.out_stride_head) * c.esize);
+               ob + row_offset(c, first, r, p.out_stride_token, p.out_stride_head) * c.esize);
   }
 }
 
-// Splits the batch into items; ordered (sequence, q chunk, partition, kv head) so threads that
-// take neighbouring items read neighbouring memory.
-void make_plan(const PagedAttentionParams& p, int64_t group, Plan& plan) {
-  plan.items.clear();
-  plan.merges.clear();
-  plan.work = 0;
+// Calls f(seq, i0, i1, lo, hi) for every q chunk: q tokens [i0, i1) of sequence seq, which see
+// KV positions [lo, hi).
+template <class F>
+void for_each_chunk(const PagedAttentionParams& p, int64_t group, F f) {
   const int32_t chunk = static_cast<int32_t>(std::max<int64_t>(1, kMaxRows / group));
-  int64_t offset = 0;
   for (int32_t s = 0; s < p.num_seqs; ++s) {
     const int32_t q_len = p.cu_seqlens_q[s + 1] - p.cu_seqlens_q[s];
     const int32_t seq_len = p.seq_lens[s];
     for (int32_t i0 = 0; i0 < q_len; i0 += chunk) {
       const int32_t i1 = std::min(q_len, i0 + chunk);
-      const int32_t hi = seq_len - q_len + i1;
       const int32_t first_pos = seq_len - q_len + i0;
       const int32_t lo = p.sliding_window > 0 ? std::max(0, first_pos - p.sliding_window + 1) : 0;
-      const int32_t k0 = lo / kPartition, k1 = (hi - 1) / kPartition;
-      const int32_t parts = k1 - k0 + 1;
-      const int64_t rows = (i1 - i0) * group;
-      plan.work += rows * (hi - lo) * p.num_kv_heads;
-      if (parts > 1)
-        plan.merges.push_back({static_cast<int64_t>(plan.items.size()), p.num_kv_heads, parts});
-      for (int32_t k = k0; k <= k1; ++k) {
-        for (int32_t h = 0; h < p.num_kv_heads; ++h) {
-          const int32_t end =
-              static_cast<int32_t>(std::min<int64_t>(hi, (k + 1) * int64_t{kPartition}));
-          Item it{s, h, i0, i1, std::max(lo, k * kPartition), end, -1};
-          if (parts > 1) {
-            it.partial = offset;
-            offset += rows * (p.head_dim + 2);
-          }
-          plan.items.push_back(it);
-        }
-      }
-      for (int32_t h = 1; parts > 1 && h < p.num_kv_heads; ++h)
-        plan.merges.push_back({plan.merges.back().first + 1, p.num_kv_heads, parts});
+      f(s, i0, i1, lo, seq_len - q_len + i1);
     }
   }
+}
+
+// Splits the batch into items, ordered (sequence, q chunk, partition, kv heads). An item takes
+// as many kv heads as fit kMaxRows rows: decode then reads each token's K/V rows of all heads
+// together (1 KiB runs at 4 kv heads x 64 fp32) instead of 256-byte rows 1 KiB apart, which
+// read DRAM ~1.5x slower on one core (measured without compute: 30 against 20 ns per key and
+// head). Fewer heads per item when there would be under 4 items per thread.
+void make_plan(const PagedAttentionParams& p, int64_t group, int threads, Plan& plan) {
+  plan.items.clear();
+  plan.merges.clear();
+  plan.work = 0;
+  const int64_t heads = p.num_kv_heads;
+  auto fit = [&](int32_t i0, int32_t i1) {
+    return std::max<int64_t>(1, kMaxRows / ((i1 - i0) * group));
+  };
+  auto parts_of = [](int32_t lo, int32_t hi) { return (hi - 1) / kPartition - lo / kPartition + 1; };
+  for_each_chunk(p, group, [&](int32_t, int32_t i0, int32_t i1, int32_t lo, int32_t hi) {
+    plan.work += (i1 - i0) * group * (hi - lo) * heads;
+  });
+  const int64_t busy = std::min<int64_t>(threads, std::max<int64_t>(1, plan.work / kGrainWork));
+  int64_t cap = heads;
+  for (; cap > 1; cap = (cap + 1) / 2) {
+    int64_t count = 0;
+    for_each_chunk(p, group, [&](int32_t, int32_t i0, int32_t i1, int32_t lo, int32_t hi) {
+      const int64_t per = std::min(cap, fit(i0, i1));
+      count += parts_of(lo, hi) * ((heads + per - 1) / per);
+    });
+    if (count >= 4 * busy) break;
+  }
+  int64_t offset = 0;
+  for_each_chunk(p, group, [&](int32_t s, int32_t i0, int32_t i1, int32_t lo, int32_t hi) {
+    const int32_t k0 = lo / kPartition, k1 = (hi - 1) / kPartition, parts = k1 - k0 + 1;
+    const int32_t per = static_cast<int32_t>(std::min(cap, fit(i0, i1)));
+    const int32_t groups = static_cast<int32_t>((heads + per - 1) / per);
+    for (int32_t g = 0; parts > 1 && g < groups; ++g)
+      plan.merges.push_back({static_cast<int64_t>(plan.items.size()) + g, groups, parts});
+    for (int32_t k = k0; k <= k1; ++k) {
+      const int32_t end =
+          static_cast<int32_t>(std::min<int64_t>(hi, (k + 1) * int64_t{kPartition}));
+      for (int32_t h0 = 0; h0 < heads; h0 += per) {
+        const int32_t h1 = static_cast<int32_t>(std::min<int64_t>(heads, h0 + per));
+        Item it{s, h0, h1, i0, i1, std::max(lo, k * kPartition), end, -1};
+        if (parts > 1) {
+          it.partial = offset;
+          offset += (i1 - i0) * group * (h1 - h0) * (p.head_dim + 2);
+        }
+        plan.items.push_back(it);
+      }
+    }
+  });
   if (static_cast<int64_t>(plan.partials.size()) < offset) plan.partials.resize(offset);
 }
 
@@ -560,29 +618,28 @@ Status paged_attention(const PagedAttentionParams& p) {
   // inside the parallel region the name of a thread_local would mean each worker's own copy.
   static thread_local Plan caller_plan;
   Plan& plan = caller_plan;
-  make_plan(p, group, plan);
-  float* partials = plan.partials.data();
-  const int64_t num_items = static_cast<int64_t>(plan.items.size());
-  const int64_t num_merges = static_cast<int64_t>(plan.merges.size());
-  // One thread takes all kv heads of a (sequence, q chunk, partition): it then reads whole
-  // blocks, not every fourth 256-byte row. Decode 16 x 2048 fp32 on 2 threads: 12.4 ms with
-  // chunks of one item, 3.7 ms with this.
-  const int64_t kv_chunk = p.num_kv_heads;
   // Small calls stay on one thread: a parallel region costs ~5 us idle and, when the machine is
   // oversubscribed, waits for a descheduled worker (a 1-token decode took 33 ms on 2 threads
   // against 7 us on one, on the shared 2-core box).
+  make_plan(p, group, cpu::max_threads(), plan);
+  float* partials = plan.partials.data();
+  const int64_t num_items = static_cast<int64_t>(plan.items.size());
+  const int64_t num_merges = static_cast<int64_t>(plan.merges.size());
   const int threads = static_cast<int>(
       std::min<int64_t>(cpu::max_threads(), std::max<int64_t>(1, plan.work / kGrainWork)));
+  // Items are handed out one at a time, each thread claiming its next item before it runs the
+  // current one, so the current item's last tile can prefetch the next one's first.
+  std::atomic<int64_t> next_item{0};
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
-#pragma omp for schedule(dynamic, kv_chunk)
-    for (int64_t i = 0; i < num_items; ++i) {
-      static const int nx = getenv("NX") ? atoi(getenv("NX")) : 0;
-      const Item* next = nullptr;
-      if (nx ? i + 1 < num_items : (i + 1 < num_items && plan.items[i + 1].kv_head > plan.items[i].kv_head)) next = &plan.items[i + 1];
-      run_item(c, plan.items[i], next, partials);
+    int64_t i = next_item.fetch_add(1, std::memory_order_relaxed);
+    while (i < num_items) {
+      const int64_t n = next_item.fetch_add(1, std::memory_order_relaxed);
+      run_item(c, plan.items[i], n < num_items ? &plan.items[n] : nullptr, partials);
+      i = n;
     }
     if (num_merges > 0) {
+#pragma omp barrier
       thread_local std::vector<float> acc;
       if (static_cast<int64_t>(acc.size()) < p.head_dim) acc.resize(p.head_dim);
 #pragma omp for schedule(dynamic, 4)
