@@ -160,17 +160,27 @@ struct Prefetcher {
   const char* const* k;  // [keys] row addresses of the first head
   const char* const* v;
   int64_t k_head, v_head;  // bytes from one head's row to the next
-  int64_t keys = 0, heads = 0, lines = 0;  // lines per row
-  int64_t key = 0, head = 0, line = 0;
+  int64_t keys, heads, row_bytes;
+  int64_t key = 0, head = 0, off = 0;
+  const char* kr = keys > 0 ? k[0] : nullptr;
+  const char* vr = keys > 0 ? v[0] : nullptr;
+  int64_t lines() const { return keys * heads * ((row_bytes + 63) / 64); }
   inline void step(int64_t n) {
     for (; n > 0 && key < keys; --n) {
-      __builtin_prefetch(k[key] + head * k_head + 64 * line, 0, 1);
-      __builtin_prefetch(v[key] + head * v_head + 64 * line, 0, 1);
-      if (++line < lines) continue;
-      line = 0;
-      if (++head < heads) continue;
+      __builtin_prefetch(kr + off, 0, 1);
+      __builtin_prefetch(vr + off, 0, 1);
+      if ((off += 64) < row_bytes) continue;
+      off = 0;
+      if (++head < heads) {
+        kr += k_head;
+        vr += v_head;
+        continue;
+      }
       head = 0;
-      ++key;
+      if (++key < keys) {
+        kr = k[key];
+        vr = v[key];
+      }
     }
   }
 };
@@ -416,7 +426,7 @@ void run_item(const Ctx& c, const Item& it, const Item* next, float* partials) {
   const char* vrow[2][kTile];
   const int64_t k_head = p.k_stride_head * c.esize, v_head = p.v_stride_head * c.esize;
   const int64_t k_tok = p.k_stride_token * c.esize, v_tok = p.v_stride_token * c.esize;
-  Prefetcher pf{};
+  Prefetcher pf{nullptr, nullptr, 0, 0, 0, 0, 0};
   auto locate = [&](const Item& at, int32_t t0, const char** kr, const char** vr) {
     const int32_t lo = std::max(t0, at.kv_begin), hi = std::min(t0 + kTile, at.kv_end);
     const int32_t* table = p.block_tables + at.seq * p.block_table_stride;
@@ -435,7 +445,7 @@ void run_item(const Ctx& c, const Item& it, const Item* next, float* partials) {
       pos += n;
     }
     pf = Prefetcher{kr + (lo - t0), vr + (lo - t0), k_head, v_head, hi - lo, at.h1 - at.h0,
-                    (dim * c.esize + 63) / 64};
+                    dim * c.esize};
   };
   // Prefetch steps per tile: one per QK dot block and per PV row pair, for every head.
   const int64_t pairs = (per_head + 1) / 2;
@@ -443,7 +453,7 @@ void run_item(const Ctx& c, const Item& it, const Item* next, float* partials) {
   int cur = 0;
   const int32_t first_tile = it.kv_begin / kTile * kTile;
   locate(it, first_tile, krow[0], vrow[0]);
-  pf.step(pf.keys * pf.heads * pf.lines);
+  pf.step(pf.lines());
   for (int32_t t0 = first_tile; t0 < it.kv_end; t0 += kTile, cur ^= 1) {
     const int32_t lo = std::max(t0, it.kv_begin), hi = std::min(t0 + kTile, it.kv_end);
     if (t0 + kTile < it.kv_end) {
@@ -454,7 +464,7 @@ void run_item(const Ctx& c, const Item& it, const Item* next, float* partials) {
     } else {
       pf.keys = 0;
     }
-    const int64_t pf_quota = (pf.keys * pf.heads * pf.lines + pf_calls - 1) / pf_calls;
+    const int64_t pf_quota = (pf.lines() + pf_calls - 1) / pf_calls;
     const int jl = lo - t0, jh = hi - t0;  // the tile's keys inside this item's range
     for (int j = 0; j < kTile; ++j)
       if (j < jl || j >= jh) kp[j] = vp[j] = zero;
@@ -485,7 +495,7 @@ void run_item(const Ctx& c, const Item& it, const Item* next, float* partials) {
         pv_rows<2, 4>(os + r * dim8, dim8, alphas + r, ss + r * kTile, kTile, vp, jl, jh);
       if (r < r1) pv_rows<1, 8>(os + r * dim8, dim8, alphas + r, ss + r * kTile, kTile, vp, jl, jh);
     }
-    pf.step(pf.keys * pf.heads * pf.lines);
+    pf.step(pf.lines());
   }
 
   if (it.partial < 0) {
