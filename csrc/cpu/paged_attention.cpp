@@ -37,7 +37,7 @@ namespace cbk {
 namespace CBK_CPU_NS {
 namespace {
 
-constexpr int kTile = 32;         // KV tokens per online-softmax step
+constexpr int kTile = 16;         // KV tokens per online-softmax step
 constexpr int kPartition = 256;   // KV tokens per work item (a multiple of kTile)
 constexpr int kMaxRows = 64;      // query rows per work item (more when one group is larger)
 constexpr int64_t kGrainWork = 16384;  // (query row, key) pairs worth a thread: ~40 us at d=64
