@@ -1,24 +1,38 @@
 // Paged attention on CPU (see cb_kernels/paged_attention.h for the contract).
 //
-// Work items are (sequence, q chunk, KV partition, kv head). A q chunk packs up to kMaxRows
-// query rows (q tokens x the query heads of one KV head), so each K/V row is read from memory
-// once for all of them. KV partitions are fixed kPartition-token ranges of absolute positions and
-// tiles inside them fixed kTile-token ranges: how a row's scores are reduced depends only on its
-// own sequence and position, never on the batch, the q chunking or the thread count. Partitions
-// give decode with few sequences enough items to keep every thread busy; their partial results
-// (unnormalised output, running max, running sum) are merged in a second pass.
+// Work items are (sequence, q chunk, KV partition, kv heads [h0, h1)). A q chunk packs up to
+// kMaxRows query rows per kv head (q tokens x the query heads of its group), so each K/V row is
+// read from memory once for all of them; an item takes as many kv heads as fit kMaxRows rows
+// (decode: all of them, so it reads each token's K/V rows of every head together). KV partitions
+// are fixed kPartition-token ranges of absolute positions and tiles inside them fixed kTile-token
+// ranges; rows are computed in blocks of 2 (or 1) whose arithmetic per row is the same either way.
+// So how a row's scores are reduced depends only on its own sequence and position, never on the
+// batch, the q chunking, the head grouping or the thread count. Partitions give decode with few
+// sequences enough items to keep every thread busy; their partial results (unnormalised output,
+// running max, running sum) are merged in a second pass.
 //
-// The math runs in fp32 on 8-float GCC vectors: the AVX2 variant compiles them to 256-bit
-// FMAs, the generic one to SSE pairs. fp16/bf16 K/V tiles are converted to fp32 scratch once per
-// tile, so the query rows sharing a tile pay the conversion once. (Checked in the AVX2 object's
-// assembly: the QK and PV inner loops are runs of vfmadd231ps on ymm registers with memory
-// operands, one per 8 floats of head_dim.)
+// The math runs in fp32 on 8-float GCC vectors (attention_vec.h): the AVX2 variant compiles them
+// to 256-bit FMAs, the generic one to SSE pairs. Per tile and kv head: scores of 2 rows x 4 keys
+// from 8 accumulators and one transposing add tree (one tree per 8 scores); masking only in
+// tiles cut by the causal/window edge or the item's range; exp8 over the tile; the running max
+// and the rescale once per row and tile, 8 rows per exp8; P.V in blocks of 2 rows x 4 vectors,
+// each V chunk loaded once into a register for both rows. fp16/bf16 K/V rows are converted to
+// fp32 scratch per tile and head, so the query rows sharing them pay the conversion once.
 //
-// Measured on the 2-core EPYC (Zen 4, 2.6 GHz VM): with K/V in cache the time grows in step with
-// head_dim (64/128/256), ~2 G 8-wide FMAs/s of thread CPU time, about what a register-only FMA
-// loop reaches on this VM, so the loops run at the FMA rate; letting two rows share each V load
-// changed nothing and was dropped. Decode with K/V in DRAM is
-// bound by memory: see the prefetch note in run_item and bench/RESULTS.md.
+// Measured 2026-11-29 on the 2-core EPYC (Zen 4 VM, ~3.6 GHz), fp32, 16 q / 4 kv heads, d 64,
+// one thread, against main's kernel in the same process: decode 1 x 2048 (K/V in cache) 0.74x
+// the time, 16 x 2048 (67 MB, DRAM) 0.61-0.70x, prefill 1 x 1024 0.68x, d 128/256 0.73-0.76x;
+// two threads: see bench/RESULTS.md. A register-only loop runs 10.5 G 8-wide FMAs/s per core, so
+// the FMAs are not the limit (~30% of the decode time in cache); from DRAM the time is about the
+// in-cache time plus ~8 ns per (key, kv head) that prefetching does not hide: a reads-only loop
+// with the same block order and prefetches costs 20 ns per (key, kv head) alone, and 31 ns with
+// 24 ns of FMAs per key added. What paid, in order: each K/V chunk loaded once per row block
+// (0.86x), prefetches spread over the tile's dot blocks instead of one burst (0.83x), all kv heads
+// in one item reading whole token rows (256-byte rows 1 KiB apart read DRAM 1.5x slower), 16-key
+// tiles (0.61-0.68x from DRAM against 0.74-0.87x at 32 keys; 32 keys is 5% faster in cache).
+// Tried and dropped: blocks of 4 rows (each K/V line read once: 0.66x in cache but 0.74-0.87x
+// from DRAM), prefetching one head's rows 2 to 4 (tile, head) steps ahead (0.78-0.89x),
+// prefetcht0 or prefetchnta (no better than no prefetch at all), 64-key tiles.
 #include "cb_kernels/paged_attention.h"
 
 #include <omp.h>
@@ -188,9 +202,11 @@ void run_item(const Ctx& c, const Item& it, const Item* next, float* partials) {
   const float* kp[kTile];
   const float* vp[kTile];
   // Addresses of head h0's K/V rows of this tile and the next (slot pos - t0); the item's other
-  // heads are k_head/v_head bytes on. The next tile's rows of all the item's heads are prefetched
-  // while this one is computed: blocks come in random order, which the hardware prefetcher does
-  // not follow.
+  // heads are k_head/v_head bytes on. While a tile is computed, the next one's rows of all the
+  // item's heads are prefetched in memory order, a few lines per dot block; the last tile
+  // prefetches the first tile of the item this thread runs next. Blocks come in random order,
+  // which the hardware prefetcher does not follow: without prefetching, decode 16 x 2048 took
+  // 2.2x as long on one thread.
   const char* krow[2][kTile];
   const char* vrow[2][kTile];
   const int64_t k_head = p.k_stride_head * c.esize, v_head = p.v_stride_head * c.esize;
