@@ -3,6 +3,7 @@
 // csrc/cpu/*.cpp, which is built with CBK_CPU_NS set.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -51,9 +52,9 @@ inline v8f splat(float x) { return v8f{x, x, x, x, x, x, x, x}; }
 inline v8f vmax(v8f a, v8f b) { return a > b ? a : b; }
 
 inline float hmax(v8f v) {
-  float m = v[0];
-  for (int i = 1; i < 8; ++i) m = std::max(m, v[i]);
-  return m;
+  const v8f a = vmax(v, CBK_SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3));
+  const v8f b = vmax(a, CBK_SHUFFLE(a, a, 2, 3, 0, 1, 6, 7, 4, 5));
+  return std::max(b[0], b[1]);
 }
 
 inline float hsum(v8f v) {
