@@ -9,7 +9,7 @@
 
 #include "cb_kernels/common.h"
 
-#if defined(__F16C__)
+#if defined(__AVX__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -111,6 +111,15 @@ inline void dot_block(const float* q, int64_t q_stride, const float* const* k, i
       for (int r = 0; r < R; ++r) acc[r * T + t] += qv[r] * kv;
     }
   }
+#if defined(__AVX__)
+  // The same sums, ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)) per accumulator, in 9
+  // instructions instead of 21.
+  __m256 x[4];
+  for (int i = 0; i < 4; ++i) x[i] = _mm256_hadd_ps(acc[2 * i], acc[2 * i + 1]);
+  const __m256 y0 = _mm256_hadd_ps(x[0], x[1]), y1 = _mm256_hadd_ps(x[2], x[3]);
+  const v8f z = _mm256_add_ps(_mm256_permute2f128_ps(y0, y1, 0x20),
+                              _mm256_permute2f128_ps(y0, y1, 0x31));
+#else
   v8f x[4];
   for (int i = 0; i < 4; ++i)
     x[i] = CBK_SHUFFLE(acc[2 * i], acc[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
@@ -121,6 +130,7 @@ inline void dot_block(const float* q, int64_t q_stride, const float* const* k, i
            CBK_SHUFFLE(x[2 * i], x[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
   const v8f z = CBK_SHUFFLE(y[0], y[1], 0, 1, 2, 3, 8, 9, 10, 11) +
                 CBK_SHUFFLE(y[0], y[1], 4, 5, 6, 7, 12, 13, 14, 15);
+#endif
   for (int r = 0; r < R; ++r)
     __builtin_memcpy(s + r * s_stride, reinterpret_cast<const float*>(&z) + r * T, T * 4);
 }
