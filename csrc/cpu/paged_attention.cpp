@@ -20,19 +20,25 @@
 // fp32 scratch per tile and head, so the query rows sharing them pay the conversion once.
 //
 // Measured 2026-11-29 on the 2-core EPYC (Zen 4 VM, ~3.6 GHz), fp32, 16 q / 4 kv heads, d 64,
-// one thread, against main's kernel in the same process: decode 1 x 2048 (K/V in cache) 0.74x
-// the time, 16 x 2048 (67 MB, DRAM) 0.61-0.70x, prefill 1 x 1024 0.68x, d 128/256 0.73-0.76x;
-// two threads: see bench/RESULTS.md. A register-only loop runs 10.5 G 8-wide FMAs/s per core, so
-// the FMAs are not the limit (~30% of the decode time in cache); from DRAM the time is about the
-// in-cache time plus ~8 ns per (key, kv head) that prefetching does not hide: a reads-only loop
-// with the same block order and prefetches costs 20 ns per (key, kv head) alone, and 31 ns with
-// 24 ns of FMAs per key added. What paid, in order: each K/V chunk loaded once per row block
-// (0.86x), prefetches spread over the tile's dot blocks instead of one burst (0.83x), all kv heads
-// in one item reading whole token rows (256-byte rows 1 KiB apart read DRAM 1.5x slower), 16-key
-// tiles (0.61-0.68x from DRAM against 0.74-0.87x at 32 keys; 32 keys is 5% faster in cache).
-// Tried and dropped: blocks of 4 rows (each K/V line read once: 0.66x in cache but 0.74-0.87x
-// from DRAM), prefetching one head's rows 2 to 4 (tile, head) steps ahead (0.78-0.89x),
-// prefetcht0 or prefetchnta (no better than no prefetch at all), 64-key tiles.
+// against main's kernel (b0ab835) in the same process, one thread: decode 1 x 2048 (K/V in
+// cache) 0.74x the time, 16 x 2048 (67 MB, DRAM) 0.61-0.76x (typically 0.67-0.72x), prefill
+// 1 x 1024 0.65x, d 128/256 0.70/0.76x; two threads, 16 x 2048: 0.69-0.78x, and in
+// bench_attention.py on an idle machine 2.98-3.09 ms against 3.75-3.80, 71-72% of the copy
+// bandwidth measured in the same run (bench/RESULTS.md). A register-only loop runs 10.5 G 8-wide
+// FMAs/s per core, so the FMAs are not the limit (~30% of the decode time in cache); from DRAM
+// the time is about the in-cache time plus ~8-15 ns per (key, kv head) that prefetching does not
+// hide: a reads-only loop with the same block order and prefetches costs 20 ns per (key, kv
+// head) alone, and 31 ns with 24 ns of FMAs per key added. What paid, in order: each K/V chunk
+// loaded once per row block (0.86x), prefetches spread over the tile's dot blocks instead of one
+// burst (0.83x), all kv heads in one item reading whole token rows (256-byte rows 1 KiB apart
+// read DRAM 1.5x slower), 16-key tiles (one thread 0.83-0.91x the time at 32 keys from DRAM,
+// 0.92-1.0x on two; 32 keys is 5% faster in cache), vhaddps for the add tree (1-3%).
+// Tried and dropped: blocks of 4 rows (each K/V line read once: 0.66x in cache at 32 keys but
+// slower from DRAM, and 4-17% slower at 16 keys), prefetching one head's rows 2 to 4 (tile, head)
+// steps ahead (0.78-0.89x against 0.75-0.81x), prefetching 1.5-2.5x faster or 0.6x as fast as
+// the even spread (6-30% slower), a line queue fed from the inner loops (13% slower in cache),
+// K lines before V lines, prefetcht0 or prefetchnta (no better than no prefetch), 64-key tiles,
+// fp32 rows copied to scratch like fp16/bf16 (1.2-1.45x slower).
 #include "cb_kernels/paged_attention.h"
 
 #include <omp.h>
