@@ -237,6 +237,25 @@ void run_item(const Ctx& c, const Item& it, const Item* next, float* partials) {
     }
     pf = Prefetcher{kr + (lo - t0), vr + (lo - t0), k_head, v_head, hi - lo, at.h1 - at.h0,
                     dim * c.esize};
+    // One line per 4 KiB page of the tile after, so that its address translations are warm
+    // when its rows are prefetched a tile later.
+    const int32_t lo2 = std::max(t0 + kTile, at.kv_begin), hi2 = std::min(t0 + 2 * kTile, at.kv_end);
+    for (int32_t pos = lo2; pos < hi2;) {
+      const int64_t block = table[pos / p.block_size];
+      const int32_t off = static_cast<int32_t>(pos % p.block_size);
+      const int32_t n = std::min<int32_t>(hi2 - pos, static_cast<int32_t>(p.block_size) - off);
+      const char* k0 = kb + (block * p.k_stride_block + off * p.k_stride_token) * c.esize +
+                       at.h0 * k_head;
+      const char* v0 = vb + (block * p.v_stride_block + off * p.v_stride_token) * c.esize +
+                       at.h0 * v_head;
+      const int64_t kspan = (n - 1) * k_tok + (at.h1 - at.h0 - 1) * k_head + dim * c.esize;
+      const int64_t vspan = (n - 1) * v_tok + (at.h1 - at.h0 - 1) * v_head + dim * c.esize;
+      for (int64_t b = 0; b < kspan; b += 4096) __builtin_prefetch(k0 + b, 0, 1);
+      for (int64_t b = 0; b < vspan; b += 4096) __builtin_prefetch(v0 + b, 0, 1);
+      __builtin_prefetch(k0 + kspan - 1, 0, 1);
+      __builtin_prefetch(v0 + vspan - 1, 0, 1);
+      pos += n;
+    }
   };
   // Prefetch steps per tile: one per QK dot block and per PV row pair, for every head.
   const int64_t pairs = (per_head + 1) / 2;
