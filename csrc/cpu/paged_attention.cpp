@@ -21,9 +21,9 @@
 //
 // Measured 2026-11-29 on the 2-core EPYC (Zen 4 VM, ~3.6 GHz), fp32, 16 q / 4 kv heads, d 64,
 // against main's kernel (b0ab835) in the same process, one thread: decode 1 x 2048 (K/V in
-// cache) 0.74x the time, 16 x 2048 (67 MB, DRAM) 0.61-0.76x (typically 0.67-0.72x), prefill
-// 1 x 1024 0.65x, d 128/256 0.70/0.76x; two threads, 16 x 2048: 0.69-0.78x, and in
-// bench_attention.py on an idle machine 2.98-3.09 ms against 3.75-3.80, 71-72% of the copy
+// cache) 0.74x the time, 16 x 2048 (67 MB, DRAM) 0.61-0.76x (typically 0.67-0.72x), prefill 1 x
+// 1024 0.65x, d 128/256 0.70/0.76x; two threads, 16 x 2048: 0.69-0.78x. In bench_attention.py on
+// an idle machine, two threads: 2.57-2.95 ms against main's 3.75-3.83, 58-77% of the copy
 // bandwidth measured in the same run (bench/RESULTS.md). A register-only loop runs 10.5 G 8-wide
 // FMAs/s per core, so the FMAs are not the limit (~30% of the decode time in cache); from DRAM
 // the time is about the in-cache time plus ~8-15 ns per (key, kv head) that prefetching does not
@@ -32,7 +32,9 @@
 // loaded once per row block (0.86x), prefetches spread over the tile's dot blocks instead of one
 // burst (0.83x), all kv heads in one item reading whole token rows (256-byte rows 1 KiB apart
 // read DRAM 1.5x slower), 16-key tiles (one thread 0.83-0.91x the time at 32 keys from DRAM,
-// 0.92-1.0x on two; 32 keys is 5% faster in cache), vhaddps for the add tree (1-3%).
+// 0.92-1.0x on two; 32 keys is 5% faster in cache), vhaddps for the add tree (1-3%), one line
+// per 4 KiB page touched a tile before the rows are prefetched (torch puts K/V 64 bytes into a
+// page, so a 16 KiB block spans 5 pages: 0.90-0.94x in the bench on two threads).
 // Tried and dropped: blocks of 4 rows (each K/V line read once: 0.66x in cache at 32 keys but
 // slower from DRAM, and 4-17% slower at 16 keys), prefetching one head's rows 2 to 4 (tile, head)
 // steps ahead (0.78-0.89x against 0.75-0.81x), prefetching 1.5-2.5x faster or 0.6x as fast as
@@ -239,7 +241,8 @@ void run_item(const Ctx& c, const Item& it, const Item* next, float* partials) {
                     dim * c.esize};
     // One line per 4 KiB page of the tile after, so that its address translations are warm
     // when its rows are prefetched a tile later.
-    const int32_t lo2 = std::max(t0 + kTile, at.kv_begin), hi2 = std::min(t0 + 2 * kTile, at.kv_end);
+    const int32_t lo2 = std::max(t0 + kTile, at.kv_begin);
+    const int32_t hi2 = std::min(t0 + 2 * kTile, at.kv_end);
     for (int32_t pos = lo2; pos < hi2;) {
       const int64_t block = table[pos / p.block_size];
       const int32_t off = static_cast<int32_t>(pos % p.block_size);
