@@ -113,9 +113,13 @@ def test_reference_softcap_by_hand():
     torch.testing.assert_close(out, torch.tensor([[[p, 1 - p]]]))
 
 
-def test_cpu_batch_and_threads_do_not_change_results():
+# The second case makes the CPU kernel group kv heads into work items differently alone, in the
+# batch, and on 1 or 2 threads (64 q heads over 8 kv heads, ~40k row-key pairs).
+@pytest.mark.parametrize("case", [BY_ID["mixed-gqa4-d64-bs16"],
+                                  Case("decode-64q-8kv", ((600, 1), (37, 1), (300, 5)),
+                                       num_heads=64, num_kv_heads=8)], ids=lambda c: c.id)
+def test_cpu_batch_and_threads_do_not_change_results(case):
     """A sequence's output is bit-identical alone, inside a batch, and on 1 or 2 threads."""
-    case = BY_ID["mixed-gqa4-d64-bs16"]
     q, k_cache, v_cache, block_tables, seq_lens, cu = build(case)
     full = ops.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu, backend="cpu")
     for i in range(len(case.seqs)):
