@@ -18,11 +18,12 @@ import json
 import math
 import time
 
-import torch
-import torch.nn.functional as F
+from cb_kernels import ops  # before torch: cb_kernels sets the OpenMP spin bound
 
-from cb_kernels import ops
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 from cb_kernels.ops.paged_attention import DEFAULT_CUDA_BACKEND, run_backend
+from cb_kernels.hf.adapter import host_zeros
 from cb_kernels.ops.reference import ref_paged_attention
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -31,13 +32,18 @@ BASELINE_MAX_BYTES = 300 * 2**20  # beyond this KV size the baselines would need
 
 def make_batch(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, device, seed=0):
     """seqs: list of (seq_len, q_len). Blocks are shuffled over the pool, as after many steps.
-    Values are drawn on the device itself (a 1 GB pool drawn on the CPU takes seconds)."""
+    Values are drawn on the device itself (a 1 GB pool drawn on the CPU takes seconds). On the CPU
+    the pool is allocated as the engine allocates its own (`host_zeros`: huge pages where the OS
+    allows them)."""
     torch.manual_seed(seed)
     counts = [math.ceil(s / block_size) for s, _ in seqs]
     num_blocks = sum(counts)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, device=device, dtype=dtype)
-    v_cache = torch.randn(shape, device=device, dtype=dtype)
+    if torch.device(device).type == "cpu":
+        k_cache, v_cache = host_zeros(shape, dtype).normal_(), host_zeros(shape, dtype).normal_()
+    else:
+        k_cache = torch.randn(shape, device=device, dtype=dtype)
+        v_cache = torch.randn(shape, device=device, dtype=dtype)
     order = torch.randperm(num_blocks).to(torch.int32)
     block_tables = torch.zeros(len(seqs), max(counts), dtype=torch.int32)
     start = 0

@@ -60,7 +60,7 @@ CASES = [
     Case("fp16-d128-bs128", ((1030, 1), (129, 129)), head_dim=128, block_size=128,
          dtype=torch.float16),
     Case("empty-q-seq", ((30, 0), (20, 2))),
-    # Lengths at the CPU kernel's 256-key partition and 32-key tile edges, a prefill chunk that
+    # Lengths at the CPU kernel's 256-key partition and 16/32-key tile edges, a prefill chunk that
     # straddles a partition, and group 16 (more query rows than one work item takes).
     Case("partition-edges", ((256, 17), (257, 1), (512, 1), (255, 255), (33, 2))),
     Case("gqa16-rows", ((300, 9), (64, 1)), num_heads=16, num_kv_heads=1, head_dim=64),
