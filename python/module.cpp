@@ -25,5 +25,6 @@ PYBIND11_MODULE(_C, m) {
   bind_paged_attention(m);
   bind_cache_ops(m);
   bind_sampling(m);
+  bind_elementwise(m);
   bind_paged_attention_cuda(m);
 }

@@ -4,10 +4,12 @@ Why: with the linears packed (packed_linears.py), what remains of a decode step 
 GEMMs is transformers' per-layer Python: module calls, kwarg decorators, views and transposes,
 an 8-op RMSNorm, 16 ops of rotary, the checks of our attention op on every layer. Measured on
 SmolLM2-135M (30 layers), 16 decode rows, 1 thread: 16 ms of an 81 ms forward outside the
-linears. This path runs the same math with fewer ops: `F.rms_norm` (bit-equal to transformers'
-RMSNorm, checked on the model's own weights at build time), the fused packed projections, the
-rotary formula of transformers with its own cos/sin module, and the attention kernels called
-directly after one check of the step's metadata on layer 0.
+linears. This path runs the same math in fewer passes: each RMSNorm with the residual add before
+it as one C++ pass, SiLU(gate) * up as one, the rotary embedding in place as one (transformers'
+formula, its own cos/sin module), the fused packed projections, and the attention kernels called
+directly after one check of the step's metadata on layer 0. Logits agree with transformers'
+forward to fp32 rounding (other summation order, fused multiply-adds), tested per family; the
+greedy tokens of the engine tests are transformers' generate's.
 
 It applies only when the model is exactly what it expects: a known model type whose modules (the
 model, decoder, layers, attention, MLP, norms) are that family's own transformers classes, not
@@ -24,7 +26,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from cb_kernels import ops
+from cb_kernels import _C, ops
+from cb_kernels.ops.elementwise import rope_, silu_mul
 from cb_kernels.hf.packed_linears import is_packed_forward
 from cb_kernels.ops.cache_ops import write_kv_unchecked
 from cb_kernels.ops.paged_attention import paged_attention_unchecked
@@ -41,6 +44,16 @@ class _Norm:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w = self.module.weight
         return F.rms_norm(x, (w.shape[0],), w, self.eps)
+
+    def fused(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
+        """x: contiguous [T, dim], updated in place to x + residual (when given); returns the
+        norm of that. One C++ pass (ops/elementwise.py) instead of torch's add and six ops."""
+        w = self.module.weight
+        rows, dim = x.shape
+        out = torch.empty_like(x)
+        _C.rms_norm(x.data_ptr(), 0 if residual is None else residual.data_ptr(), w.data_ptr(),
+                    out.data_ptr(), rows, dim, dim, dim, dim, self.eps)
+        return out
 
 
 def _rms_norm(norm) -> Optional[_Norm]:
@@ -93,13 +106,6 @@ def _own_classes(model, decoder, model_type: str) -> bool:
         mods += [layer, attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm]
         mods += [getattr(attn, n) for n in ("q_norm", "k_norm") if hasattr(attn, n)]
     return all(type(m).__module__ == home for m in mods)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """transformers' rotary: x * cos + rotate_half(x) * sin, the same ops in the same order.
-    x: [T, heads, head_dim]; cos, sin: [T, 1, head_dim]."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 class _Layer:
@@ -184,15 +190,20 @@ class LlamaFastPath:
         x = x[0]
         num_tokens = x.shape[0]
         backend = step.backend or "cpu"
+        cos, sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()     # [T, head_dim]
+        x = x.contiguous()
+        pending = None     # the last sublayer's output, added into x by the next norm
         for i, layer in enumerate(self.layers):
-            h = layer.in_norm(x)
-            q, k, v = layer.qkv.run(h).split(layer.qkv.splits, dim=-1)
+            h = layer.in_norm.fused(x, pending)
+            qkv = layer.qkv.run(h)
+            q, k, v = qkv.split(layer.qkv.splits, dim=-1)
             q = q.view(num_tokens, layer.num_heads, layer.head_dim)
             k = k.view(num_tokens, layer.num_kv_heads, layer.head_dim)
             v = v.view(num_tokens, layer.num_kv_heads, layer.head_dim)
             if layer.q_norm is not None:
                 q, k = layer.q_norm(q), layer.k_norm(k)
-            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            rope_(q, cos, sin)
+            rope_(k, cos, sin)
             k_cache, v_cache = step.k_caches[i], step.v_caches[i]
             write_kv_unchecked(k, v, k_cache, v_cache, step.slot_mapping)
             if i == 0:      # one full check of the step's metadata; the other layers share it
@@ -204,9 +215,7 @@ class LlamaFastPath:
                     q, k_cache, v_cache, step.block_tables, step.seq_lens, step.cu_seqlens_q,
                     torch.empty_like(q), scale=layer.scaling, sliding_window=layer.window,
                     backend=backend)
-            x = x + layer.o.run(out.view(num_tokens, -1))
-            h = layer.post_norm(x)
-            gate, up = layer.gate_up.run(h).split(layer.gate_up.splits, dim=-1)
-            x = x + layer.down.run(F.silu(gate) * up)
-        x = self.final_norm(x)
+            h = layer.post_norm.fused(x, layer.o.run(out.view(num_tokens, -1)))
+            pending = layer.down.run(silu_mul(layer.gate_up.run(h)))
+        x = self.final_norm.fused(x, pending)
         return self.head.run(x.index_select(0, logits_indices))

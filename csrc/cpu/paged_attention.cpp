@@ -62,7 +62,7 @@ namespace {
 constexpr int kTile = 16;         // KV tokens per online-softmax step
 constexpr int kPartition = 256;   // KV tokens per work item (a multiple of kTile)
 constexpr int kMaxRows = 64;      // query rows per work item (more when one group is larger)
-constexpr int64_t kGrainWork = 16384;  // (query row, key) pairs worth a thread: ~40 us at d=64
+constexpr int64_t kGrainWork = 4096;   // (query row, key) pairs worth a thread: ~40 us at d=64
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // One unit of parallel work: rows of q tokens [i0, i1) (indices within the sequence's q range)

@@ -1,5 +1,6 @@
 """The Llama family's own forward (cb_kernels/hf/fast_llama.py): when it applies, and that its
-logits are bit-equal to transformers' forward on the same packed weights and kernels."""
+logits match transformers' forward on the same packed weights and kernels (to fp32 rounding: the
+norms, SiLU and rotary run as fused C++ passes), and that greedy tokens match generate."""
 import pytest
 import torch
 
@@ -70,7 +71,8 @@ def test_a_norm_that_is_not_plain_rms_norm_keeps_transformers_path():
 
 
 class _Both:
-    """Runs each step through this path and through transformers' forward; records equality."""
+    """Runs each step through this path and through transformers' forward; records the largest
+    difference of their logits."""
 
     def __init__(self, adapter):
         self.adapter, self.fast, self.equal = adapter, adapter._fast, []
@@ -85,7 +87,7 @@ class _Both:
             want = self.adapter.forward(*args)
         finally:
             self.adapter._fast = self
-        self.equal.append(torch.equal(got, want))
+        self.equal.append(torch.allclose(got, want, rtol=1e-4, atol=1e-4))
         return got
 
 
@@ -107,7 +109,7 @@ WINDOWS = dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)
         "mistral-window-8", "llama-biases", "llama-tied-mha-head-dim-32", "llama3-rope",
         "yarn-rope"])
 @pytest.mark.one_thread
-def test_logits_bit_equal_to_transformers_forward(kind, overrides):
+def test_logits_match_transformers_forward(kind, overrides):
     model = make_model(kind, seed=5, **overrides)
     engine = _engine(model, max_batch_tokens=16)       # chunked prefill, then decodes
     both = _Both(engine.adapter)

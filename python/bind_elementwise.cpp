@@ -1,0 +1,69 @@
+// Bindings of the fused decoder-layer operations; cb_kernels/ops/elementwise.py owns the checks.
+#include <pybind11/pybind11.h>
+
+#include "bindings.h"
+#include "cb_kernels/elementwise.h"
+
+namespace py = pybind11;
+
+namespace {
+template <typename P, typename F>
+void run(const P& p, F fn) {
+  cbk::Status s;
+  {
+    py::gil_scoped_release release;
+    s = fn(p);
+  }
+  cbk::throw_if_error(s);
+}
+}  // namespace
+
+void bind_elementwise(py::module_& m) {
+  m.def(
+      "rms_norm",
+      [](uintptr_t x, uintptr_t residual, uintptr_t weight, uintptr_t out, int64_t rows, int64_t dim,
+         int64_t x_stride, int64_t residual_stride, int64_t out_stride, float eps) {
+        cbk::RmsNormParams p;
+        p.x = cbk::as_ptr<float>(x);
+        p.residual = cbk::as_ptr<const float>(residual);
+        p.weight = cbk::as_ptr<const float>(weight);
+        p.out = cbk::as_ptr<float>(out);
+        p.rows = rows;
+        p.dim = dim;
+        p.x_stride = x_stride;
+        p.residual_stride = residual_stride;
+        p.out_stride = out_stride;
+        p.eps = eps;
+        run(p, cbk::cpu::rms_norm);
+      },
+      "x += residual (when not 0), then out = weight * x / sqrt(mean(x^2) + eps), per row.");
+  m.def(
+      "silu_mul",
+      [](uintptr_t gate_up, uintptr_t out, int64_t rows, int64_t dim, int64_t in_stride, int64_t out_stride) {
+        cbk::SiluMulParams p;
+        p.gate_up = cbk::as_ptr<const float>(gate_up);
+        p.out = cbk::as_ptr<float>(out);
+        p.rows = rows;
+        p.dim = dim;
+        p.in_stride = in_stride;
+        p.out_stride = out_stride;
+        run(p, cbk::cpu::silu_mul);
+      },
+      "out = silu(gate_up[:, :dim]) * gate_up[:, dim:].");
+  m.def(
+      "rope",
+      [](uintptr_t x, uintptr_t cos, uintptr_t sin, int64_t tokens, int64_t heads, int64_t head_dim,
+         int64_t token_stride, int64_t head_stride) {
+        cbk::RopeParams p;
+        p.x = cbk::as_ptr<float>(x);
+        p.cos = cbk::as_ptr<const float>(cos);
+        p.sin = cbk::as_ptr<const float>(sin);
+        p.tokens = tokens;
+        p.heads = heads;
+        p.head_dim = head_dim;
+        p.token_stride = token_stride;
+        p.head_stride = head_stride;
+        run(p, cbk::cpu::rope);
+      },
+      "Rotary embedding in place: x = x * cos + rotate_half(x) * sin.");
+}
