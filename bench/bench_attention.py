@@ -33,8 +33,7 @@ BASELINE_MAX_BYTES = 300 * 2**20  # beyond this KV size the baselines would need
 def make_batch(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, device, seed=0):
     """seqs: list of (seq_len, q_len). Blocks are shuffled over the pool, as after many steps.
     Values are drawn on the device itself (a 1 GB pool drawn on the CPU takes seconds). On the CPU
-    the pool is allocated as the engine allocates its own (`host_zeros`: huge pages where the OS
-    allows them)."""
+    the pool is allocated as the engine allocates its own (`host_zeros`, 4 KiB pages)."""
     torch.manual_seed(seed)
     counts = [math.ceil(s / block_size) for s, _ in seqs]
     num_blocks = sum(counts)

@@ -153,24 +153,24 @@ def check_slots(slots: list, num_slots: int) -> None:
                            "are corrupt")
 
 
-def host_zeros(shape, dtype: torch.dtype) -> torch.Tensor:
-    """A zero CPU tensor whose pages are mapped lazily, on transparent huge pages where the
-    kernel allows them.
+def host_zeros(shape, dtype: torch.dtype, huge_pages: bool = False) -> torch.Tensor:
+    """A zero CPU tensor whose pages are mapped lazily, as they are first written.
 
     torch.zeros writes every page (1.1 s for a 1 GiB pool on the bench machine); a private
-    anonymous mapping gets the kernel's zero pages as blocks are first written. MADV_HUGEPAGE
-    asks for 2 MiB pages (the bench machine's THP mode is "madvise", so without it a pool gets
-    4 KiB pages): decode attention reads K/V rows scattered over the pool, and with huge pages
-    the C++ kernel ran 10-15% faster on 16 x 2048 tokens (one thread, measured by the attention
-    rework). Where mmap or madvise is missing, numpy's calloc'd memory does the same without
-    huge pages.
+    anonymous mapping gets the kernel's zero pages as blocks are first written. `huge_pages`
+    asks for 2 MiB pages (MADV_HUGEPAGE). Decode attention reads K/V rows scattered over the
+    pool and ran 1.5x faster on them (16 x 2048 tokens, one thread: 10.1 -> 6.75 ms), but on the
+    bench machine (THP defrag "madvise") the first write to each huge page compacts memory
+    synchronously: 5 ms a fault on average, up to 173 ms, measured as write_kv calls in a fresh
+    pool. A short run touches fresh pages all the time, so the engine keeps 4 KiB pages.
+    Where mmap is missing, numpy's calloc'd memory does the same.
     """
     nbytes = max(1, torch.empty((), dtype=dtype).element_size() * math.prod(shape))
     buf = None
     if hasattr(mmap, "MAP_PRIVATE") and hasattr(mmap, "MAP_ANONYMOUS"):
         try:
             buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            if hasattr(mmap, "MADV_HUGEPAGE"):
+            if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
                 buf.madvise(mmap.MADV_HUGEPAGE)
         except (OSError, ValueError):
             buf = None
