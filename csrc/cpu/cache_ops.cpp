@@ -19,11 +19,6 @@ namespace {
 // 5-10 us, while one core copies 1 MiB in about 100 us, so splitting smaller copies saves
 // little and, on an oversubscribed machine, a descheduled team member can cost far more.
 constexpr int64_t kParallelBytes = 1 << 20;
-// write_kv scatters rows into cache lines nobody has touched for a while (new slots): each is a
-// read-for-ownership miss, ~200 ns, so a decode step's 24 KiB (SmolLM2-135M, 16 tokens) took
-// ~85 us a layer on one thread in the engine against 12 us with the lines in cache. Two threads
-// keep twice the misses in flight.
-constexpr int64_t kWriteKvParallelBytes = 1 << 13;
 
 // Calls that move at least this much use non-temporal stores: the data cannot stay in the L2s
 // anyway, and skipping the read-for-ownership of the destination took 32 KiB-block swaps from
@@ -84,7 +79,7 @@ Status write_kv(const WriteKvParams& p) {
   // When heads are packed on both sides, one memcpy moves a whole token.
   const bool k_packed = p.key_stride[1] == row && p.k_cache_stride[2] == row;
   const bool v_packed = p.value_stride[1] == row && p.v_cache_stride[2] == row;
-  const bool parallel = p.num_tokens > 1 && p.num_tokens * H * row * 2 >= kWriteKvParallelBytes;
+  const bool parallel = p.num_tokens * H * row * 2 >= kParallelBytes;
   const bool nt = p.num_tokens * H * row * 2 >= kStreamBytes;
   auto copy = nt ? copy_nt : copy_cached;
 #pragma omp parallel for schedule(static) num_threads(cpu::max_threads()) if (parallel)
