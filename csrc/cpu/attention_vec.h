@@ -1,4 +1,5 @@
-// Vector building blocks of the CPU paged-attention kernel (csrc/cpu/paged_attention.cpp).
+// Vector building blocks of the CPU paged-attention kernel (csrc/cpu/paged_attention.cpp), also
+// used by the sampling and elementwise kernels.
 // Compiled once per ISA variant like the kernel itself (see isa.h): include it only from a
 // csrc/cpu/*.cpp, which is built with CBK_CPU_NS set.
 #pragma once

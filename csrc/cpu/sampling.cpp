@@ -12,24 +12,13 @@
 #include <cstdint>
 #include <cstring>
 
+#include "attention_vec.h"
 #include "isa.h"
 #include "threads.h"
-
-#pragma GCC diagnostic ignored "-Wpsabi"
 
 namespace cbk {
 namespace CBK_CPU_NS {
 namespace {
-
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-
-inline v8f load8(const float* p) {
-  v8f v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline v8f vmax(v8f a, v8f b) { return a > b ? a : b; }
 
 int64_t argmax_row(const float* x, int64_t n) {
   float best = -INFINITY;
