@@ -186,12 +186,10 @@ class LlamaFastPath:
         d = self.decoder
         x = d.embed_tokens(input_ids)                        # [1, T, hidden]
         cos, sin = d.rotary_emb(x, position_ids)             # [1, T, head_dim]
-        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)
-        x = x[0]
+        cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [T, head_dim]
+        x = x[0].contiguous()     # a fresh tensor: the fused norms add the residuals into it
         num_tokens = x.shape[0]
         backend = step.backend or "cpu"
-        cos, sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()     # [T, head_dim]
-        x = x.contiguous()
         pending = None     # the last sublayer's output, added into x by the next norm
         for i, layer in enumerate(self.layers):
             h = layer.in_norm.fused(x, pending)
