@@ -6,18 +6,6 @@
 
 namespace py = pybind11;
 
-namespace {
-template <typename P, typename F>
-void run(const P& p, F fn) {
-  cbk::Status s;
-  {
-    py::gil_scoped_release release;
-    s = fn(p);
-  }
-  cbk::throw_if_error(s);
-}
-}  // namespace
-
 void bind_elementwise(py::module_& m) {
   m.def(
       "rms_norm",
@@ -34,7 +22,8 @@ void bind_elementwise(py::module_& m) {
         p.residual_stride = residual_stride;
         p.out_stride = out_stride;
         p.eps = eps;
-        run(p, cbk::cpu::rms_norm);
+        py::gil_scoped_release nogil;
+        cbk::throw_if_error(cbk::cpu::rms_norm(p));
       },
       "x += residual (when not 0), then out = weight * x / sqrt(mean(x^2) + eps), per row.");
   m.def(
@@ -47,7 +36,8 @@ void bind_elementwise(py::module_& m) {
         p.dim = dim;
         p.in_stride = in_stride;
         p.out_stride = out_stride;
-        run(p, cbk::cpu::silu_mul);
+        py::gil_scoped_release nogil;
+        cbk::throw_if_error(cbk::cpu::silu_mul(p));
       },
       "out = silu(gate_up[:, :dim]) * gate_up[:, dim:].");
   m.def(
@@ -63,7 +53,8 @@ void bind_elementwise(py::module_& m) {
         p.head_dim = head_dim;
         p.token_stride = token_stride;
         p.head_stride = head_stride;
-        run(p, cbk::cpu::rope);
+        py::gil_scoped_release nogil;
+        cbk::throw_if_error(cbk::cpu::rope(p));
       },
       "Rotary embedding in place: x = x * cos + rotate_half(x) * sin.");
 }

@@ -16,12 +16,8 @@ void bind_sampling(py::module_& m) {
         p.num_rows = num_rows;
         p.num_cols = num_cols;
         p.row_stride = row_stride;
-        cbk::Status s;
-        {
-          py::gil_scoped_release release;
-          s = cbk::cpu::argmax_rows(p);
-        }
-        cbk::throw_if_error(s);
+        py::gil_scoped_release nogil;
+        cbk::throw_if_error(cbk::cpu::argmax_rows(p));
       },
       py::arg("logits"), py::arg("out"), py::arg("num_rows"), py::arg("num_cols"), py::arg("row_stride"),
       "out[r] = first index of the largest value of fp32 row r (NaN counts as largest).");
