@@ -12,8 +12,9 @@
 void bind_runtime(pybind11::module_& m);         // threads, CUDA device checks
 void bind_paged_attention(pybind11::module_& m);
 void bind_cache_ops(pybind11::module_& m);
-void bind_sampling(pybind11::module_& m);
-void bind_elementwise(pybind11::module_& m);       // fused RMSNorm, SiLU*mul, rotary (CPU)          // greedy argmax over logits rows
+void bind_sampling(pybind11::module_& m);          // greedy argmax over logits rows
+void bind_elementwise(pybind11::module_& m);       // fused RMSNorm, SiLU*mul, rotary (CPU)
+void bind_greedy_head(pybind11::module_& m);       // argmax of hidden @ W^T (CPU, int8 + exact rescoring)
 void bind_paged_attention_cuda(pybind11::module_& m);  // CUDA kernels (stubs raise when built without CUDA)
 
 namespace cbk {

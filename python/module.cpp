@@ -26,5 +26,6 @@ PYBIND11_MODULE(_C, m) {
   bind_cache_ops(m);
   bind_sampling(m);
   bind_elementwise(m);
+  bind_greedy_head(m);
   bind_paged_attention_cuda(m);
 }

@@ -40,7 +40,8 @@ class Engine(EngineFrontend):
         self.config = config
         self.tokenizer = tokenizer
         self.adapter = ModelAdapter(model, attention_backend=config.attention_backend,
-                                    pack_weights=config.pack_weights)
+                                    pack_weights=config.pack_weights,
+                                    greedy_head=config.greedy_head)
         a = self.adapter
         self.resolved = resolve(config, ModelShape(a.num_layers, a.num_kv_heads, a.head_dim,
                                                    a.max_positions, a.dtype, a.device))
@@ -70,6 +71,7 @@ class Engine(EngineFrontend):
         self._overlapped_steps = 0
         self._num_filled = 0
         self._num_discarded = 0
+        self._greedy_head_steps = 0
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, prompt, params: Optional[SamplingParams] = None,
@@ -166,18 +168,23 @@ class Engine(EngineFrontend):
             fill_placeholders(input_ids[0], dst, src, prev.device_tokens, self.streams.to_device)
             self._num_filled += len(dst)
         event = self.clock.start()
+        greedy = bool(sampled) and all(seq.params.greedy for seq in sampled)
+        device_tokens = None
         if self.graphs is not None and batch.num_prefill_tokens == 0:
             # The graph copies input_ids (placeholders already filled) into its static buffer.
             logits = self.graphs({"input_ids": input_ids[0], "positions": position_ids[0],
                                   "slot_mapping": step.slot_mapping, "seq_lens": step.seq_lens,
                                   "block_tables": step.block_tables,
                                   "cu_seqlens_q": step.cu_seqlens_q})
+        elif greedy:
+            logits, device_tokens = a.forward_greedy(input_ids, position_ids, logits_idx, step)
+            self._greedy_head_steps += device_tokens is not None
         else:
             logits = a.forward(input_ids, position_ids, logits_idx, step)
-        device_tokens = None
-        if sampled and all(seq.params.greedy for seq in sampled):
+        if greedy:
             # Greedy ids come back on the d2h stream behind an event (on CPU: a plain copy).
-            device_tokens = greedy_tokens(logits)
+            if device_tokens is None:
+                device_tokens = greedy_tokens(logits)
             self.clock.end(event)
             tokens = self.streams.tokens_to_host(device_tokens)
         else:

@@ -109,7 +109,8 @@ class EngineFrontend:
         the previous step's tokens were read), placeholder_fills (input ids filled on the device),
         discarded_tokens (sampled for a request that had ended meanwhile: cancelled, or stopped in
         the step before), host_wait_s, and with clock.device_events on CUDA device_busy_s,
-        device_idle_s, timed_steps (StepClock)."""
+        device_idle_s, timed_steps (StepClock). greedy_head_steps: steps whose tokens came from
+        the greedy head (EngineConfig.greedy_head)."""
         bm, s = self.block_manager, self.scheduler
         return {
             "used_blocks": bm.num_used_blocks, "free_blocks": len(bm.free_ids),
@@ -121,7 +122,8 @@ class EngineFrontend:
             "running": len(s.running), "waiting": len(s.waiting), "swapped": len(s.swapped),
             "generated_tokens": self._num_generated,
             "overlapped_steps": self._overlapped_steps, "placeholder_fills": self._num_filled,
-            "discarded_tokens": self._num_discarded, **self.clock.stats(),
+            "discarded_tokens": self._num_discarded, "greedy_head_steps": self._greedy_head_steps,
+            **self.clock.stats(),
         }
 
     def _offload_stats(self) -> dict:

@@ -213,7 +213,8 @@ class ModelAdapter:
     device (the offload manager swaps blocks of these lists).
     """
 
-    def __init__(self, model, attention_backend: Optional[str] = None, pack_weights="auto"):
+    def __init__(self, model, attention_backend: Optional[str] = None, pack_weights="auto",
+                 greedy_head="auto"):
         if not hasattr(model, "config") or not callable(getattr(model, "forward", None)):
             raise TypeError(f"model must be a transformers causal LM, got {type(model).__name__}")
         register_attention()
@@ -240,6 +241,8 @@ class ModelAdapter:
         self._packed = PackedLinears.build(model, pack_weights)
         # Our own forward for the Llama family when the model is exactly that (hf/fast_llama.py).
         self._fast = LlamaFastPath.build(model, self._packed, self)
+        if self._fast is not None:
+            self._fast.enable_greedy_head(greedy_head)
         self._check_layers()
         self.k_caches: list = []
         self.v_caches: list = []
@@ -325,6 +328,18 @@ class ModelAdapter:
     @torch.inference_mode()
     def forward(self, input_ids, position_ids, logits_indices, step: StepInputs) -> torch.Tensor:
         """Returns logits [len(logits_indices), vocab_size] in fp32."""
+        return self._logits(input_ids, position_ids, logits_indices, step)
+
+    def forward_greedy(self, input_ids, position_ids, logits_indices, step: StepInputs):
+        """For an all-greedy step: (None, argmax token ids int64 [S]) when the greedy head runs
+        (hf/fast_llama.py), else (logits [S, vocab] fp32, None) as forward(). The engine calls
+        exactly one of the two per step."""
+        fast = self._fast
+        if fast is not None and getattr(fast, "greedy", None) is not None and fast.usable():
+            return fast.run(input_ids, position_ids, logits_indices, step, greedy=True)
+        return self._logits(input_ids, position_ids, logits_indices, step), None
+
+    def _logits(self, input_ids, position_ids, logits_indices, step: StepInputs) -> torch.Tensor:
         if self._fast is not None and self._fast.usable():
             # Switches no attention or forward of the model: needs no lock.
             return self._fast(input_ids, position_ids, logits_indices, step)

@@ -18,9 +18,14 @@ that probe equal to `F.rms_norm`/`F.silu`, the q/k/v and gate/up projections pac
 and no forward hooks or instance `forward`s anywhere (a monkeypatch or an accelerate hook would be
 skipped; the packed linears' own are fine). Anything else keeps transformers' forward (with packed
 linears); `build` says None.
+
+On an all-greedy step the engine asks for tokens, not logits (`run(..., greedy=True)`): with the
+greedy head on (EngineConfig.greedy_head, ops/greedy_head.py) the head's argmax comes from int8
+scores and exact rescoring instead of every fp32 logit.
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
@@ -28,9 +33,12 @@ import torch.nn.functional as F
 
 from cb_kernels import _C, ops
 from cb_kernels.ops.elementwise import rope_, silu_mul
+from cb_kernels.ops.greedy_head import GreedyHead
 from cb_kernels.hf.packed_linears import is_packed_forward
 from cb_kernels.ops.cache_ops import write_kv_unchecked
 from cb_kernels.ops.paged_attention import paged_attention_unchecked
+
+logger = logging.getLogger("cb_kernels")
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -67,6 +75,12 @@ def _rms_norm(norm) -> Optional[_Norm]:
         if not torch.equal(norm(probe), F.rms_norm(probe, (w.shape[0],), w, eps)):
             return None
     return _Norm(norm, eps)
+
+
+def _greedy_head_ok(head) -> bool:
+    w = getattr(head, "weight", None)
+    return (getattr(head, "bias", None) is None and isinstance(w, torch.Tensor) and w.dim() == 2
+            and w.device.type == "cpu" and w.dtype == torch.float32 and w.stride(1) == 1)
 
 
 def _is_silu(act) -> bool:
@@ -151,6 +165,8 @@ class LlamaFastPath:
             model, decoder, layers, head, packed
         self.final_norm = _rms_norm(decoder.norm)
         self.modules = list(model.modules())
+        self.head_module = head.members[0] if head is not None else None
+        self.greedy: Optional[GreedyHead] = None    # see enable_greedy_head()
 
     @classmethod
     def build(cls, model, packed, adapter) -> Optional["LlamaFastPath"]:
@@ -175,13 +191,51 @@ class LlamaFastPath:
             return None
         return path
 
+    def enable_greedy_head(self, mode="auto") -> bool:
+        """Builds the greedy head (its int8 copy of the head weight) when `mode` is True, or
+        "auto" and the CPU has VNNI; not for a head with a bias or a weight the kernel cannot
+        read. Returns whether it is on."""
+        self.greedy = None
+        if mode is False or (mode == "auto" and not GreedyHead.fast()):
+            return False
+        if not _greedy_head_ok(self.head_module):
+            logger.info("greedy_head: off (the LM head has a bias or is not a plain fp32 weight)")
+            return False
+        try:
+            self.greedy = GreedyHead(self.head_module.weight)
+        except RuntimeError as e:            # a non-finite weight
+            logger.warning("greedy_head: off (%s)", e)
+            return False
+        logger.info("greedy_head: on (%.1f MiB int8 copy of the LM head)",
+                    self.greedy.packed.numel() / 2**20)
+        return True
+
+    def _greedy_tokens(self, rows: torch.Tensor) -> Optional[torch.Tensor]:
+        """The greedy head's tokens for `rows`, or None to take the fp32 head (a non-finite hidden
+        state: torch's argmax rule for NaN applies there)."""
+        g, m = self.greedy, self.head_module
+        if g.weight is not m.weight:          # the user replaced the parameter
+            self.enable_greedy_head(True)
+            if self.greedy is None:
+                return None
+            g = self.greedy
+        try:
+            return g(rows)
+        except RuntimeError:
+            return None
+
     def usable(self) -> bool:
         """False once someone added a forward hook or an instance forward (this path would skip
         it)."""
         return not _has_hooks(self.modules)
 
-    @torch.inference_mode()
     def __call__(self, input_ids, position_ids, logits_indices, step) -> torch.Tensor:
+        return self.run(input_ids, position_ids, logits_indices, step)[0]
+
+    @torch.inference_mode()
+    def run(self, input_ids, position_ids, logits_indices, step, greedy: bool = False):
+        """(logits [S, vocab], None), or with `greedy` and the greedy head on, (None, the argmax
+        token ids int64 [S])."""
         self.packed.refresh()
         d = self.decoder
         x = d.embed_tokens(input_ids)                        # [1, T, hidden]
@@ -216,4 +270,9 @@ class LlamaFastPath:
             h = layer.post_norm.fused(x, layer.o.run(out.view(num_tokens, -1)))
             pending = layer.down.run(silu_mul(layer.gate_up.run(h)))
         x = self.final_norm.fused(x, pending)
-        return self.head.run(x.index_select(0, logits_indices))
+        rows = x.index_select(0, logits_indices)
+        if greedy and self.greedy is not None:
+            tokens = self._greedy_tokens(rows)
+            if tokens is not None:
+                return None, tokens
+        return self.head.run(rows), None

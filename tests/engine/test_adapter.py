@@ -109,15 +109,17 @@ def test_two_engines_on_one_model_in_two_threads():
             worker.start()
             b_inside.wait(timeout=0.5)
 
-    real = first.adapter.forward
-
-    def forward_a(*args):
-        try:
-            return real(*args)
-        finally:
-            if worker.ident is not None:
-                a_done.set()
-    first.adapter.forward = forward_a
+    def after_a(real):
+        def run(*args):
+            try:
+                return real(*args)
+            finally:
+                if worker.ident is not None:
+                    a_done.set()
+        return run
+    # A step runs exactly one of the two (forward_greedy on all-greedy steps).
+    first.adapter.forward = after_a(first.adapter.forward)
+    first.adapter.forward_greedy = after_a(first.adapter.forward_greedy)
     handle = model.model.layers[0].register_forward_hook(hook)
     try:
         outs = first.generate([prompts[0]], SamplingParams(max_new_tokens=5))

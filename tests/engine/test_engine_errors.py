@@ -101,16 +101,19 @@ def test_cancel_unknown_request(engine):
 
 def test_exception_inside_a_step_fails_that_step_only(engine, llama, monkeypatch):
     prompts = random_prompts([5, 6, 7], seed=5)
-    real_forward = engine.adapter.forward
     calls = [0]
 
-    def flaky_forward(*args, **kwargs):
-        calls[0] += 1
-        if calls[0] == 3:
-            raise RuntimeError("injected kernel failure")
-        return real_forward(*args, **kwargs)
+    def flaky(real):
+        def run(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == 3:
+                raise RuntimeError("injected kernel failure")
+            return real(*args, **kwargs)
+        return run
 
-    monkeypatch.setattr(engine.adapter, "forward", flaky_forward)
+    # A step runs exactly one of the two (forward_greedy on all-greedy steps).
+    monkeypatch.setattr(engine.adapter, "forward", flaky(engine.adapter.forward))
+    monkeypatch.setattr(engine.adapter, "forward_greedy", flaky(engine.adapter.forward_greedy))
     first = [engine.add_request(p, SamplingParams(max_new_tokens=8)) for p in prompts]
     assert engine.step() == [] and engine.step() == []      # prefill, first decode
     ended = engine.step()                                   # the injected failure

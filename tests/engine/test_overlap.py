@@ -176,15 +176,19 @@ def test_seeded_sampling_and_greedy_mix_match(llama, workload):
 def test_failed_step_in_flight_fails_only_its_requests(llama, workload, monkeypatch):
     prompts, ref = workload
     engine = make_engine(llama, "on", num_blocks=60)
-    real, calls = engine.adapter.forward, [0]
+    calls = [0]
 
-    def flaky(*args, **kwargs):
-        calls[0] += 1
-        if calls[0] == 6:
-            raise RuntimeError("injected kernel failure")
-        return real(*args, **kwargs)
+    def flaky(real):
+        def run(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == 6:
+                raise RuntimeError("injected kernel failure")
+            return real(*args, **kwargs)
+        return run
 
-    monkeypatch.setattr(engine.adapter, "forward", flaky)
+    # A step runs exactly one of the two (forward_greedy on all-greedy steps).
+    monkeypatch.setattr(engine.adapter, "forward", flaky(engine.adapter.forward))
+    monkeypatch.setattr(engine.adapter, "forward_greedy", flaky(engine.adapter.forward_greedy))
     outs = run(engine, prompts, [SamplingParams(max_new_tokens=n) for n in NEW])
     failed = [k for k, o in enumerate(outs) if o.finish_reason == "error"]
     assert failed and engine.stats()["failed_steps"] == 1

@@ -74,6 +74,8 @@ class _Both:
     """Runs each step through this path and through transformers' forward; records the largest
     difference of their logits."""
 
+    greedy = None      # no greedy head: every step goes through __call__ (logits)
+
     def __init__(self, adapter):
         self.adapter, self.fast, self.equal = adapter, adapter._fast, []
 

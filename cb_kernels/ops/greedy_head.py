@@ -1,0 +1,96 @@
+"""Greedy LM head on CPU: the argmax token of `hidden @ weight.T` without every fp32 logit.
+
+    head = GreedyHead(model.lm_head.weight)      # packs an int8 copy (a quarter of the fp32 size)
+    tokens = head(hidden_states)                  # int64 [rows], == (hidden @ W.T).argmax(-1)
+
+Every vocab row is scored with int8 dot products (AVX-512 VNNI: 4x the fp32 FMA rate) together
+with a proven bound on the score's distance from the exact logit; only the rows whose bound
+reaches the best one are recomputed exactly (fp32 inputs, double sums) and the largest wins, the
+lowest index on a tie. csrc/cpu/greedy_head.cpp derives the bound. The result is the argmax of
+exact logits; it equals torch's argmax of fp32 logits up to fp32 rounding of near-ties, the same
+slack as between any two fp32 GEMMs.
+
+The engine uses it on all-greedy CPU steps where `GreedyHead.fast()` (the CPU has VNNI); without
+VNNI the portable body gives the same tokens, slower than oneDNN's fp32 head.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from cb_kernels import _C
+
+
+class GreedyHead:
+    """An int8 copy of an fp32 CPU head weight [vocab, hidden] and the argmax over it.
+
+    It keeps a reference to `weight` (the exact rescoring reads it) and repacks when the weight
+    changes through torch (in-place writes, a new tensor); `refresh(force=True)` repacks after
+    writes that torch does not see (`.data`)."""
+
+    def __init__(self, weight: torch.Tensor):
+        self._check_weight(weight)
+        self.weight = weight
+        self.vocab, self.hidden = weight.shape
+        nbytes, padded = _C.greedy_head_sizes(self.vocab, self.hidden)
+        self.packed = torch.empty(nbytes, dtype=torch.uint8)
+        self.row_scale = torch.empty(padded, dtype=torch.float32)
+        self.row_l1 = torch.empty(padded, dtype=torch.float32)
+        self.num_rescored = 0       # logits computed exactly by the last call
+        self._key = None
+        self.refresh()
+
+    @staticmethod
+    def fast() -> bool:
+        """True where this CPU runs the VNNI body (elsewhere oneDNN's fp32 head is faster)."""
+        return bool(_C.greedy_head_has_simd())
+
+    @staticmethod
+    def _check_weight(weight) -> None:
+        if not isinstance(weight, torch.Tensor):
+            raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+        if weight.dim() != 2 or weight.shape[0] == 0 or weight.shape[1] == 0:
+            raise ValueError(f"weight must be a non-empty 2-D [vocab, hidden] tensor, got shape "
+                             f"{tuple(weight.shape)}")
+        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+            raise ValueError(f"weight must be fp32 on the CPU, got {weight.dtype} on {weight.device}")
+        if weight.stride(1) != 1:
+            raise ValueError("weight rows must be contiguous (stride(1) == 1)")
+
+    def refresh(self, force: bool = False) -> None:
+        w = self.weight
+        # Inference tensors have no version counter: their in-place writes cannot be seen.
+        key = (w.data_ptr(), 0 if w.is_inference() else w._version)
+        if key == self._key and not force:
+            return
+        _C.greedy_head_pack(w.data_ptr(), self.vocab, self.hidden, w.stride(0),
+                            self.packed.data_ptr(), self.row_scale.data_ptr(),
+                            self.row_l1.data_ptr())
+        self._key = key
+
+    def __call__(self, hidden_states: torch.Tensor, *, use_simd: bool = True) -> torch.Tensor:
+        """hidden_states: fp32 CPU [rows, hidden]. Returns int64 [rows]. Raises RuntimeError on a
+        non-finite hidden state (the caller's fp32 path then applies torch's NaN rule)."""
+        h = hidden_states
+        if not isinstance(h, torch.Tensor) or h.dim() != 2 or h.shape[1] != self.hidden:
+            raise ValueError(f"hidden_states must be a 2-D [rows, {self.hidden}] tensor, got "
+                             f"{tuple(h.shape) if isinstance(h, torch.Tensor) else type(h).__name__}")
+        if h.device.type != "cpu" or h.dtype != torch.float32:
+            raise ValueError(f"hidden_states must be fp32 on the CPU, got {h.dtype} on {h.device}")
+        if h.stride(1) != 1 or (h.shape[0] > 1 and h.stride(0) < h.shape[1]):
+            h = h.contiguous()
+        self.refresh()
+        out = torch.empty(h.shape[0], dtype=torch.int64)
+        w = self.weight
+        self.num_rescored = _C.greedy_head(
+            h.data_ptr(), h.shape[0], h.stride(0) if h.shape[0] > 1 else self.hidden,
+            self.packed.data_ptr(), self.row_scale.data_ptr(), self.row_l1.data_ptr(),
+            w.data_ptr(), self.vocab, self.hidden, w.stride(0), out.data_ptr(), use_simd)
+        return out
+
+
+def greedy_head_tokens(hidden_states: torch.Tensor, weight: torch.Tensor,
+                       head: Optional[GreedyHead] = None) -> torch.Tensor:
+    """One-shot form: argmax of hidden_states @ weight.T (packs the weight unless `head` is given)."""
+    return (head or GreedyHead(weight))(hidden_states)

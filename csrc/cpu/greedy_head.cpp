@@ -1,0 +1,369 @@
+// Greedy LM head on CPU (see cb_kernels/greedy_head.h for the idea).
+//
+// Why: on the tiny Llama of bench_engine.py (hidden 256, vocab 32000) the fp32 head of a 32-row
+// decode step is 262 M FMAs, 3.1 ms on the 2-core bench machine with oneDNN's packed GEMM (72%
+// of its FMA peak) and ~40% of the whole step. VNNI's int8 dot products run at 4x that peak.
+//
+// The bound. Weights are quantised per vocab row (scale s_j = max|w_j| / 127) and each hidden
+// row per call (scale s_h = max|h| / 127), both rounding to nearest. With h~ and w~ the quantised
+// vectors, the exact logit e_j = <h, w_j> and the score a_j = <h~, w~_j> (an exact integer dot
+// times s_h s_j) differ by
+//   |e_j - a_j| <= sum |h - h~| |w_j| + sum |h~| |w_j - w~_j| <= s_h/2 ||w_j||_1 + s_j/2 ||h~||_1,
+// and the float arithmetic of the score, the bound and the rescored logit adds at most
+// 2^-20.6 max|h| ||w_j||_1 (|a_j| <= 2 max|h| ||w_j||_1), covered here by 2^-19 of it. With
+// b_j that sum (scaled up by 1.001 against its own rounding) and L = max_j (a_j - b_j), a row
+// with a_j + b_j < L cannot hold the maximum, nor tie with it: every other is rescored exactly.
+//
+// One copy of this file is built (the primary compile); the SIMD body carries its own target
+// attribute and runs only where the CPU reports AVX-512 VNNI. The portable body does the same
+// integer arithmetic, so both give the same tokens.
+#include "cb_kernels/greedy_head.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "isa.h"
+#include "threads.h"
+
+#if CBK_CPU_PRIMARY
+#if defined(__x86_64__) && defined(__GNUC__)
+#define CBK_GREEDY_HEAD_SIMD 1
+#include <immintrin.h>
+#else
+#define CBK_GREEDY_HEAD_SIMD 0
+#endif
+
+namespace cbk {
+namespace cpu {
+namespace {
+
+constexpr int64_t kTile = 64;     // vocab rows per tile: 4 blocks of 16 lanes
+constexpr int kRowBlock = 4;      // hidden rows per register block (4 x 4 accumulators)
+constexpr float kBoundScale = 0.5005f;             // the 1/2 of the bound, plus 0.1%
+constexpr float kRoundingSlack = 1.0f / 524288.0f;  // 2^-19, times max|h| ||w_j||_1
+constexpr float kTinySlack = 1e-30f;                // absolute, for subnormal corners
+
+inline int64_t packed_offset(int64_t j, int64_t k, int64_t groups) {
+  return (((j / kTile) * groups + k / 4) * kTile + j % kTile) * 4 + k % 4;
+}
+
+struct Candidate {
+  int32_t j;
+  float hi;  // its score plus bound
+};
+
+// Per-call state shared by the passes.
+struct Work {
+  const GreedyHeadParams& p;
+  int64_t padded_hidden, groups, tiles;
+  std::vector<int8_t> hq;        // [rows, padded_hidden]
+  std::vector<int32_t> offset;   // 128 * sum(hq row): the +128 of the packed bytes
+  std::vector<float> hscale, u, v;
+  explicit Work(const GreedyHeadParams& params) : p(params) {}
+};
+
+// Lower bounds of the row's best logit and its candidates, for a slice of tiles.
+struct Slice {
+  std::vector<float> best_lo;                 // [rows]
+  std::vector<std::vector<Candidate>> cands;  // [rows]
+  explicit Slice(int64_t rows) : best_lo(rows, -INFINITY), cands(rows) {}
+};
+
+// The epilogue of one row over one tile: 64 integer dots -> scores, bounds, candidates. `dots`
+// holds the tile's 64 sums (with the +128 offset still in).
+inline void tile_epilogue(const Work& w, int64_t row, int64_t j0, const int32_t* dots, Slice& s) {
+  const GreedyHeadParams& p = w.p;
+  const float hs = w.hscale[row], u = w.u[row], v = w.v[row];
+  const int32_t off = w.offset[row];
+  float lo[kTile], hi[kTile];
+  float tile_lo = -INFINITY;
+  for (int64_t i = 0; i < kTile; ++i) {
+    const int64_t j = j0 + i;
+    if (j >= p.vocab) {
+      lo[i] = hi[i] = -INFINITY;
+      continue;
+    }
+    const float sj = p.row_scale[j];
+    const float a = static_cast<float>(dots[i] - off) * (hs * sj);
+    const float b = u * p.row_l1[j] + v * sj + kTinySlack;
+    lo[i] = a - b;
+    hi[i] = a + b;
+    tile_lo = std::max(tile_lo, lo[i]);
+  }
+  float& best = s.best_lo[row];
+  best = std::max(best, tile_lo);
+  for (int64_t i = 0; i < kTile; ++i)
+    if (hi[i] >= best) s.cands[row].push_back({static_cast<int32_t>(j0 + i), hi[i]});
+}
+
+void tiles_portable(const Work& w, int64_t t0, int64_t t1, Slice& s) {
+  const GreedyHeadParams& p = w.p;
+  int32_t dots[kTile];
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* tile = p.packed + t * w.groups * kTile * 4;
+    for (int64_t row = 0; row < p.num_rows; ++row) {
+      const int8_t* h = w.hq.data() + row * w.padded_hidden;
+      for (int64_t i = 0; i < kTile; ++i) {
+        int32_t acc = 0;
+        for (int64_t g = 0; g < w.groups; ++g) {
+          const uint8_t* b = tile + (g * kTile + i) * 4;
+          for (int q = 0; q < 4; ++q) acc += static_cast<int32_t>(b[q]) * h[4 * g + q];
+        }
+        dots[i] = acc;
+      }
+      tile_epilogue(w, row, t * kTile, dots, s);
+    }
+  }
+}
+
+#if CBK_GREEDY_HEAD_SIMD
+#define CBK_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+
+// tile_epilogue() in 16-lane steps.
+CBK_VNNI_TARGET inline void tile_epilogue_vnni(const Work& w, int64_t row, int64_t j0,
+                                               const __m512i (&dots)[4], Slice& s) {
+  const GreedyHeadParams& p = w.p;
+  const __m512 hs = _mm512_set1_ps(w.hscale[row]), u = _mm512_set1_ps(w.u[row]),
+               v = _mm512_set1_ps(w.v[row]), tiny = _mm512_set1_ps(kTinySlack),
+               none = _mm512_set1_ps(-INFINITY);
+  const __m512i off = _mm512_set1_epi32(w.offset[row]);
+  __m512 lo[4], hi[4];
+  for (int b = 0; b < 4; ++b) {
+    const int64_t j = j0 + 16 * b;
+    const __m512 sj = _mm512_loadu_ps(p.row_scale + j), l1 = _mm512_loadu_ps(p.row_l1 + j);
+    const __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dots[b], off)),
+                                   _mm512_mul_ps(hs, sj));
+    const __m512 bound = _mm512_add_ps(_mm512_fmadd_ps(u, l1, _mm512_mul_ps(v, sj)), tiny);
+    lo[b] = _mm512_sub_ps(a, bound);
+    hi[b] = _mm512_add_ps(a, bound);
+    if (j + 16 > p.vocab) {   // padding rows of the last tile never count
+      const int64_t valid = std::max<int64_t>(0, p.vocab - j);
+      const __mmask16 keep = static_cast<__mmask16>((1u << valid) - 1u);
+      lo[b] = _mm512_mask_blend_ps(keep, none, lo[b]);
+      hi[b] = _mm512_mask_blend_ps(keep, none, hi[b]);
+    }
+  }
+  float& best = s.best_lo[row];
+  best = std::max(best, _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(lo[0], lo[1]),
+                                                           _mm512_max_ps(lo[2], lo[3]))));
+  const __m512 floor_lo = _mm512_set1_ps(best);
+  for (int b = 0; b < 4; ++b) {
+    __mmask16 m = _mm512_cmp_ps_mask(hi[b], floor_lo, _CMP_GE_OQ);
+    if (!m) continue;
+    alignas(64) float his[16];
+    _mm512_store_ps(his, hi[b]);
+    while (m) {
+      const int i = __builtin_ctz(m);
+      m = static_cast<__mmask16>(m & (m - 1));
+      s.cands[row].push_back({static_cast<int32_t>(j0 + 16 * b + i), his[i]});
+    }
+  }
+}
+
+// MR hidden rows x one tile: MR x 4 accumulators of 16 int32 lanes, one VNNI op per block and
+// group of 4 dims; each weight vector is loaded once for the MR rows.
+template <int MR>
+CBK_VNNI_TARGET void tile_rows_vnni(const Work& w, const uint8_t* tile, int64_t row0, int64_t j0,
+                                     Slice& s) {
+  // One array per block: a single [MR][4] array is too large for GCC to keep in registers.
+  __m512i a0[MR], a1[MR], a2[MR], a3[MR];
+  for (int r = 0; r < MR; ++r) a0[r] = a1[r] = a2[r] = a3[r] = _mm512_setzero_si512();
+  const int8_t* h = w.hq.data() + row0 * w.padded_hidden;
+  for (int64_t g = 0; g < w.groups; ++g) {
+    const uint8_t* wg = tile + g * kTile * 4;
+    const __m512i w0 = _mm512_loadu_si512(wg), w1 = _mm512_loadu_si512(wg + 64),
+                  w2 = _mm512_loadu_si512(wg + 128), w3 = _mm512_loadu_si512(wg + 192);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      int32_t four;
+      std::memcpy(&four, h + r * w.padded_hidden + 4 * g, 4);
+      const __m512i x = _mm512_set1_epi32(four);
+      a0[r] = _mm512_dpbusd_epi32(a0[r], w0, x);
+      a1[r] = _mm512_dpbusd_epi32(a1[r], w1, x);
+      a2[r] = _mm512_dpbusd_epi32(a2[r], w2, x);
+      a3[r] = _mm512_dpbusd_epi32(a3[r], w3, x);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+    const __m512i dots[4] = {a0[r], a1[r], a2[r], a3[r]};
+    tile_epilogue_vnni(w, row0 + r, j0, dots, s);
+  }
+}
+
+CBK_VNNI_TARGET void tiles_vnni(const Work& w, int64_t t0, int64_t t1, Slice& s) {
+  const GreedyHeadParams& p = w.p;
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* tile = p.packed + t * w.groups * kTile * 4;
+    if (t + 1 < t1) _mm_prefetch(reinterpret_cast<const char*>(tile + w.groups * kTile * 4), _MM_HINT_T1);
+    int64_t row = 0;
+    for (; row + kRowBlock <= p.num_rows; row += kRowBlock)
+      tile_rows_vnni<kRowBlock>(w, tile, row, t * kTile, s);
+    switch (p.num_rows - row) {
+      case 5: tile_rows_vnni<5>(w, tile, row, t * kTile, s); break;
+      case 4: tile_rows_vnni<4>(w, tile, row, t * kTile, s); break;
+      case 3: tile_rows_vnni<3>(w, tile, row, t * kTile, s); break;
+      case 2: tile_rows_vnni<2>(w, tile, row, t * kTile, s); break;
+      case 1: tile_rows_vnni<1>(w, tile, row, t * kTile, s); break;
+      default: break;
+    }
+  }
+}
+#endif
+
+// <h, w_j> in double, rounded once to float.
+float exact_logit(const float* h, const float* wj, int64_t n) {
+  double acc[4] = {0, 0, 0, 0};
+  int64_t k = 0;
+  for (; k + 4 <= n; k += 4)
+    for (int q = 0; q < 4; ++q) acc[q] += static_cast<double>(h[k + q]) * wj[k + q];
+  for (; k < n; ++k) acc[0] += static_cast<double>(h[k]) * wj[k];
+  return static_cast<float>((acc[0] + acc[1]) + (acc[2] + acc[3]));
+}
+
+}  // namespace
+
+bool greedy_head_has_simd() {
+#if CBK_GREEDY_HEAD_SIMD
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+Status greedy_head_pack(const GreedyHeadPackParams& p) {
+  if (p.vocab <= 0 || p.hidden <= 0 || p.weight_stride < p.hidden)
+    return Status::Error("greedy_head_pack: need vocab > 0, hidden > 0, weight_stride >= hidden");
+  if (p.vocab > INT32_MAX || p.hidden > (1 << 20))
+    return Status::Error("greedy_head_pack: vocab must fit int32 and hidden be <= 2^20");
+  if (!p.weight || !p.packed || !p.row_scale || !p.row_l1) return Status::Error("greedy_head_pack: null pointer");
+  const int64_t padded = greedy_head_padded_vocab(p.vocab);
+  const int64_t groups = greedy_head_padded_hidden(p.hidden) / 4;
+  std::memset(p.packed, 128, static_cast<size_t>(greedy_head_packed_bytes(p.vocab, p.hidden)));
+  bool bad = false;
+#pragma omp parallel for schedule(static) num_threads(max_threads()) reduction(|| : bad)
+  for (int64_t j = 0; j < padded; ++j) {
+    if (j >= p.vocab) {
+      p.row_scale[j] = p.row_l1[j] = 0.0f;
+      continue;
+    }
+    const float* w = p.weight + j * p.weight_stride;
+    float mx = 0.0f;
+    double l1 = 0.0;
+    for (int64_t k = 0; k < p.hidden; ++k) {
+      bad = bad || !std::isfinite(w[k]);
+      mx = std::max(mx, std::fabs(w[k]));
+      l1 += std::fabs(w[k]);
+    }
+    bad = bad || mx > 1e30f;
+    p.row_scale[j] = mx / 127.0f;
+    p.row_l1[j] = static_cast<float>(l1) * (1.0f + 1.0f / 1048576.0f);  // rounded up
+    if (mx == 0.0f) continue;
+    const float inv = 127.0f / mx;
+    for (int64_t k = 0; k < p.hidden; ++k) {
+      const float q = std::min(127.0f, std::max(-127.0f, std::nearbyint(w[k] * inv)));
+      p.packed[packed_offset(j, k, groups)] = static_cast<uint8_t>(static_cast<int>(q) + 128);
+    }
+  }
+  if (bad) return Status::Error("greedy_head_pack: the weight holds a non-finite or huge (> 1e30) value");
+  return Status::Ok();
+}
+
+Status greedy_head(const GreedyHeadParams& p) {
+  if (p.num_rows < 0 || p.vocab <= 0 || p.hidden <= 0 || p.hidden_stride < p.hidden ||
+      p.weight_stride < p.hidden)
+    return Status::Error("greedy_head: need num_rows >= 0, vocab > 0, hidden > 0 and strides >= hidden");
+  if (p.num_rows == 0) return Status::Ok();
+  if (!p.hidden_states || !p.packed || !p.row_scale || !p.row_l1 || !p.weight || !p.out)
+    return Status::Error("greedy_head: null pointer");
+  Work w(p);
+  w.padded_hidden = greedy_head_padded_hidden(p.hidden);
+  w.groups = w.padded_hidden / 4;
+  w.tiles = greedy_head_padded_vocab(p.vocab) / kTile;
+  const int64_t rows = p.num_rows;
+  w.hq.assign(rows * w.padded_hidden, 0);
+  w.offset.resize(rows);
+  w.hscale.resize(rows);
+  w.u.resize(rows);
+  w.v.resize(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* h = p.hidden_states + r * p.hidden_stride;
+    float mx = 0.0f;
+    bool finite = true;
+    for (int64_t k = 0; k < p.hidden; ++k) {
+      finite = finite && std::isfinite(h[k]);
+      mx = std::max(mx, std::fabs(h[k]));
+    }
+    if (!finite || mx > 1e30f) return Status::Error("greedy_head: a hidden state is not finite (or > 1e30)");
+    const float inv = mx > 0.0f ? 127.0f / mx : 0.0f;
+    int32_t sum = 0, sum_abs = 0;
+    int8_t* q = w.hq.data() + r * w.padded_hidden;
+    for (int64_t k = 0; k < p.hidden; ++k) {
+      const int v = static_cast<int>(std::min(127.0f, std::max(-127.0f, std::nearbyint(h[k] * inv))));
+      q[k] = static_cast<int8_t>(v);
+      sum += v;
+      sum_abs += v < 0 ? -v : v;
+    }
+    w.offset[r] = 128 * sum;
+    w.hscale[r] = mx / 127.0f;
+    w.u[r] = kBoundScale * w.hscale[r] + kRoundingSlack * mx;
+    w.v[r] = kBoundScale * (w.hscale[r] * static_cast<float>(sum_abs));
+  }
+
+  // Pass 1: scores and candidates, each thread over its own run of tiles.
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_threads(), w.tiles)));
+  std::vector<Slice> slices(threads, Slice(rows));
+#if CBK_GREEDY_HEAD_SIMD
+  const bool simd = p.use_simd && greedy_head_has_simd();
+#else
+  const bool simd = false;
+#endif
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num(), n = omp_get_num_threads();
+    const int64_t t0 = w.tiles * t / n, t1 = w.tiles * (t + 1) / n;
+#if CBK_GREEDY_HEAD_SIMD
+    if (simd)
+      tiles_vnni(w, t0, t1, slices[t]);
+    else
+#endif
+      tiles_portable(w, t0, t1, slices[t]);
+  }
+
+  // Pass 2: rescore the candidates that reach the row's final lower bound.
+  int64_t rescored = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(+ : rescored) if (rows > 1)
+  for (int64_t r = 0; r < rows; ++r) {
+    float floor_lo = -INFINITY;
+    for (const Slice& s : slices) floor_lo = std::max(floor_lo, s.best_lo[r]);
+    const float* h = p.hidden_states + r * p.hidden_stride;
+    float best = -INFINITY;
+    int64_t best_j = -1;
+    for (const Slice& s : slices) {       // slices hold increasing index ranges
+      for (const Candidate& c : s.cands[r]) {
+        if (c.hi < floor_lo) continue;
+        const float e = exact_logit(h, p.weight + c.j * p.weight_stride, p.hidden);
+        ++rescored;
+        if (best_j < 0 || e > best) {     // strict: the lowest index keeps a tie
+          best = e;
+          best_j = c.j;
+        }
+      }
+    }
+    p.out[r] = best_j;
+  }
+  if (p.num_rescored) *p.num_rescored = rescored;
+  for (int64_t r = 0; r < rows; ++r)
+    if (p.out[r] < 0) return Status::Error("greedy_head: internal error, a row kept no candidate");
+  return Status::Ok();
+}
+
+}  // namespace cpu
+}  // namespace cbk
+#endif  // CBK_CPU_PRIMARY

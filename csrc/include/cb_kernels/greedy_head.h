@@ -1,0 +1,61 @@
+// Greedy LM head: the argmax token of hidden @ W^T without computing every fp32 logit. Torch-free.
+//
+// A greedy step needs only the index of each row's largest logit. The kernel scores every vocab
+// row with int8 dot products (per-row scales; AVX-512 VNNI does 64 of them per instruction, 4x
+// the fp32 FMA rate) and knows, for each score, a bound on how far it can be from the exact
+// logit. Only the rows whose score plus bound reaches the best score minus bound can hold the
+// maximum; those few are recomputed exactly (fp32 inputs, double sums) and the largest wins, the
+// lowest index on a tie. So the result is the argmax of exact logits, not of approximations.
+#pragma once
+
+#include <cstdint>
+
+#include "cb_kernels/common.h"
+
+namespace cbk {
+
+// Layout of a packed head: vocab rows in tiles of 64; per tile, for every group of 4 hidden
+// dims, 4 blocks of 16 rows x 4 bytes (the operand of one VNNI instruction per block). A byte is
+// the row's int8 weight + 128. Padded rows and dims hold 128 (weight 0).
+inline int64_t greedy_head_padded_vocab(int64_t vocab) { return (vocab + 63) / 64 * 64; }
+inline int64_t greedy_head_padded_hidden(int64_t hidden) { return (hidden + 3) / 4 * 4; }
+inline int64_t greedy_head_packed_bytes(int64_t vocab, int64_t hidden) {
+  return greedy_head_padded_vocab(vocab) * greedy_head_padded_hidden(hidden);
+}
+
+struct GreedyHeadPackParams {
+  const float* weight = nullptr;  // [vocab, hidden], rows `weight_stride` apart, finite
+  int64_t vocab = 0;
+  int64_t hidden = 0;
+  int64_t weight_stride = 0;
+  uint8_t* packed = nullptr;      // [greedy_head_packed_bytes(vocab, hidden)]
+  float* row_scale = nullptr;     // [padded vocab]: max |w_j| / 127 (0 for padding)
+  float* row_l1 = nullptr;        // [padded vocab]: sum |w_j|, rounded up (0 for padding)
+};
+
+struct GreedyHeadParams {
+  const float* hidden_states = nullptr;  // [num_rows, hidden], rows `hidden_stride` apart
+  int64_t num_rows = 0;
+  int64_t hidden_stride = 0;
+  // The packed head and the fp32 weight it was packed from (read for the exact rescoring).
+  const uint8_t* packed = nullptr;
+  const float* row_scale = nullptr;
+  const float* row_l1 = nullptr;
+  const float* weight = nullptr;
+  int64_t vocab = 0;
+  int64_t hidden = 0;
+  int64_t weight_stride = 0;
+  int64_t* out = nullptr;            // [num_rows] token ids
+  int64_t* num_rescored = nullptr;   // optional: how many logits were computed exactly, in all
+  bool use_simd = true;              // false: the portable path (same results, for tests)
+};
+
+namespace cpu {
+Status greedy_head_pack(const GreedyHeadPackParams& p);
+// Fails (Status) on a non-finite hidden state: the caller then takes the fp32 path, whose argmax
+// has torch's NaN rule.
+Status greedy_head(const GreedyHeadParams& p);
+bool greedy_head_has_simd();  // AVX-512 VNNI on this machine: the fast path exists
+}  // namespace cpu
+
+}  // namespace cbk

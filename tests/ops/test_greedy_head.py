@@ -1,0 +1,139 @@
+"""GreedyHead (csrc/cpu/greedy_head.cpp): the argmax of hidden @ W.T from int8 scores plus exact
+rescoring must be the argmax of the exact logits, on both bodies (VNNI where the CPU has it, and
+the portable one), including near-ties the int8 scores cannot tell apart, exact ties, outlier
+dimensions, odd shapes and weight updates."""
+import pytest
+import torch
+
+from cb_kernels.ops import GreedyHead
+
+BODIES = [True, False]       # use_simd; without VNNI both run the portable body
+
+
+def exact_argmax(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The reference: logits in double (exact enough to order the cases below), first max."""
+    return (h.double() @ w.double().t()).argmax(dim=-1)
+
+
+def _random(vocab, hidden, rows, seed, scale=0.05):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, hidden, generator=g),
+            torch.randn(vocab, hidden, generator=g) * scale)
+
+
+@pytest.mark.parametrize("use_simd", BODIES)
+@pytest.mark.parametrize("vocab, hidden, rows", [
+    (32000, 256, 32),      # the tiny Llama's decode step
+    (1000, 13, 7),         # hidden not a multiple of 4, vocab not of 64
+    (65, 64, 1),           # one row; a tile with a single real row
+    (4096, 576, 37),       # every remainder of the 4-row blocks
+    (1, 8, 3),             # a one-token vocab
+])
+def test_matches_exact_argmax(vocab, hidden, rows, use_simd):
+    h, w = _random(vocab, hidden, rows, seed=vocab + hidden + rows)
+    head = GreedyHead(w)
+    got = head(h, use_simd=use_simd)
+    assert got.dtype == torch.int64 and got.shape == (rows,)
+    assert torch.equal(got, exact_argmax(h, w))
+    assert torch.equal(got, (h @ w.t()).argmax(-1))        # no near-tie in these: fp32 agrees
+    # The bound prunes: on random data only a few logits per row need exact rescoring.
+    assert rows <= head.num_rescored <= max(rows * 64, rows * vocab // 20)
+
+
+@pytest.mark.parametrize("use_simd", BODIES)
+def test_near_ties_below_int8_resolution(use_simd):
+    """Pairs of vocab rows that differ by ~1e-6 of the logit: int8 scores are equal, the exact
+    rescoring must still pick the larger (and on exact equality, the lower index)."""
+    vocab, hidden, rows = 3000, 128, 6
+    h, w = _random(vocab, hidden, rows, seed=1)
+    base = exact_argmax(h, w)
+    twins = [(int(a) * 7 + 11) % vocab for a in base]
+    assert len(set(twins) | set(base.tolist())) == 2 * rows       # six distinct pairs
+    for r in range(rows):
+        a, twin = int(base[r]), twins[r]
+        w[twin] = w[a]
+        k = int(h[r].abs().argmax())               # nudge along the row's largest dimension
+        w[twin, k] += 1e-6 * torch.sign(h[r, k]) * w[a].abs().max()
+    want = exact_argmax(h, w)
+    got = GreedyHead(w)(h, use_simd=use_simd)
+    assert torch.equal(got, want)
+    assert got.tolist() == twins          # each row's nudged twin, a hair above its original
+
+
+@pytest.mark.parametrize("use_simd", BODIES)
+def test_exact_ties_take_the_lowest_index(use_simd):
+    h, w = _random(500, 40, 5, seed=2)
+    w[:] = w[123]                          # every row the same: every logit equal
+    assert GreedyHead(w)(h, use_simd=use_simd).tolist() == [0] * 5
+    w2 = torch.randn(500, 40)
+    zero = torch.zeros(3, 40)              # a zero hidden state: all logits 0
+    assert GreedyHead(w2)(zero, use_simd=use_simd).tolist() == [0] * 3
+    w3 = w2.clone()
+    w3[400] = w3[77] = w3[300] * 50        # three equal large rows: the lowest index wins
+    h3 = w3[77:78].clone()
+    assert GreedyHead(w3)(h3, use_simd=use_simd).tolist() == [77]
+
+
+@pytest.mark.parametrize("use_simd", BODIES)
+def test_outlier_dimensions(use_simd):
+    """Real LLM hidden states carry a few huge dimensions, which coarsen the int8 scale of the
+    row: the bound widens, the answer must not change."""
+    h, w = _random(8000, 192, 9, seed=3)
+    h[:, 5] *= 300.0
+    h[:, 77] *= -80.0
+    w[:, 5] *= 0.01
+    got = GreedyHead(w)(h, use_simd=use_simd)
+    assert torch.equal(got, exact_argmax(h, w))
+
+
+def test_strided_and_noncontiguous_hidden():
+    h, w = _random(2000, 64, 12, seed=4)
+    head = GreedyHead(w)
+    wide = torch.randn(12, 100)
+    wide[:, :64] = h
+    assert torch.equal(head(wide[:, :64]), exact_argmax(h, w))
+    assert torch.equal(head(h.t().contiguous().t()), exact_argmax(h, w))
+    assert head(h[:0]).shape == (0,)
+
+
+def test_weight_written_in_place_is_repacked():
+    h, w = _random(3000, 32, 4, seed=5)
+    head = GreedyHead(w)
+    assert torch.equal(head(h), exact_argmax(h, w))
+    with torch.no_grad():
+        w.mul_(-1.0)                       # every argmax moves
+    assert torch.equal(head(h), exact_argmax(h, w))
+    w.data[:, :] = torch.randn(3000, 32)   # unseen by torch's version counter
+    head.refresh(force=True)
+    assert torch.equal(head(h), exact_argmax(h, w))
+
+
+def test_non_finite_values_are_refused():
+    h, w = _random(100, 16, 2, seed=6)
+    head = GreedyHead(w)
+    for bad in (float("nan"), float("inf")):
+        hb = h.clone()
+        hb[1, 3] = bad
+        with pytest.raises(RuntimeError, match="not finite"):
+            head(hb)
+        wb = w.clone()
+        wb[50, 2] = bad
+        with pytest.raises(RuntimeError, match="non-finite"):
+            GreedyHead(wb)
+
+
+def test_bad_arguments():
+    w = torch.randn(100, 16)
+    head = GreedyHead(w)
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        GreedyHead([[1.0]])
+    with pytest.raises(ValueError, match="2-D"):
+        GreedyHead(torch.randn(10))
+    with pytest.raises(ValueError, match="fp32"):
+        GreedyHead(w.half())
+    with pytest.raises(ValueError, match="contiguous"):
+        GreedyHead(torch.randn(16, 100).t())
+    with pytest.raises(ValueError, match=r"\[rows, 16\]"):
+        head(torch.randn(3, 17))
+    with pytest.raises(ValueError, match="fp32"):
+        head(torch.randn(3, 16, dtype=torch.float64))
