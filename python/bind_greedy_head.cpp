@@ -9,46 +9,46 @@ namespace py = pybind11;
 void bind_greedy_head(py::module_& m) {
   m.def("greedy_head_sizes", [](int64_t vocab, int64_t hidden) {
           return py::make_tuple(cbk::greedy_head_packed_bytes(vocab, hidden),
-                                cbk::greedy_head_padded_vocab(vocab));
+                                cbk::kGreedyHeadRowStats * cbk::greedy_head_padded_vocab(vocab));
         },
-        py::arg("vocab"), py::arg("hidden"), "(packed bytes, padded vocab) of a packed head.");
+        py::arg("vocab"), py::arg("hidden"),
+        "(packed bytes, floats of row stats) of a packed head.");
   m.def("greedy_head_has_simd", &cbk::cpu::greedy_head_has_simd,
         "True where the CPU has AVX-512 VNNI (the fast path of the greedy head).");
   m.def(
       "greedy_head_pack",
       [](uintptr_t weight, int64_t vocab, int64_t hidden, int64_t weight_stride, uintptr_t packed,
-         uintptr_t row_scale, uintptr_t row_l1) {
+         uintptr_t row_stats) {
         cbk::GreedyHeadPackParams p;
         p.weight = cbk::as_ptr<const float>(weight);
         p.vocab = vocab;
         p.hidden = hidden;
         p.weight_stride = weight_stride;
         p.packed = cbk::as_ptr<uint8_t>(packed);
-        p.row_scale = cbk::as_ptr<float>(row_scale);
-        p.row_l1 = cbk::as_ptr<float>(row_l1);
+        p.row_stats = cbk::as_ptr<float>(row_stats);
         py::gil_scoped_release nogil;
         cbk::throw_if_error(cbk::cpu::greedy_head_pack(p));
       },
       py::arg("weight"), py::arg("vocab"), py::arg("hidden"), py::arg("weight_stride"),
-      py::arg("packed"), py::arg("row_scale"), py::arg("row_l1"),
+      py::arg("packed"), py::arg("row_stats"),
       "Quantise an fp32 [vocab, hidden] head into the greedy head's int8 layout.");
   m.def(
       "greedy_head",
       [](uintptr_t hidden_states, int64_t num_rows, int64_t hidden_stride, uintptr_t packed,
-         uintptr_t row_scale, uintptr_t row_l1, uintptr_t weight, int64_t vocab, int64_t hidden,
-         int64_t weight_stride, uintptr_t out, bool use_simd) {
+         uintptr_t row_stats, uintptr_t weight, int64_t vocab, int64_t hidden,
+         int64_t weight_stride, uintptr_t out, int64_t max_rescored_per_row, bool use_simd) {
         cbk::GreedyHeadParams p;
         p.hidden_states = cbk::as_ptr<const float>(hidden_states);
         p.num_rows = num_rows;
         p.hidden_stride = hidden_stride;
         p.packed = cbk::as_ptr<const uint8_t>(packed);
-        p.row_scale = cbk::as_ptr<const float>(row_scale);
-        p.row_l1 = cbk::as_ptr<const float>(row_l1);
+        p.row_stats = cbk::as_ptr<const float>(row_stats);
         p.weight = cbk::as_ptr<const float>(weight);
         p.vocab = vocab;
         p.hidden = hidden;
         p.weight_stride = weight_stride;
         p.out = cbk::as_ptr<int64_t>(out);
+        p.max_rescored_per_row = max_rescored_per_row;
         p.use_simd = use_simd;
         int64_t rescored = 0;
         p.num_rescored = &rescored;
@@ -59,8 +59,9 @@ void bind_greedy_head(py::module_& m) {
         return rescored;
       },
       py::arg("hidden_states"), py::arg("num_rows"), py::arg("hidden_stride"), py::arg("packed"),
-      py::arg("row_scale"), py::arg("row_l1"), py::arg("weight"), py::arg("vocab"), py::arg("hidden"),
-      py::arg("weight_stride"), py::arg("out"), py::arg("use_simd") = true,
-      "out[r] = argmax_j <h_r, w_j> (exact; lowest index on a tie). Returns the number of logits "
-      "rescored exactly.");
+      py::arg("row_stats"), py::arg("weight"), py::arg("vocab"), py::arg("hidden"),
+      py::arg("weight_stride"), py::arg("out"), py::arg("max_rescored_per_row") = 0,
+      py::arg("use_simd") = true,
+      "out[r] = argmax_j <h_r, w_j> (exact; lowest index on a tie), or -1 for a row that would "
+      "rescore more than max_rescored_per_row logits. Returns the number of logits rescored.");
 }

@@ -33,11 +33,14 @@ class GreedyHead:
         self._check_weight(weight)
         self.weight = weight
         self.vocab, self.hidden = weight.shape
-        nbytes, padded = _C.greedy_head_sizes(self.vocab, self.hidden)
+        nbytes, nstats = _C.greedy_head_sizes(self.vocab, self.hidden)
         self.packed = torch.empty(nbytes, dtype=torch.uint8)
-        self.row_scale = torch.empty(padded, dtype=torch.float32)
-        self.row_l1 = torch.empty(padded, dtype=torch.float32)
+        self.row_stats = torch.empty(nstats, dtype=torch.float32)   # scales and norms
         self.num_rescored = 0       # logits computed exactly by the last call
+        self.num_fp32_rows = 0      # rows of the last call left to the fp32 product
+        # Past this many candidates a row goes to the fp32 product: each rescoring reads a
+        # weight row from memory, the product streams the whole weight once (for all such rows).
+        self.max_rescored_per_row = max(256, self.vocab // 4)
         self._key = None
         self.refresh()
 
@@ -65,8 +68,7 @@ class GreedyHead:
         if key == self._key and not force:
             return
         _C.greedy_head_pack(w.data_ptr(), self.vocab, self.hidden, w.stride(0),
-                            self.packed.data_ptr(), self.row_scale.data_ptr(),
-                            self.row_l1.data_ptr())
+                            self.packed.data_ptr(), self.row_stats.data_ptr())
         self._key = key
 
     def __call__(self, hidden_states: torch.Tensor, *, use_simd: bool = True) -> torch.Tensor:
@@ -85,8 +87,17 @@ class GreedyHead:
         w = self.weight
         self.num_rescored = _C.greedy_head(
             h.data_ptr(), h.shape[0], h.stride(0) if h.shape[0] > 1 else self.hidden,
-            self.packed.data_ptr(), self.row_scale.data_ptr(), self.row_l1.data_ptr(),
-            w.data_ptr(), self.vocab, self.hidden, w.stride(0), out.data_ptr(), use_simd)
+            self.packed.data_ptr(), self.row_stats.data_ptr(),
+            w.data_ptr(), self.vocab, self.hidden, w.stride(0), out.data_ptr(),
+            self.max_rescored_per_row, use_simd)
+        wide = (out < 0).nonzero().flatten()
+        self.num_fp32_rows = len(wide)
+        if len(wide):
+            # Rows whose bound admits too many candidates (flat logits, huge outliers): one fp32
+            # product is cheaper than that many exact rescorings; argmax keeps the first max.
+            with torch.inference_mode(False), torch.no_grad():
+                logits = h.index_select(0, wide) @ w.detach().t()
+            out[wide] = logits.argmax(dim=-1)
         return out
 
 

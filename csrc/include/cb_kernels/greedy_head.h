@@ -23,14 +23,17 @@ inline int64_t greedy_head_packed_bytes(int64_t vocab, int64_t hidden) {
   return greedy_head_padded_vocab(vocab) * greedy_head_padded_hidden(hidden);
 }
 
+constexpr int64_t kGreedyHeadRowStats = 4;
+
 struct GreedyHeadPackParams {
   const float* weight = nullptr;  // [vocab, hidden], rows `weight_stride` apart, finite
   int64_t vocab = 0;
   int64_t hidden = 0;
   int64_t weight_stride = 0;
   uint8_t* packed = nullptr;      // [greedy_head_packed_bytes(vocab, hidden)]
-  float* row_scale = nullptr;     // [padded vocab]: max |w_j| / 127 (0 for padding)
-  float* row_l1 = nullptr;        // [padded vocab]: sum |w_j|, rounded up (0 for padding)
+  // [kGreedyHeadRowStats, padded vocab], 0 for padding: per vocab row its int8 scale
+  // max|w_j| / 127, then ||w_j||_1, ||w_j||_2 and ||w_j - w~_j||_2 (rounded up).
+  float* row_stats = nullptr;
 };
 
 struct GreedyHeadParams {
@@ -39,13 +42,15 @@ struct GreedyHeadParams {
   int64_t hidden_stride = 0;
   // The packed head and the fp32 weight it was packed from (read for the exact rescoring).
   const uint8_t* packed = nullptr;
-  const float* row_scale = nullptr;
-  const float* row_l1 = nullptr;
+  const float* row_stats = nullptr;
   const float* weight = nullptr;
   int64_t vocab = 0;
   int64_t hidden = 0;
   int64_t weight_stride = 0;
-  int64_t* out = nullptr;            // [num_rows] token ids
+  int64_t* out = nullptr;            // [num_rows] token ids; -1: the row passed the cap
+  // A hidden row whose bound leaves more than this many vocab rows to rescore gets out = -1
+  // (the caller computes it in fp32: cheaper than that many exact rescorings); 0: no cap.
+  int64_t max_rescored_per_row = 0;
   int64_t* num_rescored = nullptr;   // optional: how many logits were computed exactly, in all
   bool use_simd = true;              // false: the portable path (same results, for tests)
 };
