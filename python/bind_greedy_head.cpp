@@ -36,7 +36,8 @@ void bind_greedy_head(py::module_& m) {
       "greedy_head",
       [](uintptr_t hidden_states, int64_t num_rows, int64_t hidden_stride, uintptr_t packed,
          uintptr_t row_stats, uintptr_t weight, int64_t vocab, int64_t hidden,
-         int64_t weight_stride, uintptr_t out, int64_t max_rescored_per_row, bool use_simd) {
+         int64_t weight_stride, uintptr_t exact_dims, uintptr_t exact_cols, int64_t num_exact,
+         uintptr_t out, int64_t max_rescored_per_row, bool use_simd) {
         cbk::GreedyHeadParams p;
         p.hidden_states = cbk::as_ptr<const float>(hidden_states);
         p.num_rows = num_rows;
@@ -47,6 +48,9 @@ void bind_greedy_head(py::module_& m) {
         p.vocab = vocab;
         p.hidden = hidden;
         p.weight_stride = weight_stride;
+        p.exact_dims = cbk::as_ptr<const int32_t>(exact_dims);
+        p.exact_cols = cbk::as_ptr<const float>(exact_cols);
+        p.num_exact = num_exact;
         p.out = cbk::as_ptr<int64_t>(out);
         p.max_rescored_per_row = max_rescored_per_row;
         p.use_simd = use_simd;
@@ -60,7 +64,8 @@ void bind_greedy_head(py::module_& m) {
       },
       py::arg("hidden_states"), py::arg("num_rows"), py::arg("hidden_stride"), py::arg("packed"),
       py::arg("row_stats"), py::arg("weight"), py::arg("vocab"), py::arg("hidden"),
-      py::arg("weight_stride"), py::arg("out"), py::arg("max_rescored_per_row") = 0,
+      py::arg("weight_stride"), py::arg("exact_dims"), py::arg("exact_cols"), py::arg("num_exact"),
+      py::arg("out"), py::arg("max_rescored_per_row") = 0,
       py::arg("use_simd") = true,
       "out[r] = argmax_j <h_r, w_j> (exact; lowest index on a tie), or -1 for a row that would "
       "rescore more than max_rescored_per_row logits. Returns the number of logits rescored.");

@@ -21,6 +21,11 @@ import torch
 
 from cb_kernels import _C
 
+# A hidden dim joins the head's exact dims when some row has it above this many times the row's
+# RMS (SmolLM2-135M: rows with one dim at 16x; a Gaussian row passes 5x once in ~10^6 dims).
+OUTLIER_RATIO = 5.0
+MAX_EXACT_DIMS = 8
+
 
 class GreedyHead:
     """An int8 copy of an fp32 CPU head weight [vocab, hidden] and the argmax over it.
@@ -29,13 +34,21 @@ class GreedyHead:
     changes through torch (in-place writes, a new tensor); `refresh(force=True)` repacks after
     writes that torch does not see (`.data`)."""
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, max_exact_dims: int = MAX_EXACT_DIMS):
         self._check_weight(weight)
+        if isinstance(max_exact_dims, bool) or not isinstance(max_exact_dims, int) \
+                or not 0 <= max_exact_dims <= 64:
+            raise ValueError(f"max_exact_dims must be an int in [0, 64], got {max_exact_dims!r}")
+        self.max_exact_dims = max_exact_dims
         self.weight = weight
         self.vocab, self.hidden = weight.shape
         nbytes, nstats = _C.greedy_head_sizes(self.vocab, self.hidden)
         self.packed = torch.empty(nbytes, dtype=torch.uint8)
         self.row_stats = torch.empty(nstats, dtype=torch.float32)   # scales and norms
+        # Outlier dims of the hidden states seen so far, scored in fp32 from these columns.
+        self.exact_dims = torch.zeros(max_exact_dims, dtype=torch.int32)
+        self.exact_cols = torch.zeros(max_exact_dims, nstats // 4, dtype=torch.float32)
+        self.num_exact = 0
         self.num_rescored = 0       # logits computed exactly by the last call
         self.num_fp32_rows = 0      # rows of the last call left to the fp32 product
         # Past this many candidates a row goes to the fp32 product: each rescoring reads a
@@ -69,7 +82,29 @@ class GreedyHead:
             return
         _C.greedy_head_pack(w.data_ptr(), self.vocab, self.hidden, w.stride(0),
                             self.packed.data_ptr(), self.row_stats.data_ptr())
+        for e in range(self.num_exact):
+            self._gather_column(e)
         self._key = key
+
+    def _gather_column(self, e: int) -> None:
+        with torch.no_grad():
+            self.exact_cols[e, :self.vocab] = self.weight[:, int(self.exact_dims[e])]
+
+    def _note_outliers(self, h: torch.Tensor) -> None:
+        """Adds the dims where some row of h exceeds OUTLIER_RATIO x its RMS (largest first)."""
+        ratio = h.abs() / h.pow(2).mean(dim=1, keepdim=True).sqrt().clamp_min(1e-30)
+        peak = ratio.amax(dim=0)
+        dims = (peak > OUTLIER_RATIO).nonzero().flatten()
+        if not len(dims):
+            return
+        known = set(self.exact_dims[:self.num_exact].tolist())
+        for d in sorted(dims.tolist(), key=lambda d: -float(peak[d])):
+            if self.num_exact == self.max_exact_dims:
+                break
+            if d not in known:
+                self.exact_dims[self.num_exact] = d
+                self._gather_column(self.num_exact)
+                self.num_exact += 1
 
     def __call__(self, hidden_states: torch.Tensor, *, use_simd: bool = True) -> torch.Tensor:
         """hidden_states: fp32 CPU [rows, hidden]. Returns int64 [rows]. Raises RuntimeError on a
@@ -83,12 +118,15 @@ class GreedyHead:
         if h.stride(1) != 1 or (h.shape[0] > 1 and h.stride(0) < h.shape[1]):
             h = h.contiguous()
         self.refresh()
+        if self.num_exact < self.max_exact_dims and h.shape[0] and torch.isfinite(h).all():
+            self._note_outliers(h)
         out = torch.empty(h.shape[0], dtype=torch.int64)
         w = self.weight
         self.num_rescored = _C.greedy_head(
             h.data_ptr(), h.shape[0], h.stride(0) if h.shape[0] > 1 else self.hidden,
             self.packed.data_ptr(), self.row_stats.data_ptr(),
-            w.data_ptr(), self.vocab, self.hidden, w.stride(0), out.data_ptr(),
+            w.data_ptr(), self.vocab, self.hidden, w.stride(0), self.exact_dims.data_ptr(),
+            self.exact_cols.data_ptr(), self.num_exact, out.data_ptr(),
             self.max_rescored_per_row, use_simd)
         wide = (out < 0).nonzero().flatten()
         self.num_fp32_rows = len(wide)

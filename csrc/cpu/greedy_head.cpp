@@ -11,9 +11,11 @@
 // both its elementwise bound and its Cauchy-Schwarz bound:
 //   |<h - h~, w_j>|   <= min(s_h/2 ||w_j||_1,  ||h - h~||_2 ||w_j||_2)
 //   |<h~, w_j - w~_j>| <= min(s_j/2 ||h~||_1,  ||h~||_2 ||w_j - w~_j||_2)
-// (the norms of w_j are packed with it, those of h computed per call). The float arithmetic of
-// the score, the bound and the rescored logit adds at most 2^-20.6 max|h| ||w_j||_1 (|a_j| <=
-// 2 max|h| ||w_j||_1), covered here by 2^-19 of it. With b_j that sum (scaled up by 1.001
+// (the norms of w_j are packed with it, those of h computed per call). Dims the caller marks
+// exact (a few outlier dims: SmolLM2-135M has rows with one dim at 16x the row's RMS) are left
+// out of h~ and of its scale; their part of the logit is added in fp32 (<= 8 terms). The float
+// arithmetic of the score, that part, the bound and the rescored logit adds at most
+// 2^-20 max|h| ||w_j||_1 (|a_j| <= 2 max|h| ||w_j||_1), covered here by 2^-18 of it. With b_j that sum (scaled up by 1.001
 // against its own rounding) and L = max_j (a_j - b_j), a row with a_j + b_j < L cannot hold the
 // maximum, nor tie with it: every other is rescored exactly. On SmolLM2-135M's real hidden
 // states the min() of the two forms leaves 3.6x fewer rows to rescore than the first alone.
@@ -49,7 +51,7 @@ constexpr int64_t kTile = 64;     // vocab rows per tile: 4 blocks of 16 lanes
 constexpr int kRowBlock = 4;      // hidden rows per register block (4 x 4 accumulators)
 constexpr float kBoundScale = 0.5005f;             // the 1/2 of the bound, plus 0.1%
 constexpr float kNormScale = 1.001f;                // the Cauchy-Schwarz bounds, plus 0.1%
-constexpr float kRoundingSlack = 1.0f / 524288.0f;  // 2^-19, times max|h| ||w_j||_1
+constexpr float kRoundingSlack = 1.0f / 262144.0f;  // 2^-18, times max|h| ||w_j||_1
 constexpr float kTinySlack = 1e-30f;                // absolute, for subnormal corners
 
 inline int64_t packed_offset(int64_t j, int64_t k, int64_t groups) {
@@ -83,6 +85,7 @@ struct Work {
   std::vector<float> u, v, pn, qn, r;
   const float *scale = nullptr, *l1 = nullptr, *l2 = nullptr, *err = nullptr;
   float* hi = nullptr;           // [rows, padded vocab]: score + bound of every vocab row
+  std::vector<float> hx;         // [rows, num_exact]: h at the exact dims
   int64_t padded_vocab = 0;
   explicit Work(const GreedyHeadParams& params) : p(params) {}
 };
@@ -110,7 +113,9 @@ inline void tile_epilogue(const Work& w, int64_t row, int64_t j0, const int32_t*
       continue;
     }
     const float sj = w.scale[j];
-    const float a = static_cast<float>(dots[i] - off) * (hs * sj);
+    float a = static_cast<float>(dots[i] - off) * (hs * sj);
+    for (int64_t e = 0; e < p.num_exact; ++e)
+      a += w.hx[row * p.num_exact + e] * p.exact_cols[e * w.padded_vocab + j];
     const float b = std::min(u * w.l1[j], pn * w.l2[j]) + std::min(v * sj, qn * w.err[j]) +
                     r * w.l1[j] + kTinySlack;
     hi[i] = a + b;
@@ -162,8 +167,11 @@ CBK_VNNI_TARGET inline void tile_epilogue_vnni(const Work& w, int64_t row, int64
     const int64_t j = j0 + 16 * b;
     const __m512 sj = _mm512_loadu_ps(w.scale + j), l1 = _mm512_loadu_ps(w.l1 + j),
                  l2 = _mm512_loadu_ps(w.l2 + j), err = _mm512_loadu_ps(w.err + j);
-    const __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dots[b], off)),
-                                   _mm512_mul_ps(hs, sj));
+    __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dots[b], off)),
+                             _mm512_mul_ps(hs, sj));
+    for (int64_t e = 0; e < p.num_exact; ++e)
+      a = _mm512_fmadd_ps(_mm512_set1_ps(w.hx[row * p.num_exact + e]),
+                          _mm512_loadu_ps(p.exact_cols + e * w.padded_vocab + j), a);
     const __m512 bound = _mm512_add_ps(
         _mm512_add_ps(_mm512_min_ps(_mm512_mul_ps(u, l1), _mm512_mul_ps(pn, l2)),
                       _mm512_min_ps(_mm512_mul_ps(v, sj), _mm512_mul_ps(qn, err))),
@@ -349,22 +357,34 @@ Status greedy_head(const GreedyHeadParams& p) {
   w.l1 = w.scale + padded_vocab;
   w.l2 = w.l1 + padded_vocab;
   w.err = w.l2 + padded_vocab;
+  if (p.num_exact < 0 || p.num_exact > 64 || (p.num_exact > 0 && (!p.exact_dims || !p.exact_cols)))
+    return Status::Error("greedy_head: need 0 <= num_exact <= 64 and its dims and columns");
+  std::vector<char> exact(p.hidden, 0);
+  for (int64_t e = 0; e < p.num_exact; ++e) {
+    if (p.exact_dims[e] < 0 || p.exact_dims[e] >= p.hidden || exact[p.exact_dims[e]])
+      return Status::Error("greedy_head: exact_dims must be distinct dims < hidden");
+    exact[p.exact_dims[e]] = 1;
+  }
+  w.hx.resize(rows * p.num_exact);
   for (int64_t r = 0; r < rows; ++r) {
     const float* h = p.hidden_states + r * p.hidden_stride;
-    float mx = 0.0f;
+    float mx = 0.0f, mx_int8 = 0.0f;   // over all dims, over the int8 ones
     bool finite = true;
     for (int64_t k = 0; k < p.hidden; ++k) {
       finite = finite && std::isfinite(h[k]);
       mx = std::max(mx, std::fabs(h[k]));
+      if (!exact[k]) mx_int8 = std::max(mx_int8, std::fabs(h[k]));
     }
     if (!finite || mx > 1e30f) return Status::Error("greedy_head: a hidden state is not finite (or > 1e30)");
-    const float inv = mx > 0.0f ? 127.0f / mx : 0.0f;
-    const float hs = mx / 127.0f;
+    for (int64_t e = 0; e < p.num_exact; ++e) w.hx[r * p.num_exact + e] = h[p.exact_dims[e]];
+    const float inv = mx_int8 > 0.0f ? 127.0f / mx_int8 : 0.0f;
+    const float hs = mx_int8 / 127.0f;
     int32_t sum = 0, sum_abs = 0;
     int64_t sum_sq = 0;
     double err = 0.0;
     int8_t* q = w.hq.data() + r * w.padded_hidden;
     for (int64_t k = 0; k < p.hidden; ++k) {
+      if (exact[k]) continue;   // q stays 0: no int8 part, no error
       const int v = static_cast<int>(std::min(127.0f, std::max(-127.0f, std::nearbyint(h[k] * inv))));
       q[k] = static_cast<int8_t>(v);
       sum += v;

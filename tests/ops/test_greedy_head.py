@@ -82,8 +82,23 @@ def test_outlier_dimensions(use_simd):
     h[:, 5] *= 300.0
     h[:, 77] *= -80.0
     w[:, 5] *= 0.01
-    got = GreedyHead(w)(h, use_simd=use_simd)
+    head, plain = GreedyHead(w), GreedyHead(w, max_exact_dims=0)
+    got = head(h, use_simd=use_simd)
     assert torch.equal(got, exact_argmax(h, w))
+    assert sorted(head.exact_dims[:head.num_exact].tolist()) == [5, 77]
+    assert torch.equal(plain(h, use_simd=use_simd), got) and plain.num_exact == 0
+    # Scored exactly, the two dims no longer coarsen every row's int8 scale.
+    assert head.num_rescored * 4 < plain.num_rescored
+
+
+def test_exact_dims_follow_a_weight_update():
+    h, w = _random(3000, 64, 6, seed=9)
+    h[:, 10] *= 50.0
+    head = GreedyHead(w)
+    assert torch.equal(head(h), exact_argmax(h, w)) and head.num_exact == 1
+    with torch.no_grad():
+        w[:, 10].mul_(-3.0)               # the exact dim's column changes
+    assert torch.equal(head(h), exact_argmax(h, w))
 
 
 def test_strided_and_noncontiguous_hidden():
@@ -137,3 +152,5 @@ def test_bad_arguments():
         head(torch.randn(3, 17))
     with pytest.raises(ValueError, match="fp32"):
         head(torch.randn(3, 16, dtype=torch.float64))
+    with pytest.raises(ValueError, match="max_exact_dims"):
+        GreedyHead(w, max_exact_dims=65)

@@ -47,6 +47,12 @@ struct GreedyHeadParams {
   int64_t vocab = 0;
   int64_t hidden = 0;
   int64_t weight_stride = 0;
+  // Hidden dims scored exactly instead of in int8 (a few huge "massive activation" dims would
+  // otherwise set the int8 scale of the whole row): their indices, and the head's columns for
+  // them, [num_exact, padded vocab] fp32 (zeros past vocab).
+  const int32_t* exact_dims = nullptr;
+  const float* exact_cols = nullptr;
+  int64_t num_exact = 0;
   int64_t* out = nullptr;            // [num_rows] token ids; -1: the row passed the cap
   // A hidden row whose bound leaves more than this many vocab rows to rescore gets out = -1
   // (the caller computes it in fp32: cheaper than that many exact rescorings); 0: no cap.
