@@ -49,6 +49,7 @@ class GreedyHead:
         self.exact_dims = torch.zeros(max_exact_dims, dtype=torch.int32)
         self.exact_cols = torch.zeros(max_exact_dims, nstats // 4, dtype=torch.float32)
         self.num_exact = 0
+        self._outliers = torch.zeros(max(1, max_exact_dims), dtype=torch.int32)   # reported dims
         self.num_rescored = 0       # logits computed exactly by the last call
         self.num_fp32_rows = 0      # rows of the last call left to the fp32 product
         # Past this many candidates a row goes to the fp32 product: each rescoring reads a
@@ -90,21 +91,14 @@ class GreedyHead:
         with torch.no_grad():
             self.exact_cols[e, :self.vocab] = self.weight[:, int(self.exact_dims[e])]
 
-    def _note_outliers(self, h: torch.Tensor) -> None:
-        """Adds the dims where some row of h exceeds OUTLIER_RATIO x its RMS (largest first)."""
-        ratio = h.abs() / h.pow(2).mean(dim=1, keepdim=True).sqrt().clamp_min(1e-30)
-        peak = ratio.amax(dim=0)
-        dims = (peak > OUTLIER_RATIO).nonzero().flatten()
-        if not len(dims):
-            return
-        known = set(self.exact_dims[:self.num_exact].tolist())
-        for d in sorted(dims.tolist(), key=lambda d: -float(peak[d])):
+    def _add_exact_dims(self, dims: list) -> None:
+        """Scores `dims` exactly from the next call on (up to max_exact_dims in all)."""
+        for d in dims:
             if self.num_exact == self.max_exact_dims:
                 break
-            if d not in known:
-                self.exact_dims[self.num_exact] = d
-                self._gather_column(self.num_exact)
-                self.num_exact += 1
+            self.exact_dims[self.num_exact] = d
+            self._gather_column(self.num_exact)
+            self.num_exact += 1
 
     def __call__(self, hidden_states: torch.Tensor, *, use_simd: bool = True) -> torch.Tensor:
         """hidden_states: fp32 CPU [rows, hidden]. Returns int64 [rows]. Raises RuntimeError on a
@@ -118,16 +112,18 @@ class GreedyHead:
         if h.stride(1) != 1 or (h.shape[0] > 1 and h.stride(0) < h.shape[1]):
             h = h.contiguous()
         self.refresh()
-        if self.num_exact < self.max_exact_dims and h.shape[0] and torch.isfinite(h).all():
-            self._note_outliers(h)
         out = torch.empty(h.shape[0], dtype=torch.int64)
         w = self.weight
-        self.num_rescored = _C.greedy_head(
+        room = self.max_exact_dims - self.num_exact
+        self.num_rescored, found = _C.greedy_head(
             h.data_ptr(), h.shape[0], h.stride(0) if h.shape[0] > 1 else self.hidden,
             self.packed.data_ptr(), self.row_stats.data_ptr(),
             w.data_ptr(), self.vocab, self.hidden, w.stride(0), self.exact_dims.data_ptr(),
             self.exact_cols.data_ptr(), self.num_exact, out.data_ptr(),
-            self.max_rescored_per_row, use_simd)
+            self.max_rescored_per_row, OUTLIER_RATIO if room else 0.0,
+            self._outliers.data_ptr(), room, use_simd)
+        if found:           # exact from the next call on (this one's result is exact anyway)
+            self._add_exact_dims(self._outliers[:found].tolist())
         wide = (out < 0).nonzero().flatten()
         self.num_fp32_rows = len(wide)
         if len(wide):

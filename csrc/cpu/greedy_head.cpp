@@ -366,6 +366,8 @@ Status greedy_head(const GreedyHeadParams& p) {
     exact[p.exact_dims[e]] = 1;
   }
   w.hx.resize(rows * p.num_exact);
+  const bool report = p.outlier_ratio > 0.0f && p.max_outliers > 0 && p.outliers && p.num_outliers;
+  int64_t found = 0;
   for (int64_t r = 0; r < rows; ++r) {
     const float* h = p.hidden_states + r * p.hidden_stride;
     float mx = 0.0f, mx_int8 = 0.0f;   // over all dims, over the int8 ones
@@ -373,7 +375,7 @@ Status greedy_head(const GreedyHeadParams& p) {
     for (int64_t k = 0; k < p.hidden; ++k) {
       finite = finite && std::isfinite(h[k]);
       mx = std::max(mx, std::fabs(h[k]));
-      if (!exact[k]) mx_int8 = std::max(mx_int8, std::fabs(h[k]));
+      if (exact[k] != 1) mx_int8 = std::max(mx_int8, std::fabs(h[k]));
     }
     if (!finite || mx > 1e30f) return Status::Error("greedy_head: a hidden state is not finite (or > 1e30)");
     for (int64_t e = 0; e < p.num_exact; ++e) w.hx[r * p.num_exact + e] = h[p.exact_dims[e]];
@@ -384,7 +386,7 @@ Status greedy_head(const GreedyHeadParams& p) {
     double err = 0.0;
     int8_t* q = w.hq.data() + r * w.padded_hidden;
     for (int64_t k = 0; k < p.hidden; ++k) {
-      if (exact[k]) continue;   // q stays 0: no int8 part, no error
+      if (exact[k] == 1) continue;   // q stays 0: no int8 part, no error
       const int v = static_cast<int>(std::min(127.0f, std::max(-127.0f, std::nearbyint(h[k] * inv))));
       q[k] = static_cast<int8_t>(v);
       sum += v;
@@ -400,7 +402,19 @@ Status greedy_head(const GreedyHeadParams& p) {
     w.pn[r] = kNormScale * static_cast<float>(std::sqrt(err));
     w.qn[r] = kNormScale * static_cast<float>(hs * std::sqrt(static_cast<double>(sum_sq)));
     w.r[r] = kRoundingSlack * mx;
+    if (report) {
+      double sq = 0.0;
+      for (int64_t k = 0; k < p.hidden; ++k) sq += static_cast<double>(h[k]) * h[k];
+      const double limit = p.outlier_ratio * std::sqrt(sq / static_cast<double>(p.hidden));
+      for (int64_t k = 0; k < p.hidden && found < p.max_outliers; ++k) {
+        if (std::fabs(h[k]) > limit && !exact[k]) {
+          exact[k] = 2;     // reported (not scored exactly in this call)
+          p.outliers[found++] = static_cast<int32_t>(k);
+        }
+      }
+    }
   }
+  if (report) *p.num_outliers = found;
 
   // Pass 1: scores and bounds, each thread over its own run of tiles. The buffer of score +
   // bound stays with the calling thread: fresh pages on every call would cost more than filling.

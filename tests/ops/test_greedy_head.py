@@ -83,9 +83,10 @@ def test_outlier_dimensions(use_simd):
     h[:, 77] *= -80.0
     w[:, 5] *= 0.01
     head, plain = GreedyHead(w), GreedyHead(w, max_exact_dims=0)
-    got = head(h, use_simd=use_simd)
+    got = head(h, use_simd=use_simd)      # finds the two dims: exact from the next call on
     assert torch.equal(got, exact_argmax(h, w))
     assert sorted(head.exact_dims[:head.num_exact].tolist()) == [5, 77]
+    assert torch.equal(head(h, use_simd=use_simd), got)
     assert torch.equal(plain(h, use_simd=use_simd), got) and plain.num_exact == 0
     # Scored exactly, the two dims no longer coarsen every row's int8 scale.
     assert head.num_rescored * 4 < plain.num_rescored
@@ -96,6 +97,7 @@ def test_exact_dims_follow_a_weight_update():
     h[:, 10] *= 50.0
     head = GreedyHead(w)
     assert torch.equal(head(h), exact_argmax(h, w)) and head.num_exact == 1
+    assert torch.equal(head(h), exact_argmax(h, w))
     with torch.no_grad():
         w[:, 10].mul_(-3.0)               # the exact dim's column changes
     assert torch.equal(head(h), exact_argmax(h, w))

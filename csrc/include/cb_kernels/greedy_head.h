@@ -53,6 +53,12 @@ struct GreedyHeadParams {
   const int32_t* exact_dims = nullptr;
   const float* exact_cols = nullptr;
   int64_t num_exact = 0;
+  // Optional report of candidates for exact dims: dims (not exact yet) where some row's |h|
+  // exceeds outlier_ratio x the row's RMS, each once, up to max_outliers (0: no report).
+  float outlier_ratio = 0.0f;
+  int32_t* outliers = nullptr;
+  int64_t max_outliers = 0;
+  int64_t* num_outliers = nullptr;
   int64_t* out = nullptr;            // [num_rows] token ids; -1: the row passed the cap
   // A hidden row whose bound leaves more than this many vocab rows to rescore gets out = -1
   // (the caller computes it in fp32: cheaper than that many exact rescorings); 0: no cap.
