@@ -93,9 +93,13 @@ class GreedyHead:
 
     def _add_exact_dims(self, dims: list) -> None:
         """Scores `dims` exactly from the next call on (up to max_exact_dims in all)."""
+        known = set(self.exact_dims[:self.num_exact].tolist())
         for d in dims:
             if self.num_exact == self.max_exact_dims:
                 break
+            if d in known:          # reported by two chunks of rows
+                continue
+            known.add(d)
             self.exact_dims[self.num_exact] = d
             self._gather_column(self.num_exact)
             self.num_exact += 1

@@ -48,6 +48,7 @@ namespace cpu {
 namespace {
 
 constexpr int64_t kTile = 64;     // vocab rows per tile: 4 blocks of 16 lanes
+constexpr int64_t kChunkRows = 64;  // hidden rows per pass over the weight
 constexpr int kRowBlock = 4;      // hidden rows per register block (4 x 4 accumulators)
 constexpr float kBoundScale = 0.5005f;             // the 1/2 of the bound, plus 0.1%
 constexpr float kNormScale = 1.001f;                // the Cauchy-Schwarz bounds, plus 0.1%
@@ -336,6 +337,10 @@ Status greedy_head_pack(const GreedyHeadPackParams& p) {
   return Status::Ok();
 }
 
+namespace {
+Status greedy_head_rows(const GreedyHeadParams& p);
+}  // namespace
+
 Status greedy_head(const GreedyHeadParams& p) {
   if (p.num_rows < 0 || p.vocab <= 0 || p.hidden <= 0 || p.hidden_stride < p.hidden ||
       p.weight_stride < p.hidden)
@@ -343,6 +348,33 @@ Status greedy_head(const GreedyHeadParams& p) {
   if (p.num_rows == 0) return Status::Ok();
   if (!p.hidden_states || !p.packed || !p.row_stats || !p.weight || !p.out)
     return Status::Error("greedy_head: null pointer");
+  // Up to kChunkRows hidden rows per pass over the weight: the score buffer is rows x vocab
+  // floats (8 MB for 64 x 32000, 39 MB for 64 x 152k).
+  int64_t rescored = 0, found = 0;
+  for (int64_t r0 = 0; r0 < p.num_rows; r0 += kChunkRows) {
+    GreedyHeadParams c = p;
+    c.hidden_states = p.hidden_states + r0 * p.hidden_stride;
+    c.num_rows = std::min(kChunkRows, p.num_rows - r0);
+    c.out = p.out + r0;
+    int64_t chunk_rescored = 0, chunk_found = 0;
+    c.num_rescored = &chunk_rescored;
+    c.num_outliers = &chunk_found;
+    if (p.outliers) {
+      c.outliers = p.outliers + found;
+      c.max_outliers = p.max_outliers - found;
+    }
+    const Status st = greedy_head_rows(c);
+    if (!st.ok()) return st;
+    rescored += chunk_rescored;
+    found += chunk_found;
+  }
+  if (p.num_rescored) *p.num_rescored = rescored;
+  if (p.num_outliers) *p.num_outliers = found;
+  return Status::Ok();
+}
+
+namespace {
+Status greedy_head_rows(const GreedyHeadParams& p) {
   Work w(p);
   w.padded_hidden = greedy_head_padded_hidden(p.hidden);
   w.groups = w.padded_hidden / 4;
@@ -489,6 +521,7 @@ Status greedy_head(const GreedyHeadParams& p) {
     if (p.out[r] == -2) return Status::Error("greedy_head: internal error, a row kept no candidate");
   return Status::Ok();
 }
+}  // namespace
 
 }  // namespace cpu
 }  // namespace cbk

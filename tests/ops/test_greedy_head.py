@@ -28,6 +28,7 @@ def _random(vocab, hidden, rows, seed, scale=0.05):
     (65, 64, 1),           # one row; a tile with a single real row
     (4096, 576, 37),       # every remainder of the 4-row blocks
     (1, 8, 3),             # a one-token vocab
+    (3000, 64, 150),       # three passes of up to 64 rows
 ])
 def test_matches_exact_argmax(vocab, hidden, rows, use_simd):
     h, w = _random(vocab, hidden, rows, seed=vocab + hidden + rows)
@@ -90,6 +91,16 @@ def test_outlier_dimensions(use_simd):
     assert torch.equal(plain(h, use_simd=use_simd), got) and plain.num_exact == 0
     # Scored exactly, the two dims no longer coarsen every row's int8 scale.
     assert head.num_rescored * 4 < plain.num_rescored
+
+
+def test_outliers_reported_by_several_row_chunks_are_added_once():
+    h, w = _random(2000, 96, 200, seed=10)     # 4 chunks of rows, each sees the same dims
+    h[:, 3] *= 40.0
+    h[150:, 50] *= 40.0
+    head = GreedyHead(w)
+    assert torch.equal(head(h), exact_argmax(h, w))
+    assert sorted(head.exact_dims[:head.num_exact].tolist()) == [3, 50]
+    assert torch.equal(head(h), exact_argmax(h, w))
 
 
 def test_exact_dims_follow_a_weight_update():
