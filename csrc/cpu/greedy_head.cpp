@@ -48,6 +48,9 @@ namespace cpu {
 namespace {
 
 constexpr int64_t kTile = 64;     // vocab rows per tile: 4 blocks of 16 lanes
+// Inputs up to 1e15 keep every product, sum and bound finite in fp32 (65536 x 1e30 < 3e38).
+constexpr float kMaxMagnitude = 1e15f;
+constexpr int64_t kMaxHidden = 65536;
 constexpr int64_t kChunkRows = 64;  // hidden rows per pass over the weight
 constexpr int kRowBlock = 4;      // hidden rows per register block (4 x 4 accumulators)
 constexpr float kBoundScale = 0.5005f;             // the 1/2 of the bound, plus 0.1%
@@ -196,8 +199,9 @@ CBK_VNNI_TARGET inline void tile_epilogue_vnni(const Work& w, int64_t row, int64
 // The vocab rows j of one hidden row with hi[j] >= floor, in increasing order.
 CBK_VNNI_TARGET void select_avx512(const float* hi, int64_t n, float floor, std::vector<int32_t>& out) {
   const __m512 f = _mm512_set1_ps(floor);
-  for (int64_t j = 0; j < n; j += 16) {   // n: the padded vocab, a multiple of 64
+  for (int64_t j = 0; j < n; j += 16) {   // hi holds whole tiles: reading past n is in bounds
     __mmask16 m = _mm512_cmp_ps_mask(_mm512_loadu_ps(hi + j), f, _CMP_GE_OQ);
+    if (j + 16 > n) m = static_cast<__mmask16>(m & ((1u << (n - j)) - 1u));
     while (m) {
       out.push_back(static_cast<int32_t>(j + __builtin_ctz(m)));
       m = static_cast<__mmask16>(m & (m - 1));
@@ -293,8 +297,9 @@ bool greedy_head_has_simd() {
 Status greedy_head_pack(const GreedyHeadPackParams& p) {
   if (p.vocab <= 0 || p.hidden <= 0 || p.weight_stride < p.hidden)
     return Status::Error("greedy_head_pack: need vocab > 0, hidden > 0, weight_stride >= hidden");
-  if (p.vocab > INT32_MAX || p.hidden > (1 << 20))
-    return Status::Error("greedy_head_pack: vocab must fit int32 and hidden be <= 2^20");
+  // int32 sums of K products of at most 255 x 127 cannot wrap for K <= 65536.
+  if (p.vocab > INT32_MAX || p.hidden > kMaxHidden)
+    return Status::Error("greedy_head_pack: vocab must fit int32 and hidden be <= 65536");
   if (!p.weight || !p.packed || !p.row_stats) return Status::Error("greedy_head_pack: null pointer");
   const int64_t padded = greedy_head_padded_vocab(p.vocab);
   const int64_t groups = greedy_head_padded_hidden(p.hidden) / 4;
@@ -317,7 +322,7 @@ Status greedy_head_pack(const GreedyHeadPackParams& p) {
       l1 += std::fabs(w[k]);
       l2 += static_cast<double>(w[k]) * w[k];
     }
-    bad = bad || mx > 1e30f;
+    bad = bad || mx > kMaxMagnitude;
     scale[j] = mx / 127.0f;
     l1s[j] = static_cast<float>(l1) * kUp;
     l2s[j] = static_cast<float>(std::sqrt(l2)) * kUp;
@@ -333,7 +338,7 @@ Status greedy_head_pack(const GreedyHeadPackParams& p) {
     }
     errs[j] = static_cast<float>(std::sqrt(err)) * kUp;
   }
-  if (bad) return Status::Error("greedy_head_pack: the weight holds a non-finite or huge (> 1e30) value");
+  if (bad) return Status::Error("greedy_head_pack: the weight holds a non-finite or huge (> 1e15) value");
   return Status::Ok();
 }
 
@@ -409,7 +414,8 @@ Status greedy_head_rows(const GreedyHeadParams& p) {
       mx = std::max(mx, std::fabs(h[k]));
       if (exact[k] != 1) mx_int8 = std::max(mx_int8, std::fabs(h[k]));
     }
-    if (!finite || mx > 1e30f) return Status::Error("greedy_head: a hidden state is not finite (or > 1e30)");
+    if (!finite || mx > kMaxMagnitude)
+      return Status::Error("greedy_head: a hidden state is not finite (or > 1e15)");
     for (int64_t e = 0; e < p.num_exact; ++e) w.hx[r * p.num_exact + e] = h[p.exact_dims[e]];
     const float inv = mx_int8 > 0.0f ? 127.0f / mx_int8 : 0.0f;
     const float hs = mx_int8 / 127.0f;
@@ -485,10 +491,10 @@ Status greedy_head_rows(const GreedyHeadParams& p) {
     std::vector<int32_t> picked;
 #if CBK_GREEDY_HEAD_SIMD
     if (simd)
-      select_avx512(hi, padded_vocab, floor_lo, picked);
+      select_avx512(hi, p.vocab, floor_lo, picked);
     else
 #endif
-      for (int64_t j = 0; j < padded_vocab; ++j)
+      for (int64_t j = 0; j < p.vocab; ++j)
         if (hi[j] >= floor_lo) picked.push_back(static_cast<int32_t>(j));
     if (static_cast<int64_t>(picked.size()) > cap) {
       p.out[r] = -1;

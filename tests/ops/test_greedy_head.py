@@ -150,6 +150,20 @@ def test_non_finite_values_are_refused():
             GreedyHead(wb)
 
 
+def test_huge_values_are_refused():
+    h, w = _random(100, 16, 2, seed=11)
+    hb = h.clone()
+    hb[0, 0] = 1e16
+    with pytest.raises(RuntimeError, match="1e15"):
+        GreedyHead(w)(hb)
+    wb = w.clone()
+    wb[3, 3] = -1e16
+    with pytest.raises(RuntimeError, match="1e15"):
+        GreedyHead(wb)
+    with pytest.raises(RuntimeError, match="65536"):
+        GreedyHead(torch.zeros(2, 65537))
+
+
 def test_bad_arguments():
     w = torch.randn(100, 16)
     head = GreedyHead(w)
