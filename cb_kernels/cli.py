@@ -3,7 +3,7 @@
     cb-kernels info                     versions, backends, GPU
     cb-kernels demo                     the real-model demo (see README)
     cb-kernels generate --model M ...   batch generation over a jsonl file
-    cb-kernels bench attention|cache|engine|dropin [args]   the benchmarks in bench/
+    cb-kernels bench attention|cache|engine|dropin|offload|overlap|greedy_head [args]   bench/*.py
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import runpy
 import sys
 from pathlib import Path
 
-BENCHES = ("attention", "cache", "engine", "dropin")
+BENCHES = ("attention", "cache", "engine", "dropin", "offload", "overlap", "greedy_head")
 
 
 def _bench_dir() -> Path:
