@@ -27,5 +27,6 @@ PYBIND11_MODULE(_C, m) {
   bind_sampling(m);
   bind_elementwise(m);
   bind_greedy_head(m);
+  bind_linear(m);
   bind_paged_attention_cuda(m);
 }

@@ -1,12 +1,17 @@
-"""A CPU fp32 model's nn.Linear layers through weights packed once for oneDNN, for engine steps.
+"""A CPU fp32 model's nn.Linear layers through weights packed once, for engine steps.
 
 Why: torch's F.linear goes to MKL, which takes a slow path on the AMD bench machine, and linears
 are most of a step on small models (78% of a SmolLM2-135M decode step at 16 rows, profiled).
-Measured there, fp32, 16 rows, per call: F.linear vs a weight packed by
-`torch.ops.mkldnn._reorder_linear_weight`, 1 thread: 1.2-1.45x; 2 threads on the shared machine:
-2-3.3x; LM heads (a wide vocab) 2 threads: 32.1 -> 8.6 ms (tiny Llama 32000 x 256, 32 rows),
-23.8 -> 7.1 ms (SmolLM2 49152 x 576). A row's result does not depend on how many rows share the
-call (checked for 1..700 rows), so batch composition still cannot change a sequence's tokens.
+Two packed backends ("auto" takes the first this CPU runs):
+- "cbk": our kernel, ops.PackedLinear (csrc/cpu/linear.cpp, AVX-512 or AVX2 + FMA). Streaming
+  SmolLM2-135M's linears at 16 rows, 2 threads: 1.2x oneDNN's packed weights; 512 rows
+  0.93-1.06x. Each output is one FMA chain over k, so a row's result depends on nothing else in
+  the batch, the thread count or the ISA.
+- "onednn": `torch.ops.mkldnn._reorder_linear_weight` / `_linear_pointwise`. Against F.linear
+  at 16 rows: 1.2-1.45x on one thread, 2-3.3x on two. Its rows were also checked independent of
+  the batch (1..700 rows).
+Either way batch composition cannot change a sequence's tokens. `BACKEND` (module attribute:
+"auto", "cbk" or "onednn") picks one for groups packed after it is set (benchmarks, tests).
 
 How: for the duration of one step (`with packed:`) every plain `torch.nn.Linear` of the model gets
 an instance `forward` that calls the packed weight; leaving restores the module exactly (the
@@ -33,15 +38,35 @@ from typing import Optional
 
 import torch
 
+from cb_kernels.ops.linear import PackedLinear
+
 logger = logging.getLogger("cb_kernels.engine")
 
 SIBLING_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 _PACK_ROWS_HINT = 32
 
 
-def supported() -> bool:
+BACKEND = "auto"
+
+
+def _onednn_ok() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise") \
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def backend() -> Optional[str]:
+    """The packed backend new groups use: "cbk", "onednn", or None (neither runs here)."""
+    if BACKEND not in ("auto", "cbk", "onednn"):
+        raise ValueError(f"packed_linears.BACKEND must be 'auto', 'cbk' or 'onednn', got {BACKEND!r}")
+    if BACKEND in ("auto", "cbk") and PackedLinear.fast():
+        return "cbk"
+    if BACKEND in ("auto", "onednn") and _onednn_ok():
+        return "onednn"
+    return None
+
+
+def supported() -> bool:
+    return backend() is not None
 
 
 def _plain_linear(m) -> bool:
@@ -69,8 +94,9 @@ class _Group:
         self.members = members
         self.splits = [m.out_features for m in members]
         self.key = None
-        self.weight: Optional[torch.Tensor] = None
+        self.weight: Optional[torch.Tensor] = None   # oneDNN's packed weight
         self.bias: Optional[torch.Tensor] = None
+        self.lin: Optional[PackedLinear] = None       # or ours
         self.last_input = None
         self.last_outputs: list = []
         self.forwards = [self._forward_of(i) for i in range(len(members))]
@@ -81,7 +107,6 @@ class _Group:
             return
         w = torch.cat([m.weight.detach() for m in self.members]) if len(self.members) > 1 \
             else self.members[0].weight.detach()
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), _PACK_ROWS_HINT)
         biases = [m.bias for m in self.members]
         if all(b is None for b in biases):
             self.bias = None
@@ -89,10 +114,17 @@ class _Group:
             self.bias = torch.cat([b.detach() if b is not None else
                                    torch.zeros(m.out_features, dtype=torch.float32)
                                    for m, b in zip(self.members, biases)])
+        if backend() == "cbk":
+            self.lin, self.weight = PackedLinear(w, self.bias), None
+        else:
+            self.lin = None
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), _PACK_ROWS_HINT)
         self.key = key
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., in_features] -> [..., sum of out_features]."""
+        if self.lin is not None:
+            return self.lin.run_unchecked(x)
         rows = x.reshape(-1, x.shape[-1])
         if not rows.is_contiguous():
             rows = rows.contiguous()

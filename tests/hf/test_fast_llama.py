@@ -8,7 +8,7 @@ from cb_kernels import Engine, EngineConfig, SamplingParams
 from cb_kernels.hf.packed_linears import supported
 from tests.engine.tiny_models import make_model, random_prompts
 
-pytestmark = pytest.mark.skipif(not supported(), reason="torch without oneDNN linear ops")
+pytestmark = pytest.mark.skipif(not supported(), reason="neither packed backend runs here")
 
 
 def _engine(model, **kw):

@@ -8,7 +8,18 @@ from cb_kernels import Engine, EngineConfig, SamplingParams
 from cb_kernels.hf.packed_linears import PackedLinears, supported
 from tests.engine.tiny_models import make_model, random_prompts, reference_tokens
 
-pytestmark = pytest.mark.skipif(not supported(), reason="torch without oneDNN linear ops")
+pytestmark = pytest.mark.skipif(not supported(), reason="neither packed backend runs here")
+
+
+@pytest.fixture(autouse=True, params=["cbk", "onednn"])
+def packed_backend(request, monkeypatch):
+    """Every test runs on both packed backends (ours and oneDNN's)."""
+    import cb_kernels.hf.packed_linears as pl
+
+    monkeypatch.setattr(pl, "BACKEND", request.param)
+    if pl.backend() != request.param:
+        pytest.skip(f"the {request.param} packed backend does not run on this machine")
+    return request.param
 
 
 def _groups(packed):
@@ -166,3 +177,11 @@ def test_engine_tokens_equal_generate_either_way(pack):
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=12, ignore_eos=True))
     assert [o.token_ids for o in outs] == reference_tokens(model, prompts, 12)
     assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_backend_setting_is_checked(monkeypatch):
+    import cb_kernels.hf.packed_linears as pl
+
+    monkeypatch.setattr(pl, "BACKEND", "mkl")
+    with pytest.raises(ValueError, match="BACKEND must be 'auto', 'cbk' or 'onednn'"):
+        pl.backend()

@@ -1,0 +1,68 @@
+"""fp32 linear layers on CPU on a weight packed once (csrc/cpu/linear.cpp).
+
+    lin = PackedLinear(torch.cat([q.weight, k.weight, v.weight]), bias=None)
+    y = lin(x)                       # x [..., k] fp32 CPU -> [..., n] == F.linear to fp32 rounding
+
+Every output is one fused multiply-add chain over k in order (plus the bias), so a row's result
+does not depend on the other rows of the batch, the thread count or the ISA body (AVX-512, AVX2
+or plain C++, chosen at run time). The engine's packed linears (hf/packed_linears.py) use it
+where `PackedLinear.fast()`; the kernel file says what it measured against oneDNN.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from cb_kernels import _C
+from cb_kernels.ops._backend import sync_threads
+
+
+class PackedLinear:
+    """A packed copy of an fp32 CPU weight [n, k] (and bias [n]); call it on x [..., k]."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None):
+        for name, t, dims in (("weight", weight, 2), ("bias", bias, 1)):
+            if t is None and name == "bias":
+                continue
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dim() != dims or t.device.type != "cpu" or t.dtype != torch.float32:
+                raise ValueError(f"{name} must be a {dims}-D fp32 CPU tensor, got shape "
+                                 f"{tuple(t.shape)}, {t.dtype} on {t.device}")
+        self.n, self.k = weight.shape
+        if self.n == 0 or self.k == 0:
+            raise ValueError(f"weight must be non-empty, got shape {tuple(weight.shape)}")
+        if bias is not None and bias.shape[0] != self.n:
+            raise ValueError(f"bias must have {self.n} entries, got {bias.shape[0]}")
+        w = weight.detach().contiguous()
+        self.packed = torch.empty(_C.linear_packed_floats(self.n, self.k), dtype=torch.float32)
+        _C.linear_pack(w.data_ptr(), self.n, self.k, self.k, self.packed.data_ptr())
+        self.bias = None if bias is None else bias.detach().contiguous().clone()
+
+    @staticmethod
+    def fast() -> bool:
+        """True where a SIMD body runs (AVX-512 or AVX2 + FMA)."""
+        return _C.linear_isa() != "generic"
+
+    def __call__(self, x: torch.Tensor, *, isa: int = -1) -> torch.Tensor:
+        """x: fp32 CPU [..., k]. Returns a new [..., n] tensor. `isa` caps the body (tests)."""
+        if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != self.k:
+            raise ValueError(f"x must be a [..., {self.k}] tensor, got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        if x.device.type != "cpu" or x.dtype != torch.float32:
+            raise ValueError(f"x must be fp32 on the CPU, got {x.dtype} on {x.device}")
+        return self.run_unchecked(x, isa)
+
+    def run_unchecked(self, x: torch.Tensor, isa: int = -1) -> torch.Tensor:
+        """__call__ without the argument checks, for callers that own them (the engine's
+        packed linears)."""
+        rows = x.reshape(-1, self.k)
+        if rows.stride(1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < self.k):
+            rows = rows.contiguous()
+        y = torch.empty(rows.shape[0], self.n, dtype=torch.float32)
+        sync_threads()
+        _C.linear(rows.data_ptr(), rows.shape[0], self.k,
+                  rows.stride(0) if rows.shape[0] > 1 else self.k, self.packed.data_ptr(), self.n,
+                  0 if self.bias is None else self.bias.data_ptr(), y.data_ptr(), self.n, isa)
+        return y.view(*x.shape[:-1], self.n)

@@ -1,0 +1,51 @@
+// fp32 linear layer on CPU on a weight packed once: y = x @ W^T (+ bias). Torch-free.
+//
+// Layout of a packed weight: output columns in panels of 32; panel p holds W[32p .. 32p+31, :]
+// transposed, [K][32] floats (zeros past N), so one k step of a panel is two cache lines. Each
+// y[m][n] is one fused multiply-add chain over k = 0..K-1 in order, then + bias: the result
+// does not depend on M, on the other rows, on the thread count or on the ISA body.
+#pragma once
+
+#include <cstdint>
+
+#include "cb_kernels/common.h"
+
+namespace cbk {
+
+constexpr int64_t kLinearPanel = 32;
+
+inline int64_t linear_packed_floats(int64_t n, int64_t k) {
+  return (n + kLinearPanel - 1) / kLinearPanel * kLinearPanel * k;
+}
+
+struct LinearPackParams {
+  const float* weight = nullptr;  // [n, k], rows weight_stride apart
+  int64_t n = 0;
+  int64_t k = 0;
+  int64_t weight_stride = 0;
+  float* packed = nullptr;        // [linear_packed_floats(n, k)]
+};
+
+struct LinearParams {
+  const float* x = nullptr;       // [m, k], rows x_stride apart
+  int64_t m = 0;
+  int64_t k = 0;
+  int64_t x_stride = 0;
+  const float* packed = nullptr;  // a packed [n, k] weight
+  int64_t n = 0;
+  const float* bias = nullptr;    // optional [n]
+  float* y = nullptr;             // [m, n], rows y_stride apart
+  int64_t y_stride = 0;
+  // Highest body to use: -1 the best this CPU has, 0 generic, 1 AVX2, 2 AVX-512 (tests check
+  // that every body gives the same bits).
+  int isa = -1;
+};
+
+namespace cpu {
+Status linear_pack(const LinearPackParams& p);
+Status linear(const LinearParams& p);
+// "avx512", "avx2" or "generic": the body linear() runs on this machine.
+const char* linear_isa();
+}  // namespace cpu
+
+}  // namespace cbk

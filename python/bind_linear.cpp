@@ -1,0 +1,48 @@
+// Binding of the packed fp32 linear; cb_kernels/ops/linear.py owns the checks.
+#include <pybind11/pybind11.h>
+
+#include "bindings.h"
+#include "cb_kernels/linear.h"
+
+namespace py = pybind11;
+
+void bind_linear(py::module_& m) {
+  m.def("linear_packed_floats", &cbk::linear_packed_floats, py::arg("n"), py::arg("k"),
+        "Floats of a packed [n, k] weight.");
+  m.def("linear_isa", &cbk::cpu::linear_isa, "The body linear() runs here: avx512, avx2 or generic.");
+  m.def(
+      "linear_pack",
+      [](uintptr_t weight, int64_t n, int64_t k, int64_t weight_stride, uintptr_t packed) {
+        cbk::LinearPackParams p;
+        p.weight = cbk::as_ptr<const float>(weight);
+        p.n = n;
+        p.k = k;
+        p.weight_stride = weight_stride;
+        p.packed = cbk::as_ptr<float>(packed);
+        py::gil_scoped_release nogil;
+        cbk::throw_if_error(cbk::cpu::linear_pack(p));
+      },
+      py::arg("weight"), py::arg("n"), py::arg("k"), py::arg("weight_stride"), py::arg("packed"),
+      "Pack an fp32 [n, k] weight into 32-column panels.");
+  m.def(
+      "linear",
+      [](uintptr_t x, int64_t m_rows, int64_t k, int64_t x_stride, uintptr_t packed, int64_t n,
+         uintptr_t bias, uintptr_t y, int64_t y_stride, int isa) {
+        cbk::LinearParams p;
+        p.x = cbk::as_ptr<const float>(x);
+        p.m = m_rows;
+        p.k = k;
+        p.x_stride = x_stride;
+        p.packed = cbk::as_ptr<const float>(packed);
+        p.n = n;
+        p.bias = cbk::as_ptr<const float>(bias);
+        p.y = cbk::as_ptr<float>(y);
+        p.y_stride = y_stride;
+        p.isa = isa;
+        py::gil_scoped_release nogil;
+        cbk::throw_if_error(cbk::cpu::linear(p));
+      },
+      py::arg("x"), py::arg("m"), py::arg("k"), py::arg("x_stride"), py::arg("packed"), py::arg("n"),
+      py::arg("bias"), py::arg("y"), py::arg("y_stride"), py::arg("isa") = -1,
+      "y[m, n] = x[m, k] @ W^T (+ bias) on a packed weight (bias 0: none).");
+}

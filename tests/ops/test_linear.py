@@ -1,0 +1,74 @@
+"""ops.PackedLinear (csrc/cpu/linear.cpp): y = x @ W.T + b on a packed weight. Every body
+(AVX-512, AVX2, plain C++) gives the same bits, a row's result does not depend on the other rows
+or the thread count, and the values match a double-precision reference to fp32 rounding."""
+import pytest
+import torch
+
+from cb_kernels import _C
+from cb_kernels.ops.linear import PackedLinear
+
+ISAS = {"avx512": 2, "avx2": 1, "generic": 0}
+HERE = ["generic", "avx2", "avx512"][:["generic", "avx2", "avx512"].index(_C.linear_isa()) + 1]
+
+
+def _case(m, k, n, bias, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g) / k ** 0.5
+    b = torch.randn(n, generator=g) if bias else None
+    return x, w, b
+
+
+@pytest.mark.parametrize("m, k, n, bias", [
+    (1, 13, 7, False), (5, 64, 33, True), (37, 256, 384, False), (16, 576, 96, True),
+    (130, 100, 70, True),             # two row chunks, a partial panel
+    (12, 1, 32, False), (25, 3, 1, True),
+])
+def test_matches_reference_and_every_body_gives_the_same_bits(m, k, n, bias):
+    x, w, b = _case(m, k, n, bias, seed=m + k + n)
+    lin = PackedLinear(w, b)
+    want = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    outs = {isa: lin(x, isa=ISAS[isa]) for isa in HERE}
+    for isa, y in outs.items():
+        assert y.shape == (m, n) and y.dtype == torch.float32
+        torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5 * k ** 0.5)
+        assert torch.equal(y, outs[HERE[0]]), f"{isa} differs from {HERE[0]}"
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_rows_result_depends_on_nothing_else(threads):
+    """Batch invariance: a row alone, inside batches of any size and at any thread count gives the
+    same bits."""
+    x, w, b = _case(150, 192, 200, True, seed=1)
+    lin = PackedLinear(w, b)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        full = lin(x)
+        for rows in (slice(7, 8), slice(0, 13), slice(40, 140), slice(149, 150)):
+            assert torch.equal(lin(x[rows]), full[rows])
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_shapes_strides_and_bad_arguments():
+    x, w, b = _case(6, 20, 10, True, seed=2)
+    lin = PackedLinear(w, b)
+    want = lin(x)
+    assert torch.equal(lin(x.view(2, 3, 20)), want.view(2, 3, 10))
+    wide = torch.zeros(6, 50)
+    wide[:, 10:30] = x
+    assert torch.equal(lin(wide[:, 10:30]), want)           # rows 50 apart
+    assert lin(x[:0]).shape == (0, 10)
+    with pytest.raises(TypeError, match="weight must be a torch.Tensor"):
+        PackedLinear([[1.0]])
+    with pytest.raises(ValueError, match="2-D fp32 CPU"):
+        PackedLinear(w.double())
+    with pytest.raises(ValueError, match="bias must have 10"):
+        PackedLinear(w, torch.zeros(9))
+    with pytest.raises(ValueError, match="non-empty"):
+        PackedLinear(torch.zeros(0, 4))
+    with pytest.raises(ValueError, match=r"\[\.\.\., 20\]"):
+        lin(torch.randn(3, 21))
+    with pytest.raises(ValueError, match="fp32 on the CPU"):
+        lin(x.half())
