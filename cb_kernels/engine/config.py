@@ -51,9 +51,10 @@ class EngineConfig:
     attention_backend: backend of the paged-attention op (None = the op's default).
     dtype: KV-cache dtype name (None = the model's dtype).
     cuda_graphs: "auto", True or False (replay decode steps as CUDA graphs; "auto" = on CUDA).
-    pack_weights: "auto", True or False (CPU fp32: run the model's linears on weights packed once
-        for oneDNN, one extra copy of them; "auto" = when that copy takes under a quarter of
-        the available host memory; see cb_kernels/hf/packed_linears.py).
+    pack_weights: "auto", True or False (CPU fp32: run the model's linears on weights packed
+        once, ops.PackedLinear or oneDNN's format on CPUs without AVX2, one extra copy of them;
+        "auto" = when that copy takes under a quarter of the available host memory; see
+        cb_kernels/hf/packed_linears.py).
     greedy_head: "auto", True or False (CPU fp32, the engine's own Llama-family forward: an
         all-greedy step picks its tokens with cb_kernels.ops.greedy_head, int8 scores with a
         proven error bound and exact rescoring of the few rows that can win, instead of every
