@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "isa.h"
@@ -63,6 +64,18 @@ void panel_generic(const LinearParams& p, const float* x, int64_t rows, const fl
       for (int64_t k = 0; k < p.k; ++k) acc = std::fma(x[r * p.x_stride + k], wp[k * kP + c], acc);
       y[r * p.y_stride + c] = p.bias ? acc + p.bias[col0 + c] : acc;
     }
+  }
+}
+
+// f(std::integral_constant<int, n>) for a run-time n in [1, N]: the register tiles of a chunk's
+// last rows.
+template <int N, typename F>
+inline void with_rows(int64_t n, F&& f) {
+  if constexpr (N >= 1) {
+    if (n == N)
+      f(std::integral_constant<int, N>{});
+    else
+      with_rows<N - 1>(n, f);
   }
 }
 
@@ -125,22 +138,9 @@ CBK_AVX512_TARGET void panel_avx512(const LinearParams& p, const float* xp, int6
                                     const float* wp, int64_t col0, int64_t cols, float* y) {
   int64_t r = 0;
   for (; r + 12 <= rows; r += 12) tile_avx512<12>(p, xp + r * p.k, wp, col0, cols, y + r * p.y_stride);
-  const float* xr = xp + r * p.k;
-  float* yr = y + r * p.y_stride;
-  switch (rows - r) {
-    case 11: tile_avx512<11>(p, xr, wp, col0, cols, yr); break;
-    case 10: tile_avx512<10>(p, xr, wp, col0, cols, yr); break;
-    case 9: tile_avx512<9>(p, xr, wp, col0, cols, yr); break;
-    case 8: tile_avx512<8>(p, xr, wp, col0, cols, yr); break;
-    case 7: tile_avx512<7>(p, xr, wp, col0, cols, yr); break;
-    case 6: tile_avx512<6>(p, xr, wp, col0, cols, yr); break;
-    case 5: tile_avx512<5>(p, xr, wp, col0, cols, yr); break;
-    case 4: tile_avx512<4>(p, xr, wp, col0, cols, yr); break;
-    case 3: tile_avx512<3>(p, xr, wp, col0, cols, yr); break;
-    case 2: tile_avx512<2>(p, xr, wp, col0, cols, yr); break;
-    case 1: tile_avx512<1>(p, xr, wp, col0, cols, yr); break;
-    default: break;
-  }
+  with_rows<11>(rows - r, [&](auto mr) {
+    tile_avx512<decltype(mr)::value>(p, xp + r * p.k, wp, col0, cols, y + r * p.y_stride);
+  });
 }
 
 // Half a panel (16 columns at wp) for MR rows: 2 ymm per row; xp as in tile_avx512.
@@ -176,16 +176,9 @@ CBK_AVX2_TARGET void panel_avx2(const LinearParams& p, const float* xp, int64_t 
     float* yh = y + half * 16;
     int64_t r = 0;
     for (; r + 6 <= rows; r += 6) tile_avx2<6>(p, xp + r * p.k, w, c0, n, yh + r * p.y_stride);
-    const float* xr = xp + r * p.k;
-    float* yr = yh + r * p.y_stride;
-    switch (rows - r) {
-      case 5: tile_avx2<5>(p, xr, w, c0, n, yr); break;
-      case 4: tile_avx2<4>(p, xr, w, c0, n, yr); break;
-      case 3: tile_avx2<3>(p, xr, w, c0, n, yr); break;
-      case 2: tile_avx2<2>(p, xr, w, c0, n, yr); break;
-      case 1: tile_avx2<1>(p, xr, w, c0, n, yr); break;
-      default: break;
-    }
+    with_rows<5>(rows - r, [&](auto mr) {
+      tile_avx2<decltype(mr)::value>(p, xp + r * p.k, w, c0, n, yh + r * p.y_stride);
+    });
   }
 }
 #pragma GCC diagnostic pop

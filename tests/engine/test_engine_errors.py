@@ -2,7 +2,7 @@
 import pytest
 
 from cb_kernels import Engine, EngineConfig, SamplingParams
-from tiny_models import ATTN_BACKEND, make_model, random_prompts, reference_tokens, run_checked
+from tiny_models import ATTN_BACKEND, fail_nth_model_run, make_model, random_prompts, reference_tokens, run_checked
 
 pytestmark = pytest.mark.one_thread
 
@@ -101,19 +101,7 @@ def test_cancel_unknown_request(engine):
 
 def test_exception_inside_a_step_fails_that_step_only(engine, llama, monkeypatch):
     prompts = random_prompts([5, 6, 7], seed=5)
-    calls = [0]
-
-    def flaky(real):
-        def run(*args, **kwargs):
-            calls[0] += 1
-            if calls[0] == 3:
-                raise RuntimeError("injected kernel failure")
-            return real(*args, **kwargs)
-        return run
-
-    # A step runs exactly one of the two (forward_greedy on all-greedy steps).
-    monkeypatch.setattr(engine.adapter, "forward", flaky(engine.adapter.forward))
-    monkeypatch.setattr(engine.adapter, "forward_greedy", flaky(engine.adapter.forward_greedy))
+    fail_nth_model_run(monkeypatch, engine.adapter, 3)
     first = [engine.add_request(p, SamplingParams(max_new_tokens=8)) for p in prompts]
     assert engine.step() == [] and engine.step() == []      # prefill, first decode
     ended = engine.step()                                   # the injected failure

@@ -13,7 +13,7 @@ from cb_kernels.engine import engine as engine_mod
 from cb_kernels.engine import pipeline
 from cb_kernels.engine.cuda_graphs import adapter_decode_runner
 from cb_kernels.engine.swapper import OffloadError
-from tiny_models import ATTN_BACKEND, make_model, random_prompts, reference_tokens
+from tiny_models import ATTN_BACKEND, fail_nth_model_run, make_model, random_prompts, reference_tokens
 
 pytestmark = pytest.mark.one_thread
 BLOCK_SIZE = 4
@@ -176,19 +176,7 @@ def test_seeded_sampling_and_greedy_mix_match(llama, workload):
 def test_failed_step_in_flight_fails_only_its_requests(llama, workload, monkeypatch):
     prompts, ref = workload
     engine = make_engine(llama, "on", num_blocks=60)
-    calls = [0]
-
-    def flaky(real):
-        def run(*args, **kwargs):
-            calls[0] += 1
-            if calls[0] == 6:
-                raise RuntimeError("injected kernel failure")
-            return real(*args, **kwargs)
-        return run
-
-    # A step runs exactly one of the two (forward_greedy on all-greedy steps).
-    monkeypatch.setattr(engine.adapter, "forward", flaky(engine.adapter.forward))
-    monkeypatch.setattr(engine.adapter, "forward_greedy", flaky(engine.adapter.forward_greedy))
+    fail_nth_model_run(monkeypatch, engine.adapter, 6)
     outs = run(engine, prompts, [SamplingParams(max_new_tokens=n) for n in NEW])
     failed = [k for k, o in enumerate(outs) if o.finish_reason == "error"]
     assert failed and engine.stats()["failed_steps"] == 1

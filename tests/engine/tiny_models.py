@@ -91,3 +91,20 @@ def make_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")     # joins words with spaces
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+
+
+def fail_nth_model_run(monkeypatch, adapter, n: int, message: str = "injected kernel failure"):
+    """Makes the adapter's n-th model run (1-based) raise RuntimeError(message). A step runs
+    exactly one of forward / forward_greedy (the latter on all-greedy steps): both count."""
+    calls = [0]
+
+    def flaky(real):
+        def run(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == n:
+                raise RuntimeError(message)
+            return real(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(adapter, "forward", flaky(adapter.forward))
+    monkeypatch.setattr(adapter, "forward_greedy", flaky(adapter.forward_greedy))
