@@ -60,6 +60,7 @@ namespace CBK_CPU_NS {
 namespace {
 
 constexpr int kTile = 16;         // KV tokens per online-softmax step
+constexpr int kSmallTile = 64;   // the same for head_dim <= 32
 constexpr int kPartition = 256;   // KV tokens per work item (a multiple of kTile)
 constexpr int kMaxRows = 64;      // query rows per work item (more when one group is larger)
 constexpr int64_t kGrainWork = 4096;   // (query row, key) pairs worth a thread: ~40 us at d=64
@@ -118,6 +119,7 @@ inline int64_t row_offset(const Ctx& c, const Item& it, int64_t r, int64_t strid
 // alphas get the rescale of the earlier tiles, the running max and sum move on. Keys [j0, j1) of
 // the tile are the ones a row at position pos sees; masking runs only where that is not the
 // whole tile.
+template <int kTile>
 inline void softmax_tile(const PagedAttentionParams& p, int64_t r0, int64_t r1, int64_t group,
                          int32_t pos0, int32_t t0, int32_t lo, int32_t hi, float* ss, float* ms,
                          float* ls, float* alphas) {
@@ -169,6 +171,7 @@ inline void softmax_tile(const PagedAttentionParams& p, int64_t r0, int64_t r1, 
   }
 }
 
+template <int kTile>
 void run_item(const Ctx& c, const Item& it, const Item* next, float* partials) {
   const PagedAttentionParams& p = c.p;
   const int64_t dim = p.head_dim, dim8 = c.dim8, group = c.group;
@@ -302,7 +305,7 @@ void run_item(const Ctx& c, const Item& it, const Item* next, float* partials) {
       const int64_t r0 = h * per_head, r1 = r0 + per_head;
       tile_scores<kTile>(qs + r0 * dim8, per_head, kp, jl / 4 * 4, jh, dim8, ss + r0 * kTile, pf,
                          pf_quota);
-      softmax_tile(p, r0, r1, group, pos0, t0, lo, hi, ss, ms, ls, alphas);
+      softmax_tile<kTile>(p, r0, r1, group, pos0, t0, lo, hi, ss, ms, ls, alphas);
       int64_t r = r0;
       for (; r + 2 <= r1; r += 2, pf.step(pf_quota))
         pv_rows<2, 4>(os + r * dim8, dim8, alphas + r, ss + r * kTile, kTile, vp, jl, jh);
@@ -460,7 +463,11 @@ Status paged_attention(const PagedAttentionParams& p) {
     int64_t i = next_item.fetch_add(1, std::memory_order_relaxed);
     while (i < num_items) {
       const int64_t n = next_item.fetch_add(1, std::memory_order_relaxed);
-      run_item(c, plan.items[i], n < num_items ? &plan.items[n] : nullptr, partials);
+      const Item* nx = n < num_items ? &plan.items[n] : nullptr;
+      if (p.head_dim <= 32)
+        run_item<kSmallTile>(c, plan.items[i], nx, partials);
+      else
+        run_item<kTile>(c, plan.items[i], nx, partials);
       i = n;
     }
     if (num_merges > 0) {
