@@ -62,6 +62,7 @@ namespace {
 constexpr int kTile = 16;         // KV tokens per online-softmax step
 constexpr int kSmallTile = 64;   // the same for head_dim <= 32
 constexpr int kPartition = 256;   // KV tokens per work item (a multiple of kTile)
+constexpr int kSmallPartition = 512;
 constexpr int kMaxRows = 64;      // query rows per work item (more when one group is larger)
 constexpr int64_t kGrainWork = 4096;   // (query row, key) pairs worth a thread: ~40 us at d=64
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -388,7 +389,8 @@ void make_plan(const PagedAttentionParams& p, int64_t group, int threads, Plan& 
   auto fit = [&](int32_t i0, int32_t i1) {
     return std::max<int64_t>(1, kMaxRows / ((i1 - i0) * group));
   };
-  auto parts_of = [](int32_t lo, int32_t hi) {
+  const int32_t kPartition = p.head_dim <= 32 ? kSmallPartition : ::cbk::CBK_CPU_NS::kPartition;
+  auto parts_of = [kPartition](int32_t lo, int32_t hi) {
     return (hi - 1) / kPartition - lo / kPartition + 1;
   };
   for_each_chunk(p, group, [&](int32_t, int32_t i0, int32_t i1, int32_t lo, int32_t hi) {
