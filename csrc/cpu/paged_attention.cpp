@@ -5,8 +5,9 @@
 // read from memory once for all of them; an item takes as many kv heads as fit kMaxRows rows
 // (decode: all of them, so it reads each token's K/V rows of every head together). KV partitions
 // are fixed kPartition-token ranges of absolute positions and tiles inside them fixed kTile-token
-// ranges; rows are computed in blocks of 2 (or 1) whose arithmetic per row is the same either way.
-// So how a row's scores are reduced depends only on its own sequence and position, never on the
+// ranges (kSmallPartition and kSmallTile at head_dim <= kSmallDim: a choice by head_dim alone);
+// rows are computed in blocks of 2, 3 or 1 whose arithmetic per row is the same either way. So
+// how a row's scores are reduced depends only on its own sequence and position, never on the
 // batch, the q chunking, the head grouping or the thread count. Partitions give decode with few
 // sequences enough items to keep every thread busy; their partial results (unnormalised output,
 // running max, running sum) are merged in a second pass.
@@ -60,8 +61,9 @@ namespace CBK_CPU_NS {
 namespace {
 
 constexpr int kTile = 16;         // KV tokens per online-softmax step
-constexpr int kSmallTile = 64;   // the same for head_dim <= 32
 constexpr int kPartition = 256;   // KV tokens per work item (a multiple of kTile)
+constexpr int kSmallDim = 32;     // head_dim up to this takes the two below instead
+constexpr int kSmallTile = 64;
 constexpr int kSmallPartition = 512;
 constexpr int kMaxRows = 64;      // query rows per work item (more when one group is larger)
 constexpr int64_t kGrainWork = 4096;   // (query row, key) pairs worth a thread: ~40 us at d=64
@@ -414,9 +416,9 @@ void make_plan(const PagedAttentionParams& p, int64_t group, int threads, Plan& 
   auto fit = [&](int32_t i0, int32_t i1) {
     return std::max<int64_t>(1, kMaxRows / ((i1 - i0) * group));
   };
-  const int32_t kPartition = p.head_dim <= 32 ? kSmallPartition : ::cbk::CBK_CPU_NS::kPartition;
-  auto parts_of = [kPartition](int32_t lo, int32_t hi) {
-    return (hi - 1) / kPartition - lo / kPartition + 1;
+  const int32_t part = p.head_dim <= kSmallDim ? kSmallPartition : kPartition;
+  auto parts_of = [part](int32_t lo, int32_t hi) {
+    return (hi - 1) / part - lo / part + 1;
   };
   for_each_chunk(p, group, [&](int32_t, int32_t i0, int32_t i1, int32_t lo, int32_t hi) {
     plan.work += (i1 - i0) * group * (hi - lo) * heads;
@@ -433,17 +435,17 @@ void make_plan(const PagedAttentionParams& p, int64_t group, int threads, Plan& 
   }
   int64_t offset = 0;
   for_each_chunk(p, group, [&](int32_t s, int32_t i0, int32_t i1, int32_t lo, int32_t hi) {
-    const int32_t k0 = lo / kPartition, k1 = (hi - 1) / kPartition, parts = k1 - k0 + 1;
+    const int32_t k0 = lo / part, k1 = (hi - 1) / part, parts = k1 - k0 + 1;
     const int32_t per = static_cast<int32_t>(std::min(cap, fit(i0, i1)));
     const int32_t groups = static_cast<int32_t>((heads + per - 1) / per);
     for (int32_t g = 0; parts > 1 && g < groups; ++g)
       plan.merges.push_back({static_cast<int64_t>(plan.items.size()) + g, groups, parts});
     for (int32_t k = k0; k <= k1; ++k) {
       const int32_t end =
-          static_cast<int32_t>(std::min<int64_t>(hi, (k + 1) * int64_t{kPartition}));
+          static_cast<int32_t>(std::min<int64_t>(hi, (k + 1) * int64_t{part}));
       for (int32_t h0 = 0; h0 < heads; h0 += per) {
         const int32_t h1 = static_cast<int32_t>(std::min<int64_t>(heads, h0 + per));
-        Item it{s, h0, h1, i0, i1, std::max(lo, k * kPartition), end, -1};
+        Item it{s, h0, h1, i0, i1, std::max(lo, k * part), end, -1};
         if (parts > 1) {
           it.partial = offset;
           offset += (i1 - i0) * group * (h1 - h0) * (p.head_dim + 2);
@@ -491,7 +493,7 @@ Status paged_attention(const PagedAttentionParams& p) {
     while (i < num_items) {
       const int64_t n = next_item.fetch_add(1, std::memory_order_relaxed);
       const Item* nx = n < num_items ? &plan.items[n] : nullptr;
-      if (p.head_dim <= 32)
+      if (p.head_dim <= kSmallDim)
         run_item<kSmallTile>(c, plan.items[i], nx, partials);
       else
         run_item<kTile>(c, plan.items[i], nx, partials);
