@@ -42,6 +42,32 @@
 // the even spread (6-30% slower), a line queue fed from the inner loops (13% slower in cache),
 // K lines before V lines, prefetcht0 or prefetchnta (no better than no prefetch), 64-key tiles,
 // fp32 rows copied to scratch like fp16/bf16 (1.2-1.45x slower).
+//
+// Small heads (2026-11-30, the engine bench's tiny Llama: fp32, 8 q / 2 kv heads, d 32, block
+// 16), against main's kernel (dadab40) in the same process: decode of 37 sequences of 16..770
+// tokens 0.76-0.79x the time on one thread, 0.78-0.84x on two with the K/V of 8 such layers
+// rotating (DRAM); prefill chunks of 512 tokens (2-3 prompts, causal) 0.84-0.89x on one thread,
+// 0.87-0.92x on two; d 64 and d 128 decode and d 64 prefill bit-identical and 0.97-1.03x.
+// Per (key, kv head) a d 32 decode does 16 FMAs of QK and 16 of P.V (8 cycles each at two
+// FMAs a cycle) and 4 exps: sampled with perf, P.V's FMAs are ~23% of the time, QK ~32% (half
+// of it the add tree and the score stores), exp ~10%, the prefetcher ~8%; the rest is the per
+// tile and per row work that 16-key tiles paid once per 16 keys. What paid: 64-key tiles
+// (decode 0.81x, prefill 0.89x; 32 keys 0.87x/0.93x; 128 keys 1.1x slower prefill, its scores
+// leave L1), 512-key partitions (fewer items and merges: 0.95x; 1024 keys 0.97x more but half
+// the items for short batches), all heads' QK before the softmax before all heads' P.V at
+// 64-key tiles (0.96x decode; at 16-key tiles d 64 from DRAM was 1.2x slower, so those keep one
+// head after the other), P.V in blocks of 3 rows for prefill (0.97x; decode's 4 rows a head
+// stay in blocks of 2: 3 + 1 was 1.04x slower). Tried and dropped: the softmax of 8 rows in two
+// passes (tile maxima of all 8, then their exps: 1.06-1.09x slower), a cheaper exp (4 fewer
+// polynomial terms: only 0.96x, not worth its error), 32 or 128 query rows per item (no
+// change), zeroing only the pointer slots the dot blocks read past the range, one prefetch span
+// per key over contiguous heads (no change or slower), the kernel compiled for AVX-512
+// (x86-64-v4: 1.06x slower; EVEX on the AVX2 code alone: 0.97x, not worth a third variant).
+// Where 2x is out of reach: decode from DRAM on two threads now reads K/V at ~30 GB/s, about
+// the machine's copy bandwidth (25 GB/s for a one-thread 128 MiB copy measured alongside); in
+// cache its FMAs alone take 16 of the ~44 cycles per (key, kv head), the rest spread thin over
+// the tree, exp, prefetch and pointer setup (none above ~15%); prefill runs at ~45% of the FMA
+// peak with QK, softmax and P.V each a third of the time.
 #include "cb_kernels/paged_attention.h"
 
 #include <omp.h>
