@@ -66,8 +66,8 @@
 // Where 2x is out of reach: decode from DRAM on two threads now reads K/V at ~30 GB/s, about
 // the machine's copy bandwidth (25 GB/s for a one-thread 128 MiB copy measured alongside); in
 // cache its FMAs alone take 16 of the ~44 cycles per (key, kv head), the rest spread thin over
-// the tree, exp, prefetch and pointer setup (none above ~15%); prefill runs at ~45% of the FMA
-// peak with QK, softmax and P.V each a third of the time.
+// the tree, exp, prefetch and pointer setup (none above ~15%); prefill runs at ~40% of the FMA
+// peak (QK ~1/3 of the time, P.V ~1/4, the softmax ~1/5).
 #include "cb_kernels/paged_attention.h"
 
 #include <omp.h>
