@@ -46,8 +46,13 @@
 // Small heads (2026-11-30, the engine bench's tiny Llama: fp32, 8 q / 2 kv heads, d 32, block
 // 16), against main's kernel (dadab40) in the same process: decode of 37 sequences of 16..770
 // tokens 0.76-0.79x the time on one thread, 0.78-0.84x on two with the K/V of 8 such layers
-// rotating (DRAM); prefill chunks of 512 tokens (2-3 prompts, causal) 0.84-0.89x on one thread,
-// 0.87-0.92x on two; d 64 and d 128 decode and d 64 prefill bit-identical and 0.97-1.03x.
+// rotating (DRAM), 0.77-0.82x on one thread and 0.86-1.0x on two with the caches flushed by a
+// 96 MB pass before each call (the engine's case: its other work evicts the K/V between layer
+// calls, which makes a call ~1.6x its in-cache time); prefill chunks of 512 tokens (2-3
+// prompts, causal) 0.84-0.89x on one thread, 0.87-0.92x on two; d 64 and d 128 decode and d 64
+// prefill bit-identical and 0.97-1.03x. In bench_engine.py's default run on two threads, every
+// attention call timed: decode calls 0.50-0.54 ms against 0.57-0.61 (0.86-0.88x), the steps
+// with prefill chunks 0.94-1.02x (noise of the shared machine).
 // Per (key, kv head) a d 32 decode does 16 FMAs of QK and 16 of P.V (8 cycles each at two
 // FMAs a cycle) and 4 exps: sampled with perf, P.V's FMAs are ~23% of the time, QK ~32% (half
 // of it the add tree and the score stores), exp ~10%, the prefetcher ~8%; the rest is the per
@@ -62,9 +67,11 @@
 // polynomial terms: only 0.96x, not worth its error), 32 or 128 query rows per item (no
 // change), zeroing only the pointer slots the dot blocks read past the range, one prefetch span
 // per key over contiguous heads (no change or slower), the kernel compiled for AVX-512
-// (x86-64-v4: 1.06x slower; EVEX on the AVX2 code alone: 0.97x, not worth a third variant).
-// Where 2x is out of reach: decode from DRAM on two threads now reads K/V at ~30 GB/s, about
-// the machine's copy bandwidth (25 GB/s for a one-thread 128 MiB copy measured alongside); in
+// (x86-64-v4: 1.06x slower; EVEX on the AVX2 code alone: 0.97x, not worth a third variant),
+// touching pages 2-20 tiles ahead instead of 1 (cold decode: no change beyond noise).
+// Where 2x is out of reach: decode from DRAM on two threads now reads K/V at 18-30 GB/s
+// (flushed / rotating), near the machine's copy bandwidth (25 GB/s for a one-thread 128 MiB
+// copy measured alongside), and the engine's calls at ~15 GB/s are bound by that memory; in
 // cache its FMAs alone take 16 of the ~44 cycles per (key, kv head), the rest spread thin over
 // the tree, exp, prefetch and pointer setup (none above ~15%); prefill runs at ~40% of the FMA
 // peak (QK ~1/3 of the time, P.V ~1/4, the softmax ~1/5).
