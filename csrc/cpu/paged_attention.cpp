@@ -217,8 +217,10 @@ void run_item(const Ctx& c, const Item& it, const Item* next, float* partials) {
   const int32_t q_len = p.cu_seqlens_q[it.seq + 1] - p.cu_seqlens_q[it.seq];
   const int32_t pos0 = seq_len - q_len + it.i0;  // position of the item's first q token
 
+  // Heads whose tiles are live at once (see the tile loop).
+  const int64_t step = kTile == kSmallTile ? heads : 1;
   thread_local Scratch scratch;
-  const int64_t need = rows * (2 * dim8 + kTile + 3) + 2 * heads * kTile * dim8 + dim8;
+  const int64_t need = rows * (2 * dim8 + kTile + 3) + 2 * step * kTile * dim8 + dim8;
   if (static_cast<int64_t>(scratch.buf.size()) < need) scratch.buf.resize(need);
   int64_t used = 0;
   float* qs = scratch.take(rows * dim8, used);
@@ -227,8 +229,8 @@ void run_item(const Ctx& c, const Item& it, const Item* next, float* partials) {
   float* ms = scratch.take(rows, used);      // running max
   float* ls = scratch.take(rows, used);      // running sum
   float* alphas = scratch.take(rows, used);  // this tile's rescale of the earlier ones
-  float* kt = scratch.take(heads * kTile * dim8, used);  // fp16/bf16 rows as fp32, per head
-  float* vt = scratch.take(heads * kTile * dim8, used);
+  float* kt = scratch.take(step * kTile * dim8, used);  // fp16/bf16 rows as fp32, per live head
+  float* vt = scratch.take(step * kTile * dim8, used);
   thread_local std::vector<const float*> ptrs;  // each head's K then V row pointers of a tile
   if (static_cast<int64_t>(ptrs.size()) < 2 * heads * kTile) ptrs.resize(2 * heads * kTile);
   const float** kps = ptrs.data();
@@ -324,7 +326,6 @@ void run_item(const Ctx& c, const Item& it, const Item* next, float* partials) {
     // heads' chains of work are independent and overlap where one head's QK -> softmax -> P.V
     // would wait (decode d 32: 0.96x the time). At 16-key tiles (d > 32) one head after the
     // other: the order over all heads read d 64 from DRAM 1.2x slower.
-    const int64_t step = kTile == kSmallTile ? heads : 1;
     for (int64_t hb = 0; hb < heads; hb += step) {
       const int64_t he = hb + step;
       for (int64_t h = hb; h < he; ++h) {
@@ -339,8 +340,8 @@ void run_item(const Ctx& c, const Item& it, const Item* next, float* partials) {
             kp[j] = reinterpret_cast<const float*>(kr);
             vp[j] = reinterpret_cast<const float*>(vr);
           } else {
-            float* kd = kt + (h * kTile + j) * dim8;
-            float* vd = vt + (h * kTile + j) * dim8;
+            float* kd = kt + ((h - hb) * kTile + j) * dim8;
+            float* vd = vt + ((h - hb) * kTile + j) * dim8;
             to_float(kr, p.dtype, dim, kd);
             to_float(vr, p.dtype, dim, vd);
             std::fill(kd + dim, kd + dim8, 0.0f);
@@ -361,8 +362,8 @@ void run_item(const Ctx& c, const Item& it, const Item* next, float* partials) {
         const float* const* vp = vps + h * kTile;
         const int64_t r1 = (h + 1) * per_head;
         int64_t r = h * per_head;
-        // Blocks of 3 rows load each V chunk for 12 FMAs (prefill at d 32: 0.97x the time); a row's
-        // sums run in the same order in any block, so this choice may depend on the item.
+        // Blocks of 3 rows load each V chunk for 12 FMAs (prefill at d 32: 0.97x the time); a
+        // row's sums run in the same order in any block, so this choice may depend on the item.
         if (dim8 == 32 && per_head > 4)
           for (; r + 3 <= r1; r += 3, pf.step(pf_quota))
             pv_rows<3, 4>(os + r * dim8, dim8, alphas + r, ss + r * kTile, kTile, vp, jl, jh);
