@@ -5,8 +5,9 @@
 // read from memory once for all of them; an item takes as many kv heads as fit kMaxRows rows
 // (decode: all of them, so it reads each token's K/V rows of every head together). KV partitions
 // are fixed kPartition-token ranges of absolute positions and tiles inside them fixed kTile-token
-// ranges; rows are computed in blocks of 2 (or 1) whose arithmetic per row is the same either way.
-// So how a row's scores are reduced depends only on its own sequence and position, never on the
+// ranges (kSmallPartition and kSmallTile at head_dim <= kSmallDim: a choice by head_dim alone);
+// rows are computed in blocks of 2, 3 or 1 whose arithmetic per row is the same either way. So
+// how a row's scores are reduced depends only on its own sequence and position, never on the
 // batch, the q chunking, the head grouping or the thread count. Partitions give decode with few
 // sequences enough items to keep every thread busy; their partial results (unnormalised output,
 // running max, running sum) are merged in a second pass.
@@ -41,6 +42,39 @@
 // the even spread (6-30% slower), a line queue fed from the inner loops (13% slower in cache),
 // K lines before V lines, prefetcht0 or prefetchnta (no better than no prefetch), 64-key tiles,
 // fp32 rows copied to scratch like fp16/bf16 (1.2-1.45x slower).
+//
+// Small heads (2026-11-30, the engine bench's tiny Llama: fp32, 8 q / 2 kv heads, d 32, block
+// 16), against main's kernel (dadab40) in the same process: decode of 37 sequences of 16..770
+// tokens 0.76-0.79x the time on one thread, 0.78-0.84x on two with the K/V of 8 such layers
+// rotating (DRAM), 0.77-0.82x on one thread and 0.86-1.0x on two with the caches flushed by a
+// 96 MB pass before each call (the engine's case: its other work evicts the K/V between layer
+// calls, which makes a call ~1.6x its in-cache time); prefill chunks of 512 tokens (2-3
+// prompts, causal) 0.84-0.89x on one thread, 0.87-0.92x on two; d 64 and d 128 decode and d 64
+// prefill bit-identical and 0.97-1.03x. In bench_engine.py's default run on two threads, every
+// attention call timed: decode calls 0.50-0.54 ms against 0.57-0.61 (0.86-0.88x), the steps
+// with prefill chunks 0.94-1.02x (noise of the shared machine).
+// Per (key, kv head) a d 32 decode does 16 FMAs of QK and 16 of P.V (8 cycles each at two
+// FMAs a cycle) and 4 exps: sampled with perf, P.V's FMAs are ~23% of the time, QK ~32% (half
+// of it the add tree and the score stores), exp ~10%, the prefetcher ~8%; the rest is the per
+// tile and per row work that 16-key tiles paid once per 16 keys. What paid: 64-key tiles
+// (decode 0.81x, prefill 0.89x; 32 keys 0.87x/0.93x; 128 keys 1.1x slower prefill, its scores
+// leave L1), 512-key partitions (fewer items and merges: 0.95x; 1024 keys 0.97x more but half
+// the items for short batches), all heads' QK before the softmax before all heads' P.V at
+// 64-key tiles (0.96x decode; at 16-key tiles d 64 from DRAM was 1.2x slower, so those keep one
+// head after the other), P.V in blocks of 3 rows for prefill (0.97x; decode's 4 rows a head
+// stay in blocks of 2: 3 + 1 was 1.04x slower). Tried and dropped: the softmax of 8 rows in two
+// passes (tile maxima of all 8, then their exps: 1.06-1.09x slower), a cheaper exp (4 fewer
+// polynomial terms: only 0.96x, not worth its error), 32 or 128 query rows per item (no
+// change), zeroing only the pointer slots the dot blocks read past the range, one prefetch span
+// per key over contiguous heads (no change or slower), the kernel compiled for AVX-512
+// (x86-64-v4: 1.06x slower; EVEX on the AVX2 code alone: 0.97x, not worth a third variant),
+// touching pages 2-20 tiles ahead instead of 1 (cold decode: no change beyond noise).
+// Where 2x is out of reach: decode from DRAM on two threads now reads K/V at 18-30 GB/s
+// (flushed / rotating), near the machine's copy bandwidth (25 GB/s for a one-thread 128 MiB
+// copy measured alongside), and the engine's calls at ~15 GB/s are bound by that memory; in
+// cache its FMAs alone take 16 of the ~44 cycles per (key, kv head), the rest spread thin over
+// the tree, exp, prefetch and pointer setup (none above ~15%); prefill runs at ~40% of the FMA
+// peak (QK ~1/3 of the time, P.V ~1/4, the softmax ~1/5).
 #include "cb_kernels/paged_attention.h"
 
 #include <omp.h>
@@ -61,6 +95,9 @@ namespace {
 
 constexpr int kTile = 16;         // KV tokens per online-softmax step
 constexpr int kPartition = 256;   // KV tokens per work item (a multiple of kTile)
+constexpr int kSmallDim = 32;     // head_dim up to this takes the two below instead
+constexpr int kSmallTile = 64;
+constexpr int kSmallPartition = 512;
 constexpr int kMaxRows = 64;      // query rows per work item (more when one group is larger)
 constexpr int64_t kGrainWork = 4096;   // (query row, key) pairs worth a thread: ~40 us at d=64
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -118,9 +155,10 @@ inline int64_t row_offset(const Ctx& c, const Item& it, int64_t r, int64_t strid
 // alphas get the rescale of the earlier tiles, the running max and sum move on. Keys [j0, j1) of
 // the tile are the ones a row at position pos sees; masking runs only where that is not the
 // whole tile.
-inline void softmax_tile(const PagedAttentionParams& p, int64_t r0, int64_t r1, int64_t group,
-                         int32_t pos0, int32_t t0, int32_t lo, int32_t hi, float* ss, float* ms,
-                         float* ls, float* alphas) {
+template <int kTile>
+inline void softmax_tile(const PagedAttentionParams& p, int64_t r0, int64_t r1, int64_t per_head,
+                         int64_t group, int32_t pos0, int32_t t0, int32_t lo, int32_t hi,
+                         float* ss, float* ms, float* ls, float* alphas) {
   for (int64_t r8 = r0; r8 < r1; r8 += 8) {
     float m_old[8], m_new[8], sums[8];
     const int64_t n = std::min<int64_t>(8, r1 - r8);
@@ -129,7 +167,7 @@ inline void softmax_tile(const PagedAttentionParams& p, int64_t r0, int64_t r1, 
       m_old[i] = m_new[i] = i < n ? ms[r] : 0.0f;
       sums[i] = 0.0f;
       if (i >= n) continue;
-      const int32_t pos = pos0 + static_cast<int32_t>((r - r0) / group);
+      const int32_t pos = pos0 + static_cast<int32_t>(r % per_head / group);
       const int32_t vlo = std::max(lo, p.sliding_window > 0 ? pos - p.sliding_window + 1 : 0);
       const int j0 = vlo - t0, j1 = std::min(hi, pos + 1) - t0;
       float* s = ss + r * kTile;
@@ -169,6 +207,7 @@ inline void softmax_tile(const PagedAttentionParams& p, int64_t r0, int64_t r1, 
   }
 }
 
+template <int kTile>
 void run_item(const Ctx& c, const Item& it, const Item* next, float* partials) {
   const PagedAttentionParams& p = c.p;
   const int64_t dim = p.head_dim, dim8 = c.dim8, group = c.group;
@@ -178,8 +217,10 @@ void run_item(const Ctx& c, const Item& it, const Item* next, float* partials) {
   const int32_t q_len = p.cu_seqlens_q[it.seq + 1] - p.cu_seqlens_q[it.seq];
   const int32_t pos0 = seq_len - q_len + it.i0;  // position of the item's first q token
 
+  // Heads whose tiles are live at once (see the tile loop).
+  const int64_t step = kTile == kSmallTile ? heads : 1;
   thread_local Scratch scratch;
-  const int64_t need = rows * (2 * dim8 + kTile + 3) + 2 * kTile * dim8 + dim8;
+  const int64_t need = rows * (2 * dim8 + kTile + 3) + 2 * step * kTile * dim8 + dim8;
   if (static_cast<int64_t>(scratch.buf.size()) < need) scratch.buf.resize(need);
   int64_t used = 0;
   float* qs = scratch.take(rows * dim8, used);
@@ -188,8 +229,12 @@ void run_item(const Ctx& c, const Item& it, const Item* next, float* partials) {
   float* ms = scratch.take(rows, used);      // running max
   float* ls = scratch.take(rows, used);      // running sum
   float* alphas = scratch.take(rows, used);  // this tile's rescale of the earlier ones
-  float* kt = scratch.take(kTile * dim8, used);
-  float* vt = scratch.take(kTile * dim8, used);
+  float* kt = scratch.take(step * kTile * dim8, used);  // fp16/bf16 rows as fp32, per live head
+  float* vt = scratch.take(step * kTile * dim8, used);
+  thread_local std::vector<const float*> ptrs;  // each head's K then V row pointers of a tile
+  if (static_cast<int64_t>(ptrs.size()) < 2 * heads * kTile) ptrs.resize(2 * heads * kTile);
+  const float** kps = ptrs.data();
+  const float** vps = kps + heads * kTile;
   float* zero = scratch.take(dim8, used);
   std::fill(zero, zero + dim8, 0.0f);
 
@@ -207,8 +252,6 @@ void run_item(const Ctx& c, const Item& it, const Item* next, float* partials) {
 
   const char* kb = static_cast<const char*>(p.k_cache);
   const char* vb = static_cast<const char*>(p.v_cache);
-  const float* kp[kTile];
-  const float* vp[kTile];
   // Addresses of head h0's K/V rows of this tile and the next (slot pos - t0); the item's other
   // heads are k_head/v_head bytes on. While a tile is computed, the next one's rows of all the
   // item's heads are prefetched in memory order, a few lines per dot block; the last tile
@@ -279,34 +322,56 @@ void run_item(const Ctx& c, const Item& it, const Item* next, float* partials) {
     }
     const int64_t pf_quota = (pf.lines() + pf_calls - 1) / pf_calls;
     const int jl = lo - t0, jh = hi - t0;  // the tile's keys inside this item's range
-    for (int j = 0; j < kTile; ++j)
-      if (j < jl || j >= jh) kp[j] = vp[j] = zero;
-    for (int64_t h = 0; h < heads; ++h) {
-      for (int j = jl; j < jh; ++j) {
-        const char* kr = krow[cur][j] + h * k_head;
-        const char* vr = vrow[cur][j] + h * v_head;
-        if (c.direct_kv) {
-          kp[j] = reinterpret_cast<const float*>(kr);
-          vp[j] = reinterpret_cast<const float*>(vr);
-        } else {
-          float* kd = kt + j * dim8;
-          float* vd = vt + j * dim8;
-          to_float(kr, p.dtype, dim, kd);
-          to_float(vr, p.dtype, dim, vd);
-          std::fill(kd + dim, kd + dim8, 0.0f);
-          std::fill(vd + dim, vd + dim8, 0.0f);
-          kp[j] = kd;
-          vp[j] = vd;
+    // With 64-key tiles all heads' scores, then all rows' softmax, then all heads' P.V: the
+    // heads' chains of work are independent and overlap where one head's QK -> softmax -> P.V
+    // would wait (decode d 32: 0.96x the time). At 16-key tiles (d > 32) one head after the
+    // other: the order over all heads read d 64 from DRAM 1.2x slower.
+    for (int64_t hb = 0; hb < heads; hb += step) {
+      const int64_t he = hb + step;
+      for (int64_t h = hb; h < he; ++h) {
+        const float** kp = kps + h * kTile;
+        const float** vp = vps + h * kTile;
+        for (int j = 0; j < kTile; ++j)
+          if (j < jl || j >= jh) kp[j] = vp[j] = zero;
+        for (int j = jl; j < jh; ++j) {
+          const char* kr = krow[cur][j] + h * k_head;
+          const char* vr = vrow[cur][j] + h * v_head;
+          if (c.direct_kv) {
+            kp[j] = reinterpret_cast<const float*>(kr);
+            vp[j] = reinterpret_cast<const float*>(vr);
+          } else {
+            float* kd = kt + ((h - hb) * kTile + j) * dim8;
+            float* vd = vt + ((h - hb) * kTile + j) * dim8;
+            to_float(kr, p.dtype, dim, kd);
+            to_float(vr, p.dtype, dim, vd);
+            std::fill(kd + dim, kd + dim8, 0.0f);
+            std::fill(vd + dim, vd + dim8, 0.0f);
+            kp[j] = kd;
+            vp[j] = vd;
+          }
         }
       }
-      const int64_t r0 = h * per_head, r1 = r0 + per_head;
-      tile_scores<kTile>(qs + r0 * dim8, per_head, kp, jl / 4 * 4, jh, dim8, ss + r0 * kTile, pf,
-                         pf_quota);
-      softmax_tile(p, r0, r1, group, pos0, t0, lo, hi, ss, ms, ls, alphas);
-      int64_t r = r0;
-      for (; r + 2 <= r1; r += 2, pf.step(pf_quota))
-        pv_rows<2, 4>(os + r * dim8, dim8, alphas + r, ss + r * kTile, kTile, vp, jl, jh);
-      if (r < r1) pv_rows<1, 8>(os + r * dim8, dim8, alphas + r, ss + r * kTile, kTile, vp, jl, jh);
+      for (int64_t h = hb; h < he; ++h) {
+        const int64_t r0 = h * per_head;
+        tile_scores<kTile>(qs + r0 * dim8, per_head, kps + h * kTile, jl / 4 * 4, jh, dim8,
+                           ss + r0 * kTile, pf, pf_quota);
+      }
+      softmax_tile<kTile>(p, hb * per_head, he * per_head, per_head, group, pos0, t0, lo, hi, ss,
+                          ms, ls, alphas);
+      for (int64_t h = hb; h < he; ++h) {
+        const float* const* vp = vps + h * kTile;
+        const int64_t r1 = (h + 1) * per_head;
+        int64_t r = h * per_head;
+        // Blocks of 3 rows load each V chunk for 12 FMAs (prefill at d 32: 0.97x the time); a
+        // row's sums run in the same order in any block, so this choice may depend on the item.
+        if (dim8 == 32 && per_head > 4)
+          for (; r + 3 <= r1; r += 3, pf.step(pf_quota))
+            pv_rows<3, 4>(os + r * dim8, dim8, alphas + r, ss + r * kTile, kTile, vp, jl, jh);
+        for (; r + 2 <= r1; r += 2, pf.step(pf_quota))
+          pv_rows<2, 4>(os + r * dim8, dim8, alphas + r, ss + r * kTile, kTile, vp, jl, jh);
+        if (r < r1)
+          pv_rows<1, 8>(os + r * dim8, dim8, alphas + r, ss + r * kTile, kTile, vp, jl, jh);
+      }
     }
     pf.step(pf.lines());
   }
@@ -385,8 +450,9 @@ void make_plan(const PagedAttentionParams& p, int64_t group, int threads, Plan& 
   auto fit = [&](int32_t i0, int32_t i1) {
     return std::max<int64_t>(1, kMaxRows / ((i1 - i0) * group));
   };
-  auto parts_of = [](int32_t lo, int32_t hi) {
-    return (hi - 1) / kPartition - lo / kPartition + 1;
+  const int32_t part = p.head_dim <= kSmallDim ? kSmallPartition : kPartition;
+  auto parts_of = [part](int32_t lo, int32_t hi) {
+    return (hi - 1) / part - lo / part + 1;
   };
   for_each_chunk(p, group, [&](int32_t, int32_t i0, int32_t i1, int32_t lo, int32_t hi) {
     plan.work += (i1 - i0) * group * (hi - lo) * heads;
@@ -403,17 +469,17 @@ void make_plan(const PagedAttentionParams& p, int64_t group, int threads, Plan& 
   }
   int64_t offset = 0;
   for_each_chunk(p, group, [&](int32_t s, int32_t i0, int32_t i1, int32_t lo, int32_t hi) {
-    const int32_t k0 = lo / kPartition, k1 = (hi - 1) / kPartition, parts = k1 - k0 + 1;
+    const int32_t k0 = lo / part, k1 = (hi - 1) / part, parts = k1 - k0 + 1;
     const int32_t per = static_cast<int32_t>(std::min(cap, fit(i0, i1)));
     const int32_t groups = static_cast<int32_t>((heads + per - 1) / per);
     for (int32_t g = 0; parts > 1 && g < groups; ++g)
       plan.merges.push_back({static_cast<int64_t>(plan.items.size()) + g, groups, parts});
     for (int32_t k = k0; k <= k1; ++k) {
       const int32_t end =
-          static_cast<int32_t>(std::min<int64_t>(hi, (k + 1) * int64_t{kPartition}));
+          static_cast<int32_t>(std::min<int64_t>(hi, (k + 1) * int64_t{part}));
       for (int32_t h0 = 0; h0 < heads; h0 += per) {
         const int32_t h1 = static_cast<int32_t>(std::min<int64_t>(heads, h0 + per));
-        Item it{s, h0, h1, i0, i1, std::max(lo, k * kPartition), end, -1};
+        Item it{s, h0, h1, i0, i1, std::max(lo, k * part), end, -1};
         if (parts > 1) {
           it.partial = offset;
           offset += (i1 - i0) * group * (h1 - h0) * (p.head_dim + 2);
@@ -460,7 +526,11 @@ Status paged_attention(const PagedAttentionParams& p) {
     int64_t i = next_item.fetch_add(1, std::memory_order_relaxed);
     while (i < num_items) {
       const int64_t n = next_item.fetch_add(1, std::memory_order_relaxed);
-      run_item(c, plan.items[i], n < num_items ? &plan.items[n] : nullptr, partials);
+      const Item* nx = n < num_items ? &plan.items[n] : nullptr;
+      if (p.head_dim <= kSmallDim)
+        run_item<kSmallTile>(c, plan.items[i], nx, partials);
+      else
+        run_item<kTile>(c, plan.items[i], nx, partials);
       i = n;
     }
     if (num_merges > 0) {

@@ -65,6 +65,12 @@ CASES = [
     Case("partition-edges", ((256, 17), (257, 1), (512, 1), (255, 255), (33, 2))),
     Case("gqa16-rows", ((300, 9), (64, 1)), num_heads=16, num_kv_heads=1, head_dim=64),
     Case("gqa128-mqa-wide", ((70, 3),), num_heads=128, num_kv_heads=1, head_dim=16),
+    # head_dim <= 32 takes 64-key tiles and 512-key partitions on the CPU: lengths at their
+    # edges, a chunk straddling a partition, a window and softcap cutting tiles, fp16 rows.
+    Case("d32-edges", ((512, 17), (513, 1), (1030, 1), (64, 64), (65, 3), (600, 200)),
+         head_dim=32),
+    Case("d32-fp16-window-softcap", ((700, 1), (300, 70)), head_dim=32, dtype=torch.float16,
+         sliding_window=100, softcap=10.0),
 ]
 
 

@@ -117,7 +117,10 @@ def test_reference_softcap_by_hand():
 # batch, and on 1 or 2 threads (64 q heads over 8 kv heads, ~40k row-key pairs).
 @pytest.mark.parametrize("case", [BY_ID["mixed-gqa4-d64-bs16"],
                                   Case("decode-64q-8kv", ((600, 1), (37, 1), (300, 5)),
-                                       num_heads=64, num_kv_heads=8)], ids=lambda c: c.id)
+                                       num_heads=64, num_kv_heads=8),
+                                  Case("d32-32q-8kv", ((1100, 1), (37, 1), (600, 5), (300, 300)),
+                                       num_heads=32, num_kv_heads=8, head_dim=32)],
+                         ids=lambda c: c.id)
 def test_cpu_batch_and_threads_do_not_change_results(case):
     """A sequence's output is bit-identical alone, inside a batch, and on 1 or 2 threads."""
     q, k_cache, v_cache, block_tables, seq_lens, cu = build(case)
