@@ -29,6 +29,8 @@ def collect() -> dict:
         "cuda_archs": _C.build_info["cuda_archs"] or None,
         "cuda_kernels_usable": cuda_kernels_error() or "yes",
         "cpu_kernel_isa": _C.cpu_isa(),
+        "cpu_linear_isa": _C.linear_isa(),
+        "cpu_greedy_head": "avx512-vnni" if _C.greedy_head_has_simd() else "portable (off by default)",
         "cpu_threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "torch": torch.__version__,
