@@ -52,7 +52,7 @@ class EngineConfig:
     dtype: KV-cache dtype name (None = the model's dtype).
     cuda_graphs: "auto", True or False (replay decode steps as CUDA graphs; "auto" = on CUDA).
     pack_weights: "auto", True or False (CPU fp32: run the model's linears on weights packed
-        once, ops.PackedLinear or oneDNN's format on CPUs without AVX2, one extra copy of them;
+        once, ops.PackedLinear or oneDNN's format on CPUs without AVX-512, one extra copy of them;
         "auto" = when that copy takes under a quarter of the available host memory; see
         cb_kernels/hf/packed_linears.py).
     greedy_head: "auto", True or False (CPU fp32, the engine's own Llama-family forward: an

@@ -3,7 +3,8 @@
 Why: torch's F.linear goes to MKL, which takes a slow path on the AMD bench machine, and linears
 are most of a step on small models (78% of a SmolLM2-135M decode step at 16 rows, profiled).
 Two packed backends ("auto" takes the first this CPU runs):
-- "cbk": our kernel, ops.PackedLinear (csrc/cpu/linear.cpp, AVX-512 or AVX2 + FMA). Streaming
+- "cbk": our kernel, ops.PackedLinear (csrc/cpu/linear.cpp; "auto" takes it with AVX-512, where
+  it beats oneDNN; its AVX2 body is correct but slower than oneDNN). Streaming
   SmolLM2-135M's linears at 16 rows, 2 threads: 1.2x oneDNN's packed weights; 512 rows
   0.93-1.06x. Each output is one FMA chain over k, so a row's result depends on nothing else in
   the batch, the thread count or the ISA.

@@ -4,7 +4,10 @@
 // where oneDNN's packed fp32 GEMM stays well below the core's FMA peak. Measured on the 2-core
 // Zen 4 bench machine, one thread, SmolLM2-135M's linears (30 layers of q/k/v 576->960, o
 // 576->576, gate/up 576->3072, down 1536->576, 425 MB streamed): 16 rows 36-38 ms here against
-// 45-50 ms for oneDNN; 512 rows (2 layers) 66 ms (95% of the FMA peak) against 69-78 ms.
+// 45-50 ms for oneDNN; 512 rows (2 layers) 66 ms (95% of the FMA peak) against 69-78 ms; two
+// threads, 16 rows: 20.7-21.7 ms against 25-29 ms. The AVX2 body (forced on the same machine)
+// reaches only 0.65x oneDNN at 16 rows and 0.87x at 512, so the engine uses oneDNN on AVX2-only
+// CPUs (ops/linear.py, PackedLinear.fast()); the body stays, for them and for the tests.
 //
 // The register tile keeps MR rows x 32 columns of y in registers (AVX-512: 12 x 2 zmm; AVX2:
 // 6 rows x 16 columns, 2 ymm, per half panel); each k step loads the panel's line(s) once and
@@ -158,12 +161,21 @@ CBK_AVX2_TARGET void tile_avx2(const LinearParams& p, const float* xp, const flo
       a1[r] = _mm256_fmadd_ps(xb, w1, a1[r]);
     }
   }
+  // Masked stores straight from the registers: spilling the accumulators to a local array for
+  // the store made GCC keep all 12 in memory inside the k loop (2.3x slower).
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(cols)), lane);
+  const __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(cols) - 8), lane);
+  const bool bias = p.bias != nullptr;
+  __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+  if (bias) {
+    b0 = _mm256_maskload_ps(p.bias + col0, m0);
+    b1 = _mm256_maskload_ps(p.bias + col0 + 8, m1);
+  }
   for (int r = 0; r < MR; ++r) {
-    alignas(32) float out[16];
-    _mm256_store_ps(out, a0[r]);
-    _mm256_store_ps(out + 8, a1[r]);
     float* yr = y + r * p.y_stride;
-    for (int64_t c = 0; c < cols; ++c) yr[c] = p.bias ? out[c] + p.bias[col0 + c] : out[c];
+    _mm256_maskstore_ps(yr, m0, bias ? _mm256_add_ps(a0[r], b0) : a0[r]);
+    _mm256_maskstore_ps(yr + 8, m1, bias ? _mm256_add_ps(a1[r], b1) : a1[r]);
   }
 }
 
