@@ -30,6 +30,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -59,6 +60,24 @@ constexpr float kBoundScale = 0.5005f;             // the 1/2 of the bound, plus
 constexpr float kNormScale = 1.001f;                // the Cauchy-Schwarz bounds, plus 0.1%
 constexpr float kRoundingSlack = 1.0f / 262144.0f;  // 2^-18, times max|h| ||w_j||_1
 constexpr float kTinySlack = 1e-30f;                // absolute, for subnormal corners
+
+// The int8 scale of a vector whose largest magnitude is mx, and its inverse. Below 127 FLT_MIN,
+// 127 / mx overflows fp32 (every value would quantise to +-127 and 0 to NaN -> -127, far past the
+// half step the bound assumes) and mx / 127 is subnormal: the scale is then FLT_MIN, whose inverse
+// 2^126 is exact, so each value still rounds to within half a step.
+inline float int8_scale(float mx, float* inv) {
+  const float s = mx / 127.0f;
+  if (mx == 0.0f) {
+    *inv = 0.0f;
+    return 0.0f;
+  }
+  if (s < FLT_MIN) {
+    *inv = 1.0f / FLT_MIN;
+    return FLT_MIN;
+  }
+  *inv = 127.0f / mx;
+  return s;
+}
 
 inline int64_t packed_offset(int64_t j, int64_t k, int64_t groups) {
   return (((j / kTile) * groups + k / 4) * kTile + j % kTile) * 4 + k % 4;
@@ -325,12 +344,12 @@ Status greedy_head_pack(const GreedyHeadPackParams& p) {
       l2 += static_cast<double>(w[k]) * w[k];
     }
     bad = bad || mx > kMaxMagnitude;
-    scale[j] = mx / 127.0f;
+    float inv = 0.0f;
+    scale[j] = int8_scale(mx, &inv);
     l1s[j] = static_cast<float>(l1) * kUp;
     l2s[j] = static_cast<float>(std::sqrt(l2)) * kUp;
     errs[j] = 0.0f;
     if (mx == 0.0f) continue;
-    const float inv = 127.0f / mx;
     double err = 0.0;
     for (int64_t k = 0; k < p.hidden; ++k) {
       const float q = std::min(127.0f, std::max(-127.0f, std::nearbyint(w[k] * inv)));
@@ -419,8 +438,8 @@ Status greedy_head_rows(const GreedyHeadParams& p) {
     if (!finite || mx > kMaxMagnitude)
       return Status::Error("greedy_head: a hidden state is not finite (or > 1e15)");
     for (int64_t e = 0; e < p.num_exact; ++e) w.hx[r * p.num_exact + e] = h[p.exact_dims[e]];
-    const float inv = mx_int8 > 0.0f ? 127.0f / mx_int8 : 0.0f;
-    const float hs = mx_int8 / 127.0f;
+    float inv = 0.0f;
+    const float hs = int8_scale(mx_int8, &inv);
     int32_t sum = 0, sum_abs = 0;
     int64_t sum_sq = 0;
     double err = 0.0;

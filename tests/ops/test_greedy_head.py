@@ -93,6 +93,25 @@ def test_outlier_dimensions(use_simd):
     assert head.num_rescored * 4 < plain.num_rescored
 
 
+@pytest.mark.parametrize("use_simd", BODIES)
+def test_tiny_magnitudes_whose_int8_scale_would_be_subnormal(use_simd):
+    """max|h| or max|w_j| below 127 x FLT_MIN: 127 / max overflows fp32, so a plain h * (127 /
+    max) quantises 0 to -127 and every value to +-127, far past the half-step the bound assumes."""
+    w = torch.tensor([[1e10, 0.0], [0.0, 1.1e10]])
+    h = torch.tensor([[3e-37, 1e-37]])               # logits 3e-27 and 1.1e-27
+    assert GreedyHead(w, max_exact_dims=0)(h, use_simd=use_simd).tolist() == [0]
+    w = torch.tensor([[3e-37, 0.0], [1e-37, 1e-37]])
+    h = torch.tensor([[1e10, 1e10]])                 # logits 3e-27 and 2e-27
+    assert GreedyHead(w, max_exact_dims=0)(h, use_simd=use_simd).tolist() == [0]
+    g = torch.Generator().manual_seed(12)
+    for hs, ws in ((1e-38, 1e12), (1e-40, 1e14), (1e12, 1e-39)):
+        h = torch.randn(5, 24, generator=g) * hs
+        w = torch.randn(300, 24, generator=g) * ws
+        w[::7] *= 1e-3                               # some rows far smaller than the rest
+        assert torch.equal(GreedyHead(w, max_exact_dims=0)(h, use_simd=use_simd),
+                           exact_argmax(h, w))
+
+
 def test_outliers_reported_by_several_row_chunks_are_added_once():
     h, w = _random(2000, 96, 200, seed=10)     # 4 chunks of rows, each sees the same dims
     h[:, 3] *= 40.0
