@@ -330,6 +330,7 @@ class ModelAdapter:
         """Returns logits [len(logits_indices), vocab_size] in fp32."""
         return self._logits(input_ids, position_ids, logits_indices, step)
 
+    @torch.inference_mode()
     def forward_greedy(self, input_ids, position_ids, logits_indices, step: StepInputs):
         """For an all-greedy step: (None, argmax token ids int64 [S]) when the greedy head runs
         (hf/fast_llama.py), else (logits [S, vocab] fp32, None) as forward(). The engine calls

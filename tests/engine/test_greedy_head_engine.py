@@ -93,3 +93,27 @@ def test_non_finite_hidden_states_take_the_fp32_head():
 def test_bad_setting():
     with pytest.raises(ValueError, match="greedy_head must be 'auto', True or False"):
         EngineConfig(greedy_head="yes")
+
+
+@pytest.mark.parametrize("kind, greedy_head", [("gemma", True), ("llama", False)])
+def test_greedy_steps_without_the_head_run_in_inference_mode(kind, greedy_head):
+    """An all-greedy step that cannot take the greedy head (no fast path, or the head off) runs
+    transformers' forward: in inference mode like forward(), not building an autograd graph
+    through weights that require grad."""
+    model = make_model(kind).requires_grad_(True)
+    engine = Engine(model, EngineConfig(attention_backend=ATTN_BACKEND, pack_weights=False,
+                                        greedy_head=greedy_head))
+    if kind == "llama":
+        model.lm_head.register_forward_hook(lambda m, i, o: None)   # the fast path steps aside
+    modes = []
+    run_model = engine.adapter._run_model
+
+    def spy(*args, **kwargs):
+        modes.append(torch.is_inference_mode_enabled())
+        return run_model(*args, **kwargs)
+
+    engine.adapter._run_model = spy
+    prompts = random_prompts([5, 7], seed=2)
+    outs = engine.generate(prompts, [SamplingParams(max_new_tokens=3)] * 2)
+    assert [o.token_ids for o in outs] == reference_tokens(model, prompts, [3, 3])
+    assert modes and all(modes)
