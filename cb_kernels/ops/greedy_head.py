@@ -81,6 +81,10 @@ class GreedyHead:
         key = (w.data_ptr(), 0 if w.is_inference() else w._version)
         if key == self._key and not force:
             return
+        self._check_weight(w)              # `.data = other` can change shape, dtype, strides
+        if tuple(w.shape) != (self.vocab, self.hidden):
+            raise ValueError(f"weight changed shape: packed as [{self.vocab}, {self.hidden}], "
+                             f"now {list(w.shape)}; build a new GreedyHead")
         _C.greedy_head_pack(w.data_ptr(), self.vocab, self.hidden, w.stride(0),
                             self.packed.data_ptr(), self.row_stats.data_ptr())
         for e in range(self.num_exact):

@@ -200,3 +200,20 @@ def test_bad_arguments():
         head(torch.randn(3, 16, dtype=torch.float64))
     with pytest.raises(ValueError, match="max_exact_dims"):
         GreedyHead(w, max_exact_dims=65)
+
+
+def test_weight_data_swapped_for_another_shape_or_dtype_is_refused():
+    """`param.data = other` keeps the Parameter object but may change its shape or dtype: the
+    repack must refuse it rather than read the new storage with the old sizes."""
+    w = torch.nn.Parameter(torch.randn(3000, 64), requires_grad=False)
+    head = GreedyHead(w)
+    h = torch.randn(2, 64)
+    assert torch.equal(head(h), exact_argmax(h, w))
+    w.data = torch.randn(10, 64)
+    with pytest.raises(ValueError, match=r"\[3000, 64\]"):
+        head(h)
+    w.data = torch.randn(3000, 64, dtype=torch.float64)
+    with pytest.raises(ValueError, match="fp32"):
+        head(h)
+    w.data = torch.randn(3000, 64)                 # the same shape again: repacked
+    assert torch.equal(head(h), exact_argmax(h, w.data))
