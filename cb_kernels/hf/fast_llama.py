@@ -214,7 +214,10 @@ class LlamaFastPath:
         """The greedy head's tokens for `rows`, or None to take the fp32 head (a non-finite hidden
         state: torch's argmax rule for NaN applies there)."""
         g, m = self.greedy, self.head_module
-        if g.weight is not m.weight:          # the user replaced the parameter
+        # The user replaced the parameter, swapped its .data for another shape or dtype, or gave
+        # the head a bias: build again (or turn off).
+        if (g.weight is not m.weight or not _greedy_head_ok(m)
+                or tuple(m.weight.shape) != (g.vocab, g.hidden)):
             self.enable_greedy_head(True)
             if self.greedy is None:
                 return None

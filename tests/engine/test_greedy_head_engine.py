@@ -117,3 +117,16 @@ def test_greedy_steps_without_the_head_run_in_inference_mode(kind, greedy_head):
     outs = engine.generate(prompts, [SamplingParams(max_new_tokens=3)] * 2)
     assert [o.token_ids for o in outs] == reference_tokens(model, prompts, [3, 3])
     assert modes and all(modes)
+
+
+def test_bias_added_to_the_head_mid_run_is_honoured():
+    model = make_model("llama", seed=3)
+    prompts = random_prompts([5, 7], seed=1)
+    engine = Engine(model, EngineConfig(attention_backend=ATTN_BACKEND, greedy_head=True))
+    engine.generate(prompts, [SamplingParams(max_new_tokens=2)] * 2)
+    bias = torch.zeros(model.lm_head.weight.shape[0])
+    bias[17] = 100.0
+    model.lm_head.bias = torch.nn.Parameter(bias)
+    outs = engine.generate(prompts, [SamplingParams(max_new_tokens=3)] * 2)
+    assert [o.token_ids for o in outs] == reference_tokens(model, prompts, [3, 3]) \
+        == [[17] * 3] * 2
