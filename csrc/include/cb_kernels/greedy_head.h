@@ -32,7 +32,8 @@ struct GreedyHeadPackParams {
   int64_t weight_stride = 0;
   uint8_t* packed = nullptr;      // [greedy_head_packed_bytes(vocab, hidden)]
   // [kGreedyHeadRowStats, padded vocab], 0 for padding: per vocab row its int8 scale
-  // max|w_j| / 127, then ||w_j||_1, ||w_j||_2 and ||w_j - w~_j||_2 (rounded up).
+  // max|w_j| / 127 (FLT_MIN if that is smaller, 0 for a zero row), then ||w_j||_1, ||w_j||_2
+  // and ||w_j - w~_j||_2 (rounded up).
   float* row_stats = nullptr;
 };
 
