@@ -27,6 +27,8 @@ tensor is replaced or changed in place (data_ptr and version checked on entry). 
 bypass the version counter are not seen: through `.data` (`w.data.copy_(...)`,
 `w.data += delta`) or to inference tensors; after such a write call `refresh(force=True)` (an
 Engine's PackedLinears is `engine.adapter._packed`), or the steps keep the old weights.
+Assigning `w.data = new` is seen: a group holds the storages it packed from, so the new one
+cannot reuse their address.
 
 Cost: one packed copy of every linear weight (the model's own weights stay untouched). `build`
 skips packing (returns None) when that copy would take more than a quarter of the host's
@@ -106,6 +108,10 @@ class _Group:
         key = tuple((_identity(m.weight), _identity(m.bias)) for m in self.members)
         if key == self.key and not force:
             return
+        # Holding the storages packed from keeps their addresses from being reused by a later
+        # `.data = ...` (whose version counter does not move): a new address means a repack.
+        self.sources = [t.untyped_storage() for m in self.members for t in (m.weight, m.bias)
+                        if t is not None]
         w = torch.cat([m.weight.detach() for m in self.members]) if len(self.members) > 1 \
             else self.members[0].weight.detach()
         biases = [m.bias for m in self.members]

@@ -89,6 +89,9 @@ class GreedyHead:
                             self.packed.data_ptr(), self.row_stats.data_ptr())
         for e in range(self.num_exact):
             self._gather_column(e)
+        # Holding the storage packed from keeps its address from being reused by a later
+        # `.data = ...` (whose version counter does not move): a new address means a repack.
+        self._packed_from = w.untyped_storage()
         self._key = key
 
     def _gather_column(self, e: int) -> None:

@@ -59,6 +59,9 @@ constexpr int kRowBlock = 4;      // hidden rows per register block (4 x 4 accum
 constexpr float kBoundScale = 0.5005f;             // the 1/2 of the bound, plus 0.1%
 constexpr float kNormScale = 1.001f;                // the Cauchy-Schwarz bounds, plus 0.1%
 constexpr float kRoundingSlack = 1.0f / 262144.0f;  // 2^-18, times max|h| ||w_j||_1
+// Each exact dim adds one fp32 rounding (<= 2^-24 max|h| ||w_j||_1) to the score: budgeted
+// twice over, on top of the 2^-18, so 64 exact dims stay as safe as 8.
+constexpr float kExactDimSlack = 1.0f / 8388608.0f;  // 2^-23
 constexpr float kTinySlack = 1e-30f;                // absolute, for subnormal corners
 
 // The int8 scale of a vector whose largest magnitude is mx, and its inverse. Below 127 FLT_MIN,
@@ -460,7 +463,7 @@ Status greedy_head_rows(const GreedyHeadParams& p) {
     w.v[r] = kBoundScale * (hs * static_cast<float>(sum_abs));
     w.pn[r] = kNormScale * static_cast<float>(std::sqrt(err));
     w.qn[r] = kNormScale * static_cast<float>(hs * std::sqrt(static_cast<double>(sum_sq)));
-    w.r[r] = kRoundingSlack * mx;
+    w.r[r] = (kRoundingSlack + kExactDimSlack * static_cast<float>(p.num_exact)) * mx;
     if (report) {
       double sq = 0.0;
       for (int64_t k = 0; k < p.hidden; ++k) sq += static_cast<double>(h[k]) * h[k];
