@@ -112,7 +112,10 @@ struct Work {
   // + r l1_j (row_stats: scale s_j, l1, l2, err).
   std::vector<float> u, v, pn, qn, r;
   const float *scale = nullptr, *l1 = nullptr, *l2 = nullptr, *err = nullptr;
-  float* hi = nullptr;           // [rows, padded vocab]: score + bound of every vocab row
+  // [rows, tiles]: the largest score + bound of each (hidden row, tile). Pass 2 recomputes the
+  // 64 scores of only the tiles that reach the row's floor: storing every score (rows x vocab
+  // floats) cost ~0.3 ms of DRAM traffic a call in the engine, 39 MB for 64 x 152k.
+  float* tile_hi = nullptr;
   std::vector<float> hx;         // [rows, num_exact]: h at the exact dims
   int64_t padded_vocab = 0;
   explicit Work(const GreedyHeadParams& params) : p(params) {}
@@ -124,15 +127,16 @@ struct Slice {
   explicit Slice(int64_t rows) : best_lo(rows, -INFINITY) {}
 };
 
-// The epilogue of one row over one tile: 64 integer dots -> scores and bounds; writes score +
-// bound to w.hi, keeps the largest score - bound. `dots` holds the tile's 64 sums (with the +128
-// offset still in).
-inline void tile_epilogue(const Work& w, int64_t row, int64_t j0, const int32_t* dots, Slice& s) {
+// The epilogue of one row over one tile: 64 integer dots (with the +128 offset still in) ->
+// scores and bounds. Pass 1 (s given): keeps the tile's largest score + bound and the row's
+// largest score - bound. Pass 2 (hi_out given): writes the 64 scores + bounds there.
+inline void tile_epilogue(const Work& w, int64_t row, int64_t j0, const int32_t* dots, Slice* s,
+                          float* hi_out) {
   const GreedyHeadParams& p = w.p;
   const float hs = w.hscale[row], u = w.u[row], v = w.v[row], pn = w.pn[row], qn = w.qn[row],
               r = w.r[row];
   const int32_t off = w.offset[row];
-  float* hi = w.hi + row * w.padded_vocab + j0;
+  float hi[kTile];
   float tile_lo = -INFINITY;
   for (int64_t i = 0; i < kTile; ++i) {
     const int64_t j = j0 + i;
@@ -149,27 +153,33 @@ inline void tile_epilogue(const Work& w, int64_t row, int64_t j0, const int32_t*
     hi[i] = a + b;
     tile_lo = std::max(tile_lo, a - b);
   }
-  s.best_lo[row] = std::max(s.best_lo[row], tile_lo);
+  if (hi_out != nullptr) {
+    std::memcpy(hi_out, hi, sizeof(hi));
+    return;
+  }
+  w.tile_hi[row * w.tiles + j0 / kTile] = *std::max_element(hi, hi + kTile);
+  s->best_lo[row] = std::max(s->best_lo[row], tile_lo);
+}
+
+// One hidden row over tile t, plain loops.
+void tile_row_portable(const Work& w, int64_t t, int64_t row, Slice* s, float* hi_out) {
+  const uint8_t* tile = w.p.packed + t * w.groups * kTile * 4;
+  const int8_t* h = w.hq.data() + row * w.padded_hidden;
+  int32_t dots[kTile];
+  for (int64_t i = 0; i < kTile; ++i) {
+    int32_t acc = 0;
+    for (int64_t g = 0; g < w.groups; ++g) {
+      const uint8_t* b = tile + (g * kTile + i) * 4;
+      for (int q = 0; q < 4; ++q) acc += static_cast<int32_t>(b[q]) * h[4 * g + q];
+    }
+    dots[i] = acc;
+  }
+  tile_epilogue(w, row, t * kTile, dots, s, hi_out);
 }
 
 void tiles_portable(const Work& w, int64_t t0, int64_t t1, Slice& s) {
-  const GreedyHeadParams& p = w.p;
-  int32_t dots[kTile];
-  for (int64_t t = t0; t < t1; ++t) {
-    const uint8_t* tile = p.packed + t * w.groups * kTile * 4;
-    for (int64_t row = 0; row < p.num_rows; ++row) {
-      const int8_t* h = w.hq.data() + row * w.padded_hidden;
-      for (int64_t i = 0; i < kTile; ++i) {
-        int32_t acc = 0;
-        for (int64_t g = 0; g < w.groups; ++g) {
-          const uint8_t* b = tile + (g * kTile + i) * 4;
-          for (int q = 0; q < 4; ++q) acc += static_cast<int32_t>(b[q]) * h[4 * g + q];
-        }
-        dots[i] = acc;
-      }
-      tile_epilogue(w, row, t * kTile, dots, s);
-    }
-  }
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t row = 0; row < w.p.num_rows; ++row) tile_row_portable(w, t, row, &s, nullptr);
 }
 
 #if CBK_GREEDY_HEAD_SIMD
@@ -182,7 +192,7 @@ void tiles_portable(const Work& w, int64_t t0, int64_t t1, Slice& s) {
 
 // tile_epilogue() in 16-lane steps.
 CBK_VNNI_TARGET inline void tile_epilogue_vnni(const Work& w, int64_t row, int64_t j0,
-                                               const __m512i (&dots)[4], Slice& s) {
+                                               const __m512i (&dots)[4], Slice* s, float* hi_out) {
   const GreedyHeadParams& p = w.p;
   const __m512 hs = _mm512_set1_ps(w.hscale[row]), u = _mm512_set1_ps(w.u[row]),
                v = _mm512_set1_ps(w.v[row]), pn = _mm512_set1_ps(w.pn[row]),
@@ -213,31 +223,22 @@ CBK_VNNI_TARGET inline void tile_epilogue_vnni(const Work& w, int64_t row, int64
       hi[b] = _mm512_mask_blend_ps(keep, none, hi[b]);
     }
   }
-  float& best = s.best_lo[row];
+  if (hi_out != nullptr) {
+    for (int b = 0; b < 4; ++b) _mm512_storeu_ps(hi_out + 16 * b, hi[b]);
+    return;
+  }
+  w.tile_hi[row * w.tiles + j0 / kTile] = _mm512_reduce_max_ps(
+      _mm512_max_ps(_mm512_max_ps(hi[0], hi[1]), _mm512_max_ps(hi[2], hi[3])));
+  float& best = s->best_lo[row];
   best = std::max(best, _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(lo[0], lo[1]),
                                                            _mm512_max_ps(lo[2], lo[3]))));
-  float* out = w.hi + row * w.padded_vocab + j0;
-  for (int b = 0; b < 4; ++b) _mm512_storeu_ps(out + 16 * b, hi[b]);
-}
-
-// The vocab rows j of one hidden row with hi[j] >= floor, in increasing order.
-CBK_VNNI_TARGET void select_avx512(const float* hi, int64_t n, float floor, std::vector<int32_t>& out) {
-  const __m512 f = _mm512_set1_ps(floor);
-  for (int64_t j = 0; j < n; j += 16) {   // hi holds whole tiles: reading past n is in bounds
-    __mmask16 m = _mm512_cmp_ps_mask(_mm512_loadu_ps(hi + j), f, _CMP_GE_OQ);
-    if (j + 16 > n) m = static_cast<__mmask16>(m & ((1u << (n - j)) - 1u));
-    while (m) {
-      out.push_back(static_cast<int32_t>(j + __builtin_ctz(m)));
-      m = static_cast<__mmask16>(m & (m - 1));
-    }
-  }
 }
 
 // MR hidden rows x one tile: MR x 4 accumulators of 16 int32 lanes, one VNNI op per block and
 // group of 4 dims; each weight vector is loaded once for the MR rows.
 template <int MR>
 CBK_VNNI_TARGET void tile_rows_vnni(const Work& w, const uint8_t* tile, int64_t row0, int64_t j0,
-                                     Slice& s) {
+                                     Slice* s, float* hi_out) {
   // One array per block: a single [MR][4] array is too large for GCC to keep in registers.
   __m512i a0[MR], a1[MR], a2[MR], a3[MR];
   for (int r = 0; r < MR; ++r) a0[r] = a1[r] = a2[r] = a3[r] = _mm512_setzero_si512();
@@ -260,7 +261,7 @@ CBK_VNNI_TARGET void tile_rows_vnni(const Work& w, const uint8_t* tile, int64_t 
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) {
     const __m512i dots[4] = {a0[r], a1[r], a2[r], a3[r]};
-    tile_epilogue_vnni(w, row0 + r, j0, dots, s);
+    tile_epilogue_vnni(w, row0 + r, j0, dots, s, hi_out);
   }
 }
 
@@ -271,12 +272,12 @@ CBK_VNNI_TARGET void tiles_vnni(const Work& w, int64_t t0, int64_t t1, Slice& s)
     if (t + 1 < t1) _mm_prefetch(reinterpret_cast<const char*>(tile + w.groups * kTile * 4), _MM_HINT_T1);
     int64_t row = 0;
     for (; row + kRowBlock <= p.num_rows; row += kRowBlock)
-      tile_rows_vnni<kRowBlock>(w, tile, row, t * kTile, s);
+      tile_rows_vnni<kRowBlock>(w, tile, row, t * kTile, &s, nullptr);
     static_assert(kRowBlock == 4, "the remainder cases below assume blocks of 4 rows");
     switch (p.num_rows - row) {
-      case 3: tile_rows_vnni<3>(w, tile, row, t * kTile, s); break;
-      case 2: tile_rows_vnni<2>(w, tile, row, t * kTile, s); break;
-      case 1: tile_rows_vnni<1>(w, tile, row, t * kTile, s); break;
+      case 3: tile_rows_vnni<3>(w, tile, row, t * kTile, &s, nullptr); break;
+      case 2: tile_rows_vnni<2>(w, tile, row, t * kTile, &s, nullptr); break;
+      case 1: tile_rows_vnni<1>(w, tile, row, t * kTile, &s, nullptr); break;
       default: break;
     }
   }
@@ -478,12 +479,10 @@ Status greedy_head_rows(const GreedyHeadParams& p) {
   }
   if (report) *p.num_outliers = found;
 
-  // Pass 1: scores and bounds, each thread over its own run of tiles. The buffer of score +
-  // bound stays with the calling thread: fresh pages on every call would cost more than filling.
-  thread_local std::vector<float> hi_buffer;
+  // Pass 1: scores and bounds, each thread over its own run of tiles.
   w.padded_vocab = padded_vocab;
-  if (hi_buffer.size() < static_cast<size_t>(rows * padded_vocab)) hi_buffer.resize(rows * padded_vocab);
-  w.hi = hi_buffer.data();
+  std::vector<float> tile_hi(rows * w.tiles);
+  w.tile_hi = tile_hi.data();
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_threads(), w.tiles)));
   std::vector<Slice> slices(threads, Slice(rows));
 #if CBK_GREEDY_HEAD_SIMD
@@ -511,15 +510,20 @@ Status greedy_head_rows(const GreedyHeadParams& p) {
   for (int64_t r = 0; r < rows; ++r) {
     float floor_lo = -INFINITY;
     for (const Slice& s : slices) floor_lo = std::max(floor_lo, s.best_lo[r]);
-    const float* hi = w.hi + r * padded_vocab;
+    // The tiles that can hold the maximum, their scores again, the vocab rows that reach it.
     std::vector<int32_t> picked;
+    float hi[kTile];
+    for (int64_t t = 0; t < w.tiles && static_cast<int64_t>(picked.size()) <= cap; ++t) {
+      if (w.tile_hi[r * w.tiles + t] < floor_lo) continue;
 #if CBK_GREEDY_HEAD_SIMD
-    if (simd)
-      select_avx512(hi, p.vocab, floor_lo, picked);
-    else
+      if (simd)
+        tile_rows_vnni<1>(w, p.packed + t * w.groups * kTile * 4, r, t * kTile, nullptr, hi);
+      else
 #endif
-      for (int64_t j = 0; j < p.vocab; ++j)
-        if (hi[j] >= floor_lo) picked.push_back(static_cast<int32_t>(j));
+        tile_row_portable(w, t, r, nullptr, hi);
+      for (int64_t i = 0; i < kTile && t * kTile + i < p.vocab; ++i)
+        if (hi[i] >= floor_lo) picked.push_back(static_cast<int32_t>(t * kTile + i));
+    }
     if (static_cast<int64_t>(picked.size()) > cap) {
       p.out[r] = -1;
       continue;
