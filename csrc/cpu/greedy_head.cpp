@@ -378,8 +378,8 @@ Status greedy_head(const GreedyHeadParams& p) {
   if (p.num_rows == 0) return Status::Ok();
   if (!p.hidden_states || !p.packed || !p.row_stats || !p.weight || !p.out)
     return Status::Error("greedy_head: null pointer");
-  // Up to kChunkRows hidden rows per pass over the weight: the score buffer is rows x vocab
-  // floats (8 MB for 64 x 32000, 39 MB for 64 x 152k).
+  // Up to kChunkRows hidden rows per pass over the weight (a decode step's rows fit one pass;
+  // the per-call scratch stays small for any batch).
   int64_t rescored = 0, found = 0;
   for (int64_t r0 = 0; r0 < p.num_rows; r0 += kChunkRows) {
     GreedyHeadParams c = p;
