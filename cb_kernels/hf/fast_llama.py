@@ -78,9 +78,7 @@ def _rms_norm(norm) -> Optional[_Norm]:
 
 
 def _greedy_head_ok(head) -> bool:
-    w = getattr(head, "weight", None)
-    return (getattr(head, "bias", None) is None and isinstance(w, torch.Tensor) and w.dim() == 2
-            and w.device.type == "cpu" and w.dtype == torch.float32 and w.stride(1) == 1)
+    return getattr(head, "bias", None) is None and GreedyHead.accepts(getattr(head, "weight", None))
 
 
 def _is_silu(act) -> bool:

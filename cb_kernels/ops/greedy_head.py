@@ -64,6 +64,15 @@ class GreedyHead:
         return bool(_C.greedy_head_has_simd())
 
     @staticmethod
+    def accepts(weight) -> bool:
+        """Whether `weight` is one this head can pack (what the constructor checks)."""
+        try:
+            GreedyHead._check_weight(weight)
+        except (TypeError, ValueError):
+            return False
+        return True
+
+    @staticmethod
     def _check_weight(weight) -> None:
         if not isinstance(weight, torch.Tensor):
             raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
