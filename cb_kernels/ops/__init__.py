@@ -1,12 +1,18 @@
 """Public kernel API (see DESIGN.md, "Kernel API"). Each op: validation, backend choice, and a
-torch.library custom op; `reference.py` holds the pure-torch oracle of every op."""
+torch.library custom op; `reference.py` holds the pure-torch oracle of every op.
+
+The `*_unchecked` variants are the engine's hot path: the same kernels without the per-call
+checks, for arguments the caller has checked once (their docstrings say what is still checked).
+"""
 from cb_kernels.ops._backend import available_backends
-from cb_kernels.ops.cache_ops import copy_blocks, swap_blocks, write_kv
+from cb_kernels.ops.cache_ops import copy_blocks, swap_blocks, write_kv, write_kv_unchecked
+from cb_kernels.ops.elementwise import rms_norm, rms_norm_unchecked, rope_, silu_mul
 from cb_kernels.ops.greedy_head import GreedyHead
-from cb_kernels.ops.linear import PackedLinear
 from cb_kernels.ops.host_pool import HostPool
-from cb_kernels.ops.paged_attention import paged_attention
+from cb_kernels.ops.linear import PackedLinear
+from cb_kernels.ops.paged_attention import paged_attention, paged_attention_unchecked
 from cb_kernels.ops.sampling import greedy_tokens
 
-__all__ = ["available_backends", "paged_attention", "write_kv", "copy_blocks", "swap_blocks",
-           "HostPool", "greedy_tokens", "GreedyHead", "PackedLinear"]
+__all__ = ["available_backends", "paged_attention", "paged_attention_unchecked", "write_kv",
+           "write_kv_unchecked", "copy_blocks", "swap_blocks", "HostPool", "greedy_tokens",
+           "GreedyHead", "PackedLinear", "rms_norm", "rms_norm_unchecked", "silu_mul", "rope_"]
