@@ -2,7 +2,7 @@
 (greedy, fp32, one process).
 
     python bench/bench_engine.py [--quick] [--json out.json]
-    python bench/bench_engine.py --workload fixed --vllm --repeats 2 --threads 2   # issue 5, tiny Llama
+    python bench/bench_engine.py --workload fixed --vllm --repeats 2 --threads 2   # tiny Llama, 32 x 64
     python bench/bench_engine.py --model smollm2-135m --vllm --repeats 2 --threads 2  # 16 chat x 64
     python bench/bench_engine.py --device cuda --dtype bfloat16 --model-shape llama-1b \
         --num-requests 128 --json out.json                 # GPU: a random Llama-3.2-1B shape

@@ -13,8 +13,8 @@ import argparse
 import time
 
 # Imported before torch: cb_kernels bounds OpenMP's spin-wait (see cb_kernels/__init__.py), which
-# must happen before torch loads libgomp. Unbounded spinning (the old default here) made 8 prompts
-# x 32 tokens take 14.1 s instead of 2.1 s on this 2-core machine when it was shared.
+# must happen before torch loads libgomp. With unbounded spinning, 8 prompts x 32 tokens took
+# 14.1 s instead of 2.1 s on a 2-core machine shared with other jobs.
 import cb_kernels  # noqa: E402,F401
 
 import torch  # noqa: E402

