@@ -1,5 +1,5 @@
-"""The continuous-batching engine (pure-Python state machines; the torch work goes through
-cb_kernels.ops and cb_kernels.hf.adapter).
+"""The continuous-batching engine: requests in, tokens out. No model code: the model runs behind
+the ModelRunner protocol (cb_kernels/runner), the kernels behind cb_kernels.ops.
 
     config.py         EngineConfig, SamplingParams, RequestOutput, RequestMetrics (checked values)
     sizing.py         resolves the auto (None) config fields from memory, logs each choice
@@ -7,10 +7,16 @@ cb_kernels.ops and cb_kernels.hf.adapter).
     block_manager.py  BlockManager: ref counts, prefix cache (hash chain, LRU), copy-on-write
     scheduler.py      Scheduler: token budget, decode-first order, admission, preemption
     sampler.py        Sampler: greedy / temperature / top-k / top-p, per-request seeds
-    requests.py       the checks a request passes before it is queued
+    requests.py       the checks a request passes before it is queued; its RequestOutput
     engine.py         Engine: add_request / step (schedule -> run -> postprocess) / cancel
-    pipeline.py       overlapped steps: step N+1 launched before step N's tokens reach the host
-    frontend.py       Engine's generate / stream / check_invariants / stats
+    step.py           LaunchedStep (a step issued to the device), StepClock (where time goes)
+    pipeline.py       OverlapPipeline: step N+1 launched before step N's tokens reach the host
+    frontend.py       Frontend: generate / stream over many prompts
+    streams.py        StreamOrchestrator: compute and copy streams, token copies to the host
+    memory.py         host memory and cgroup limits (psutil or /proc)
+    offload.py        OffloadManager: the host pool and block swaps
+    preemption.py     swap or recompute: the policy
+    swapper.py        Swapper: the scheduler's view of offload
 """
 from cb_kernels.engine.config import EngineConfig, RequestMetrics, RequestOutput, SamplingParams
 from cb_kernels.engine.engine import Engine

@@ -1,8 +1,8 @@
 """Overlapped steps: the host schedules and packs step N+1 while the device runs step N.
 
-A synchronous step is schedule -> launch -> wait for the sampled tokens -> postprocess, so on a
-GPU the device idles while Python schedules and packs the next batch. With overlap on, one
-Engine.step() call does
+A synchronous step is schedule -> run (launch, wait for the sampled tokens) -> postprocess, so on
+a GPU the device idles while Python schedules and packs the next batch. With overlap on, the
+Engine hands each step() to its OverlapPipeline, which does
 
     advance(N)     step N's bookkeeping before its tokens are known: num_computed_tokens grows and
                    each sequence that samples in N gets PLACEHOLDER as its last token; one that
@@ -41,37 +41,13 @@ A request that stops on a stop token costs one discarded row in the step after (
 """
 from __future__ import annotations
 
-import time
-from collections import deque
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from cb_kernels.engine.scheduler import ScheduledBatch
-from cb_kernels.engine.sequence import PLACEHOLDER
-
-
-@dataclass
-class LaunchedStep:
-    """A step issued to the device.
-
-    sampled[i] gets row i of the step's tokens: `tokens` is a PendingTokens (greedy rows, on their
-    way to the host) or a list of ints (the Sampler ran on the host); device_tokens is int64
-    [len(sampled)] on the device (greedy only), what the next step's placeholders are filled from.
-    """
-
-    batch: ScheduledBatch
-    sampled: list
-    tokens: object
-    device_tokens: Optional[torch.Tensor]
-    start: float                 # perf_counter at launch
-    launch_s: float              # host seconds the launch took (the whole step on a CPU)
-    late_commits: list           # (seq, num_new_tokens): blocks to hash once tokens are known
-
-    @property
-    def pending(self) -> bool:
-        return self.device_tokens is not None and not isinstance(self.tokens, list)
+from cb_kernels.engine.sequence import PLACEHOLDER, SequenceStatus
+from cb_kernels.engine.step import LaunchedStep
 
 
 def placeholder_rows(batch: ScheduledBatch, prev: Optional[LaunchedStep], block_size: int):
@@ -118,60 +94,114 @@ def fill_placeholders(input_ids: torch.Tensor, dst: list, src: list, prev_tokens
     input_ids.index_copy_(0, idx[0], prev_tokens.index_select(0, idx[1]))
 
 
-class StepClock:
-    """Where the time of steps goes.
+class OverlapPipeline:
+    """The overlapped step of one Engine (used only with overlap on): the step in flight and its
+    counters. overlapped_steps: launched before the previous step's tokens were read;
+    placeholder_fills: input ids filled on the device; discarded_tokens: sampled for a request
+    that had ended meanwhile (cancelled, or stopped in the step before)."""
 
-    host_wait_s: seconds the host blocked on sampled tokens (PendingTokens.result).
-    launch_s: host seconds spent issuing steps (packing, launches; on a CPU the whole forward).
-    With `device_events` on (CUDA only; the bench turns it on, a step then records two timing
-    events on the compute stream, ~10 us): device_busy_s, from each step's first input copy to its
-    sampled tokens, and device_idle_s, the gaps between one step's end and the next one's start
-    while requests were running (a pause with no request in the engine does not count).
-    """
+    def __init__(self, engine):
+        self.engine = engine
+        self.in_flight: Optional[LaunchedStep] = None
+        self.overlapped_steps = 0
+        self.placeholder_fills = 0
+        self.discarded_tokens = 0
 
-    def __init__(self, on_cuda: bool):
-        self.on_cuda = on_cuda
-        self.device_events = False
-        self.host_wait_s = 0.0
-        self.launch_s = 0.0
-        self.device_busy_s = 0.0
-        self.device_idle_s = 0.0
-        self.timed_steps = 0
-        self._last_end = None
-        self._unread: deque = deque()    # (previous end or None, start, end) events
+    def step(self) -> None:
+        """advance(N) -> schedule N+1 -> run N+1 -> resolve(N); N+1 stays in flight."""
+        e = self.engine
+        prev, self.in_flight = self.in_flight, None
+        retired = self._advance(prev, retire=True) if prev is not None else set()
+        batch = e.scheduler.schedule()
+        launched = error = None
+        if batch.seqs:
+            self.overlapped_steps += prev is not None
+            try:
+                launched = e.run(batch, prev)
+            except Exception as exc:  # one bad step fails its requests, never the engine
+                error = exc
+        if prev is not None:
+            self._resolve(prev, retired, batch.failed)
+        e.end_failed(batch)
+        if error is not None:
+            e.fail_step(batch, error)
+        elif launched is not None:
+            self._commit_late(launched)
+            if not any(e.is_live(seq) for seq in batch.seqs):
+                self.discarded_tokens += len(launched.sampled)   # all stopped in `prev`
+            elif launched.pending:
+                self.in_flight = launched
+            else:
+                self._resolve(launched, self._advance(launched, retire=False), [])
+        elif prev is None:
+            e.check_progress()
 
-    def start(self):
-        if not (self.on_cuda and self.device_events):
-            return None
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+    def fill(self, batch: ScheduledBatch, prev: Optional[LaunchedStep], input_ids) -> list:
+        """Fill `batch`'s placeholder input ids from `prev`'s tokens on the device; returns the
+        late prefix-cache commits (placeholder_rows)."""
+        dst, src, late_commits = placeholder_rows(batch, prev, self.engine.runner.block_size)
+        if dst:
+            fill_placeholders(input_ids, dst, src, prev.device_tokens,
+                              self.engine.streams.to_device)
+            self.placeholder_fills += len(dst)
+        return late_commits
 
-    def end(self, start) -> None:
-        if start is None:
-            return
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        self._unread.append((self._last_end, start, event))
-        self._last_end = event
+    def _advance(self, launched: LaunchedStep, retire: bool) -> set:
+        """The bookkeeping of `launched` that needs no token: computed counts grow and each
+        sampling sequence gets a PLACEHOLDER last token. With `retire`, a sequence that surely
+        ends in that step (max_new_tokens) gives its blocks back now, so the next schedule does
+        not spend a row on it. Returns the seq ids retired."""
+        e = self.engine
+        retired = set()
+        for seq, n in e.advance(launched.batch):
+            tokens = seq.token_ids
+            if seq.num_computed_tokens == len(tokens):
+                tokens.append(PLACEHOLDER)
+                if retire and len(tokens) - seq.num_prompt_tokens >= seq.params.max_new_tokens:
+                    e.scheduler.finish(seq)
+                    retired.add(seq.seq_id)
+        return retired
 
-    def wait(self, tokens) -> list:
-        t0 = time.perf_counter()
-        out = tokens.result()
-        self.host_wait_s += time.perf_counter() - t0
-        return out
+    def _resolve(self, launched: LaunchedStep, retired: set, failed: list) -> None:
+        """Read `launched`'s tokens (waiting for them if needed), write them over the
+        placeholders and end the requests that stop. `failed`: the requests a failed swap ended
+        in the schedule since (their error output is next, unless a token here stopped them)."""
+        e = self.engine
+        tokens = e.wait_tokens(launched)
+        for seq, token in zip(launched.sampled, tokens):
+            if not e.is_live(seq):
+                self.discarded_tokens += 1    # cancelled, or stopped in the step before
+                continue
+            assert seq.token_ids[-1] == PLACEHOLDER, f"{seq} lost its placeholder"
+            seq.token_ids[-1] = token
+            reason = e.accept_token(seq, token)
+            if seq.status is SequenceStatus.FINISHED and seq.seq_id not in retired:
+                # A failed swap ended it; its error output comes next, unless this token had
+                # ended it first (as the synchronous path sees it: it never swapped then).
+                if reason is not None:
+                    failed.remove(seq)
+                    e.end(seq, reason)
+                continue
+            assert reason is not None or seq.seq_id not in retired, f"{seq} retired early"
+            if reason is not None:
+                e.end(seq, reason)
 
-    def idle(self) -> None:
-        """No request is left: the next step's gap is not device idle time of this workload."""
-        self._last_end = None
+    def _commit_late(self, launched: LaunchedStep) -> None:
+        """Prefix-cache hashes of the blocks that held a placeholder when `launched` was
+        scheduled (BlockManager.commit skipped them); their tokens are known now."""
+        e = self.engine
+        for seq, n in launched.late_commits:
+            if e.is_live(seq) and seq.status is SequenceStatus.RUNNING:
+                e.block_manager.commit(seq, seq.num_computed_tokens + n)
+
+    def check_invariants(self) -> None:
+        if self.in_flight is not None:
+            assert self.in_flight.pending, "a step in flight with no tokens to wait for"
+            for seq in self.in_flight.batch.seqs:
+                assert not self.engine.is_live(seq) or seq.status is SequenceStatus.RUNNING, \
+                    f"{seq} in flight but not running"
 
     def stats(self) -> dict:
-        while self._unread and self._unread[0][2].query():
-            prev_end, start, end = self._unread.popleft()
-            self.device_busy_s += start.elapsed_time(end) / 1e3
-            if prev_end is not None:
-                self.device_idle_s += prev_end.elapsed_time(start) / 1e3
-            self.timed_steps += 1
-        return {"host_wait_s": self.host_wait_s, "launch_s": self.launch_s,
-                "device_busy_s": self.device_busy_s,
-                "device_idle_s": self.device_idle_s, "timed_steps": self.timed_steps}
+        return {"overlapped_steps": self.overlapped_steps,
+                "placeholder_fills": self.placeholder_fills,
+                "discarded_tokens": self.discarded_tokens}

@@ -1,5 +1,8 @@
-"""Checks a request must pass before it is queued (each names the argument and the numbers)."""
+"""Checks a request must pass before it is queued (each names the argument and the numbers), and
+the RequestOutput of a request."""
 from __future__ import annotations
+
+from typing import Optional
 
 from cb_kernels.engine.config import RequestOutput
 
@@ -52,17 +55,15 @@ def check_prompt(token_ids: list, params, vocab_size: int, max_positions: int,
             f"({total * bs} tokens); raise EngineConfig.num_blocks or lower max_new_tokens")
 
 
-def eos_ids_of(model) -> frozenset:
-    """EOS ids as generate() sees them: the generation config's (the model config's only when
-    the model has no generation config)."""
-    gen = getattr(model, "generation_config", None)
-    ids = gen.eos_token_id if gen is not None else getattr(model.config, "eos_token_id", None)
-    if ids is None:
-        return frozenset()
-    return frozenset([ids] if isinstance(ids, int) else ids)
-
-
 def error_output(request_id: str, prompt, error: Exception) -> RequestOutput:
     prompt_ids = list(prompt) if isinstance(prompt, (list, tuple)) else []
     return RequestOutput(request_id, prompt_ids, [], None, "error",
                          f"{type(error).__name__}: {error}")
+
+
+def output_of(seq, token_ids: list, tokenizer, text: Optional[str] = None) -> RequestOutput:
+    """The RequestOutput of `seq` holding `token_ids` (its text decoded unless given)."""
+    if text is None and tokenizer is not None:
+        text = tokenizer.decode(token_ids, skip_special_tokens=True)
+    return RequestOutput(seq.request_id, seq.prompt_token_ids, list(token_ids), text,
+                         seq.finish_reason, seq.error, seq.metrics)

@@ -19,7 +19,7 @@ pool when the policy says so, and swapped requests come back (oldest first) befo
 request is admitted; otherwise, or when the host pool is full, it recomputes (drops the blocks;
 the request goes back to the front of the waiting queue and re-prefills prompt + generated
 tokens, mostly from the prefix cache when its blocks were not evicted meanwhile). A failed swap
-fails only that request (it lands in `failed`, which the engine drains).
+fails only that request: it comes back in the batch's `failed` list, and the engine ends it.
 
 Progress: Engine.add_request rejects a request whose prompt + max_new_tokens needs more blocks
 than the whole pool. Every other request fits alone, the oldest running request can always
@@ -45,6 +45,7 @@ class ScheduledBatch:
     seqs: list = field(default_factory=list)
     num_new_tokens: list = field(default_factory=list)
     blocks_to_copy: list = field(default_factory=list)     # (src, dst) copy-on-write pairs
+    failed: list = field(default_factory=list)   # requests a failed swap ended (no blocks held)
     num_decode_tokens: int = 0
     num_prefill_tokens: int = 0
 
@@ -84,7 +85,6 @@ class Scheduler:
         self.num_recomputes = 0
         self.swapper = swapper
         self.swapped: list = []          # sorted by arrival (seq_id)
-        self.failed: list = []           # requests a failed swap ended; the engine drains it
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -139,7 +139,7 @@ class Scheduler:
             copies = bm.try_append_slot(seq)
             while copies is None:
                 victim = self._pick_victim(i)
-                self._preempt(victim)
+                self._preempt(victim, batch)
                 if victim is seq:
                     break
                 copies = bm.try_append_slot(seq)
@@ -176,7 +176,7 @@ class Scheduler:
             try:
                 self.swapper.swap_in(seq)
             except OffloadError as e:
-                self._fail(seq, str(e))
+                self._fail(seq, str(e), batch)
                 continue
             bisect.insort(self.running, seq, key=_arrival)
             if seq.is_decoding:
@@ -193,7 +193,7 @@ class Scheduler:
         batch.add(seq, n, decode)
         self.block_manager.commit(seq, seq.num_computed_tokens + n)
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         """Take `seq`'s device blocks away. Recompute: free them (the prefix cache keeps their
         KV until evicted) and put `seq` at the front of the waiting queue."""
         self.running.remove(seq)
@@ -204,7 +204,7 @@ class Scheduler:
                 self.swapper.swap_out(seq)
             except OffloadError as e:
                 self.block_manager.free(seq)
-                self._fail(seq, str(e))
+                self._fail(seq, str(e), batch)
                 return
             bisect.insort(self.swapped, seq, key=_arrival)
             return
@@ -214,12 +214,12 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_recomputes += 1
 
-    def _fail(self, seq: Sequence, message: str) -> None:
+    def _fail(self, seq: Sequence, message: str, batch: ScheduledBatch) -> None:
         """End `seq` (which holds no device block) with an error; the engine reports it."""
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = "error"
         seq.error = message
-        self.failed.append(seq)
+        batch.failed.append(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Remove an ended request (finished, cancelled or failed) and return its blocks."""

@@ -15,7 +15,9 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-logger = logging.getLogger("cb_kernels.engine")
+from cb_kernels.runner.step_inputs import AttentionMetadata
+
+logger = logging.getLogger("cb_kernels")
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -171,26 +173,25 @@ class DecodeGraphRunner:
         logger.info("captured a CUDA graph for decode batches of %d", bucket)
 
 
-def adapter_decode_runner(adapter, max_num_seqs: int, max_blocks_per_seq: int) -> DecodeGraphRunner:
-    """A runner for the engine's pure-decode steps through a ModelAdapter (cb_kernels.hf.adapter).
+def decode_graph_runner(runner, max_num_seqs: int, max_blocks_per_seq: int) -> DecodeGraphRunner:
+    """Graphs of a runner's pure-decode steps (runner.forward_logits, one token per sequence).
 
-    Its inputs are the adapter's step tensors of a decode batch (one token per sequence):
-    input_ids, positions, slot_mapping [num_seqs]; seq_lens int32 [num_seqs]; block_tables int32
-    [num_seqs, <= max_blocks_per_seq]; cu_seqlens_q int32 [num_seqs + 1]. It returns fp32
-    logits [num_seqs, vocab_size].
+    Its inputs are the step tensors of a decode batch: input_ids, positions, slot_mapping
+    int64 [num_seqs]; seq_lens int32 [num_seqs]; block_tables int32 [num_seqs,
+    <= max_blocks_per_seq]; cu_seqlens_q int32 [num_seqs + 1]. It returns fp32 logits
+    [num_seqs, vocab_size].
     """
-    from cb_kernels.hf.adapter import StepInputs
-
     def decode(input_ids, positions, slot_mapping, seq_lens, block_tables, cu_seqlens_q):
-        step = StepInputs(slot_mapping=slot_mapping, block_tables=block_tables, seq_lens=seq_lens,
-                          cu_seqlens_q=cu_seqlens_q, k_caches=adapter.k_caches,
-                          v_caches=adapter.v_caches, sliding_windows=adapter.sliding_windows,
-                          softcap=adapter.softcap, backend=adapter.attention_backend)
+        attn = AttentionMetadata(slot_mapping=slot_mapping, block_tables=block_tables,
+                                 seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q,
+                                 k_caches=runner.k_caches, v_caches=runner.v_caches,
+                                 sliding_windows=runner.sliding_windows, softcap=runner.softcap,
+                                 backend=runner.attention_backend)
         rows = torch.arange(input_ids.shape[0], device=input_ids.device)
-        return adapter.forward(input_ids[None], positions[None], rows, step)
+        return runner.forward_logits(input_ids, positions, rows, attn)
 
     buckets = [b for b in DEFAULT_BUCKETS if b < max_num_seqs] + [max_num_seqs]
     return DecodeGraphRunner(decode, {"input_ids": 0, "positions": 0, "slot_mapping": -1,
                                       "seq_lens": 1, "block_tables": 0, "cu_seqlens_q": 0},
                              max_shapes={"block_tables": (max_blocks_per_seq,)},
-                             cumulative=("cu_seqlens_q",), buckets=buckets, device=adapter.device)
+                             cumulative=("cu_seqlens_q",), buckets=buckets, device=runner.device)

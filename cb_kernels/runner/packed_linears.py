@@ -18,21 +18,21 @@ How: for the duration of one step (`with packed:`) every plain `torch.nn.Linear`
 an instance `forward` that calls the packed weight; leaving restores the module exactly (the
 user's model.generate keeps MKL), in reverse order, so nested entries unwind correctly. A linear
 that has an instance `forward` of someone else's (a monkeypatch, an accelerate hook) keeps it:
-that forward may not compute a plain linear. Installing is not thread-safe: the adapter holds
-one lock per model around it (hf/adapter.py, `model_lock`). Sibling projections that read the
+that forward may not compute a plain linear. Installing is not thread-safe: the runner holds
+one lock per model around it (runner/attention.py, `model_lock`). Sibling projections that read the
 same input (q/k/v of an attention layer, gate/up of an MLP) share one packed weight: the first
 call computes all of them and the siblings return their slices when called with the same input
 tensor object, else compute their own. Weights are packed when built and repacked when a weight
 tensor is replaced or changed in place (data_ptr and version checked on entry). Writes that
 bypass the version counter are not seen: through `.data` (`w.data.copy_(...)`,
-`w.data += delta`) or to inference tensors; after such a write call `refresh(force=True)` (an
-Engine's PackedLinears is `engine.adapter._packed`), or the steps keep the old weights.
+`w.data += delta`) or to inference tensors; after such a write call `engine.refresh_weights()`
+(or `refresh(force=True)` on this object), or the steps keep the old weights.
 Assigning `w.data = new` is seen: a group holds the storages it packed from, so the new one
 cannot reuse their address.
 
 Cost: one packed copy of every linear weight (the model's own weights stay untouched). `build`
-skips packing (returns None) when that copy would take more than a quarter of the host's
-available memory; `EngineConfig(pack_weights=...)` forces either way.
+skips packing (returns None) when that copy would take more than a quarter of the host memory
+the caller says is available; `EngineConfig(pack_weights=...)` forces either way.
 """
 from __future__ import annotations
 
@@ -169,9 +169,11 @@ class PackedLinears:
         self._depth = 0                # entries not yet left (re-entering installs nothing)
 
     @classmethod
-    def build(cls, model, pack_weights="auto") -> Optional["PackedLinears"]:
+    def build(cls, model, pack_weights="auto",
+              available_bytes: Optional[int] = None) -> Optional["PackedLinears"]:
         """None when nothing qualifies or `pack_weights` is False, or ("auto") when the packed
-        copy would not fit comfortably in the host's available memory."""
+        copy would take more than a quarter of `available_bytes` (host memory; None = no
+        limit)."""
         if pack_weights is False or not supported():
             return None
         groups, grouped = [], set()
@@ -190,10 +192,8 @@ class PackedLinears:
         if not groups:
             return None
         nbytes = sum(m.weight.numel() * 4 for g in groups for m in g.members)
-        if pack_weights == "auto":
-            from cb_kernels.engine.sizing import host_available_bytes
-
-            available = host_available_bytes()
+        if pack_weights == "auto" and available_bytes is not None:
+            available = available_bytes
             if nbytes > available // 4:
                 logger.info("pack_weights: not packing %.2f GiB of linear weights (available "
                             "host memory %.2f GiB); pass EngineConfig(pack_weights=True) to force",
@@ -206,6 +206,27 @@ class PackedLinears:
         # this copy, and a second Engine's "auto" check sees the first one's copy.
         packed.refresh()
         return packed
+
+    def group_of(self, module) -> Optional[_Group]:
+        """The group whose first member is `module` (a fused group's siblings return None)."""
+        if not hasattr(self, "_first"):
+            self._first = {id(g.members[0]): g for g in self.groups}
+        return self._first.get(id(module))
+
+    def runner_for(self, module):
+        """A callable rows -> module(rows) that takes the packed weight (no context needed) unless
+        `module` has a hook or someone else's instance forward, which then run as they are."""
+        group = self.group_of(module)
+        if group is None or len(group.members) != 1:
+            return module
+
+        def run(rows: torch.Tensor) -> torch.Tensor:
+            forward = module.__dict__.get("forward")
+            if module._forward_hooks or module._forward_pre_hooks or \
+                    (forward is not None and not is_packed_forward(forward)):
+                return module(rows)
+            return group.run(rows)
+        return run
 
     def refresh(self, force: bool = False) -> None:
         """Repack the weights that were replaced or changed in place since the last step (all of

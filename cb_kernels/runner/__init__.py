@@ -1,0 +1,17 @@
+"""Runs a model on the paged KV cache, one engine step at a time (below the engine, above ops).
+
+    base.py                 ModelRunner: the protocol the Engine calls; StepOutput
+    transformers_runner.py  TransformersRunner: any transformers causal LM (the default runner)
+    step_inputs.py          StepInputs / AttentionMetadata: a batch packed and uploaded
+    attention.py            our attention function inside transformers' forward; model_lock
+    kv_cache.py             the KV pool tensors (lazily mapped zeros on CPU)
+    packed_linears.py       CPU fp32 linears on weights packed once (ours or oneDNN)
+    lm_head.py              the LM head chosen once: full logits or the greedy head
+    cuda_graphs.py          decode steps replayed as CUDA graphs
+    fused/                  the fused CPU fp32 decoder forward and its model-family specs
+"""
+from cb_kernels.runner.base import ModelRunner, StepOutput
+from cb_kernels.runner.step_inputs import AttentionMetadata, StepInputs
+from cb_kernels.runner.transformers_runner import TransformersRunner
+
+__all__ = ["ModelRunner", "StepOutput", "StepInputs", "AttentionMetadata", "TransformersRunner"]

@@ -1,0 +1,115 @@
+"""Our attention inside transformers' own forward: paged KV writes and paged attention per layer.
+
+Inside each attention layer our function replaces the model's: it writes the new K/V with
+`ops.write_kv_unchecked` (the slots were checked on the host by step_inputs.pack) and attends
+with `ops.paged_attention`. No transformers cache object exists and no mask is built: our name is
+registered as an attention function but not as a mask function, so transformers' mask builders
+return None at their first check (5.17 .. 5.24), before `find_packed_sequence_indices`, which
+reads the position ids on the host (one device sync per mask type and step on CUDA).
+
+The per-step metadata (`AttentionMetadata`) travels as the forward kwarg `cbk_step`; transformers
+hands unknown forward kwargs down to every attention call (5.17 .. 5.24). Without a cache object
+the 5.23 -> 5.24 change (who calls cache.update) does not reach us: both versions pass the new,
+rotated K/V to the attention function.
+
+The user's model is not changed between steps: `config._attn_implementation` of the model's
+configs is switched to our name for the duration of one forward (`AttentionSwitch`) and restored
+right after, so model.generate() keeps working with its own attention. That switch (and the packed
+linears' forwards) is state of the model, not of one runner: two Engines on one model stepping in
+two threads hold one lock per model around it (`model_lock`), else one would restore the model
+under the other's running forward (its later layers would then run sdpa without a mask).
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Optional
+
+from cb_kernels import ops
+from cb_kernels.runner.step_inputs import AttentionMetadata
+
+ATTN_NAME = "cb_kernels_engine"
+# One lock per model object, shared by every runner of it. Engines do not know each other, the
+# model is what they share; a weak map, since a lock stored on the model would stop it from being
+# pickled or deep-copied.
+_MODEL_LOCKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_MODEL_LOCKS_GUARD = threading.Lock()
+
+
+def model_lock(model) -> threading.RLock:
+    """The lock held while an engine step switches `model`'s attention and linears."""
+    with _MODEL_LOCKS_GUARD:
+        lock = _MODEL_LOCKS.get(model)
+        if lock is None:
+            lock = _MODEL_LOCKS[model] = threading.RLock()
+        return lock
+
+
+def engine_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                     **kwargs):
+    """query: [1, num_heads, num_tokens, head_dim]; key/value: [1, num_kv_heads, num_tokens,
+    head_dim] (new tokens only). Returns ([1, num_tokens, num_heads, head_dim], None)."""
+    step: Optional[AttentionMetadata] = kwargs.get("cbk_step")
+    if step is None:
+        raise RuntimeError(f"attention implementation {ATTN_NAME!r} runs only inside "
+                           "cb_kernels.Engine steps")
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError("attention sinks (s_aux) are not supported by cb_kernels' "
+                                  "paged attention")
+    layer = module.layer_idx
+    k_cache, v_cache = step.k_caches[layer], step.v_caches[layer]
+    window = kwargs["sliding_window"] if "sliding_window" in kwargs else step.sliding_windows[layer]
+    softcap = kwargs["softcap"] if "softcap" in kwargs else step.softcap
+    # [1, H, T, D] -> [T, H, D] views: the kernels take any strides with head_dim packed, so
+    # no copy unless the KV cache has another dtype than the model.
+    q = query[0].transpose(0, 1).to(k_cache.dtype)
+    k = key[0].transpose(0, 1).to(k_cache.dtype)
+    v = value[0].transpose(0, 1).to(k_cache.dtype)
+    ops.write_kv_unchecked(k, v, k_cache, v_cache, step.slot_mapping)
+    out = ops.paged_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens,
+                              step.cu_seqlens_q, scale=scaling, sliding_window=window,
+                              softcap=softcap, backend=step.backend)
+    return out.to(query.dtype).unsqueeze(0), None
+
+
+def register_attention() -> None:
+    """Add our attention function to transformers' registry (a new key only; idempotent). No
+    mask function is registered on purpose: see the module docstring."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_NAME, engine_attention)
+
+
+def _configs_of(model) -> list:
+    from transformers import PretrainedConfig
+
+    seen, out = set(), []
+    for m in model.modules():
+        cfg = getattr(m, "config", None)
+        if isinstance(cfg, PretrainedConfig) and id(cfg) not in seen:
+            seen.add(id(cfg))
+            out.append(cfg)
+    return out
+
+
+class AttentionSwitch:
+    """Context manager: inside it every config of `model` names our attention; leaving restores
+    the names it had. Holds the model's lock (`model_lock`) for the duration."""
+
+    def __init__(self, model):
+        register_attention()
+        self.configs = _configs_of(model)
+        self.lock = model_lock(model)
+        self._saved: list = []
+
+    def __enter__(self) -> "AttentionSwitch":
+        self.lock.acquire()
+        self._saved = [cfg._attn_implementation_internal for cfg in self.configs]
+        for cfg in self.configs:
+            cfg._attn_implementation_internal = ATTN_NAME
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for cfg, name in zip(self.configs, self._saved):
+            cfg._attn_implementation_internal = name
+        self.lock.release()

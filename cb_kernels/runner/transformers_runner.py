@@ -1,0 +1,219 @@
+"""TransformersRunner: any transformers causal LM on the paged KV cache (the ModelRunner the
+Engine builds by default; runner/base.py states the protocol).
+
+Each step is one packed varlen batch (step_inputs.py). Which forward runs is decided per step,
+cheapest first:
+  1. a CUDA graph of the whole decode step (cuda_graphs.py), on CUDA for pure-decode batches;
+  2. the fused CPU fp32 forward (fused/), when the model is exactly a family it knows and nobody
+     hooked it since;
+  3. transformers' own forward with our attention (attention.py) and, on CPU fp32, the linears
+     on packed weights (packed_linears.py).
+The LM head is chosen once (lm_head.py): the greedy head where it pays and the model's logits are
+provably `lm_head(final hidden state)`, else full logits. Paths 1 and 3 run the model's own head
+unless the greedy head is on.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+from typing import Optional
+
+import torch
+
+from cb_kernels import ops
+from cb_kernels.runner import step_inputs
+from cb_kernels.runner.attention import AttentionSwitch
+from cb_kernels.runner.base import StepOutput
+from cb_kernels.runner.cuda_graphs import decode_graph_runner, graphs_enabled
+from cb_kernels.runner.fused import FusedForward
+from cb_kernels.runner.kv_cache import allocate_kv_cache
+from cb_kernels.runner.lm_head import LogitsHead, choose_lm_head, wants_greedy_head
+from cb_kernels.runner.packed_linears import PackedLinears
+
+logger = logging.getLogger("cb_kernels")
+
+
+def _text_config(model):
+    cfg = model.config
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def eos_ids_of(model) -> frozenset:
+    """EOS ids as generate() sees them: the generation config's (the model config's only when
+    the model has no generation config)."""
+    gen = getattr(model, "generation_config", None)
+    ids = gen.eos_token_id if gen is not None else getattr(model.config, "eos_token_id", None)
+    if ids is None:
+        return frozenset()
+    return frozenset([ids] if isinstance(ids, int) else ids)
+
+
+def _head_is_plain(model, decoder, head) -> bool:
+    """Whether model(x).logits is exactly head(decoder(x).last_hidden_state): no softcap, scale or
+    other step after the head. One 5-token forward with the model's own attention proves it."""
+    probe = torch.arange(5, device=head.weight.device)[None] % head.weight.shape[0]
+    try:
+        with torch.inference_mode():
+            logits = model(input_ids=probe, use_cache=False).logits
+            hidden = decoder(input_ids=probe, use_cache=False).last_hidden_state
+            return torch.equal(logits, head(hidden))
+    except Exception:                # noqa: BLE001 (any failure means "not provably plain")
+        return False
+
+
+class TransformersRunner:
+    """Runs a transformers causal LM on one engine step through the paged KV cache.
+
+    k_caches/v_caches (after allocate_cache): per layer [num_blocks, block_size, num_kv_heads,
+    head_dim] on the model's device (the offload manager swaps blocks of these lists).
+    `packed` (PackedLinears or None), `fused` (FusedForward or None) and `head` (LogitsHead) say
+    which paths this model gets.
+    """
+
+    def __init__(self, model, *, attention_backend: Optional[str] = None, pack_weights="auto",
+                 greedy_head="auto", cuda_graphs="auto",
+                 available_host_bytes: Optional[int] = None):
+        if not hasattr(model, "config") or not callable(getattr(model, "forward", None)):
+            raise TypeError(f"model must be a transformers causal LM, got {type(model).__name__}")
+        self.model = model
+        cfg = _text_config(model)
+        self.num_layers = cfg.num_hidden_layers
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.max_positions = getattr(cfg, "max_position_embeddings", None) or (1 << 31) - 1
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.eos_token_ids = eos_ids_of(model)
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        layer_types = getattr(cfg, "layer_types", None) or ["full_attention"] * self.num_layers
+        window = getattr(cfg, "sliding_window", None)
+        self.sliding_windows = [window if t == "sliding_attention" else None for t in layer_types]
+        self.softcap = getattr(cfg, "attn_logit_softcapping", None)
+        self.attention_backend = attention_backend
+        self.cuda_graphs = cuda_graphs
+        self._switch = AttentionSwitch(model)
+        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._check_layers()
+        # None off CPU fp32 or when the packed copy does not fit (runner/packed_linears.py).
+        self.packed = PackedLinears.build(model, pack_weights, available_host_bytes)
+        self.fused = FusedForward.build(model, self.packed, self.num_layers, self.num_heads,
+                                        self.num_kv_heads)
+        self.head, self._decoder = self._choose_head(greedy_head)
+        if self.head is None:        # an output embedding that is no nn.Linear: its own forward
+            self.fused = None
+        self.graphs = None
+        self.k_caches: list = []
+        self.v_caches: list = []
+        self.block_size = 0
+
+    def _check_layers(self) -> None:
+        found = {getattr(m, "layer_idx", None) for m in self.model.modules()
+                 if hasattr(m, "layer_idx") and hasattr(m, "num_key_value_groups")}
+        found.discard(None)
+        if not found:
+            raise TypeError(f"{type(self.model).__name__} has no attention modules with a "
+                            "layer_idx: cb_kernels runs models that use transformers' "
+                            "attention interface (Llama, Qwen2/3, Mistral, Gemma, ...)")
+        if max(found) >= self.num_layers:
+            raise TypeError(f"attention layer index {max(found)} >= num_hidden_layers "
+                            f"{self.num_layers}")
+
+    def _choose_head(self, mode):
+        """(head, decoder): decoder is the base model transformers' path then runs up to the final
+        hidden state (the head is ours), or None (the model's forward gives the logits)."""
+        module = self.model.get_output_embeddings()
+        if not isinstance(module, torch.nn.Linear):
+            return None, None
+        run = self.packed.runner_for(module) if self.packed is not None else module
+        if not wants_greedy_head(mode):
+            return LogitsHead(run), None
+        decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else None
+        if self.fused is None and (decoder is None or decoder is self.model
+                                   or not _head_is_plain(self.model, decoder, module)):
+            logger.info("greedy_head: off (the model's logits are not its LM head's output)")
+            return LogitsHead(run), None
+        return choose_lm_head(module, run, mode), decoder
+
+    # -- the cache ------------------------------------------------------------------------------
+    def allocate_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype,
+                       max_num_seqs: int) -> None:
+        self.k_caches, self.v_caches = allocate_kv_cache(
+            self.num_layers, num_blocks, block_size, self.num_kv_heads, self.head_dim, dtype,
+            self.device)
+        self.block_size = block_size
+        if graphs_enabled(self.cuda_graphs, self.device):
+            max_blocks = min(num_blocks, -(-self.max_positions // block_size))
+            self.graphs = decode_graph_runner(self, max_num_seqs, max_blocks)
+
+    def copy_blocks(self, pairs: list) -> None:
+        """pairs: (src, dst) block ids, copied in every layer (copy-on-write)."""
+        if pairs:
+            ops.copy_blocks(self.k_caches, self.v_caches, torch.tensor(pairs, dtype=torch.int64))
+
+    # -- a step ---------------------------------------------------------------------------------
+    def prepare(self, seqs: list, num_new_tokens: list) -> step_inputs.StepInputs:
+        return step_inputs.pack(
+            seqs, num_new_tokens, self.block_size, self.k_caches[0].shape[0] * self.block_size,
+            self.device, k_caches=self.k_caches, v_caches=self.v_caches,
+            sliding_windows=self.sliding_windows, softcap=self.softcap,
+            backend=self.attention_backend)
+
+    @torch.inference_mode()
+    def execute(self, inputs: step_inputs.StepInputs, greedy: bool = False) -> StepOutput:
+        """The sampled rows' logits, or with `greedy` (every sampled row is greedy) maybe their
+        argmax tokens straight from the greedy head."""
+        attn = inputs.attn
+        if self.graphs is not None and inputs.is_decode:
+            # The graph copies input_ids (placeholders already filled) into its static buffer.
+            return StepOutput(self.graphs({
+                "input_ids": inputs.input_ids, "positions": inputs.positions,
+                "slot_mapping": attn.slot_mapping, "seq_lens": attn.seq_lens,
+                "block_tables": attn.block_tables, "cu_seqlens_q": attn.cu_seqlens_q}), None)
+        if self.fused is not None and self.fused.usable():
+            # Switches no attention or forward of the model: needs no lock.
+            self.packed.refresh()
+            rows = self.fused(inputs.input_ids, inputs.positions, inputs.logits_indices, attn)
+        elif greedy and self._decoder is not None:
+            rows = self._hidden_rows(inputs.input_ids, inputs.positions, inputs.logits_indices,
+                                     attn)
+        else:
+            return StepOutput(self.forward_logits(inputs.input_ids, inputs.positions,
+                                                  inputs.logits_indices, attn), None)
+        tokens = self.head.tokens(rows) if greedy else None
+        if tokens is not None:
+            return StepOutput(None, tokens)
+        return StepOutput(self.head.logits(rows), None)
+
+    def _hidden_rows(self, input_ids, positions, logits_indices, attn) -> torch.Tensor:
+        """transformers' decoder up to the final hidden state: [num_sampled, hidden]."""
+        with self._switch, self.packed if self.packed is not None else contextlib.nullcontext():
+            hidden = self._decoder(input_ids=input_ids[None], position_ids=positions[None],
+                                   use_cache=False, cbk_step=attn).last_hidden_state
+        return hidden[0].index_select(0, logits_indices)
+
+    @torch.inference_mode()
+    def forward_logits(self, input_ids, positions, logits_indices, attn) -> torch.Tensor:
+        """transformers' forward with our attention: fp32 logits [num_sampled, vocab_size].
+        input_ids, positions: int64 [num_tokens]; logits_indices: int64 [num_sampled]."""
+        if self._decoder is not None:
+            return self.head.logits(self._hidden_rows(input_ids, positions, logits_indices, attn))
+        ids, pos = input_ids[None], positions[None]
+        with self._switch, self.packed if self.packed is not None else contextlib.nullcontext():
+            if self._keeps_logits:
+                out = self.model(input_ids=ids, position_ids=pos, use_cache=False,
+                                 logits_to_keep=logits_indices, cbk_step=attn)
+                return out.logits[0].float()
+            # A model without logits_to_keep: project every token, keep the last ones.
+            out = self.model(input_ids=ids, position_ids=pos, use_cache=False, cbk_step=attn)
+        return out.logits[0, logits_indices].float()
+
+    def refresh_weights(self) -> None:
+        """Repack every packed copy now (after writes torch's version counter misses, e.g.
+        through `.data`); copies are otherwise refreshed when a weight changes through torch."""
+        if self.packed is not None:
+            self.packed.refresh(force=True)
+        head = getattr(self.head, "greedy", None)
+        if head is not None:
+            head.refresh(force=True)
