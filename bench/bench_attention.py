@@ -23,7 +23,7 @@ from cb_kernels import ops  # before torch: cb_kernels sets the OpenMP spin boun
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from cb_kernels.ops.paged_attention import DEFAULT_CUDA_BACKEND, run_backend
-from cb_kernels.hf.adapter import host_zeros
+from cb_kernels.runner.kv_cache import host_zeros
 from cb_kernels.ops.reference import ref_paged_attention
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

@@ -152,7 +152,7 @@ def run_overlap(num_prompts: int = 64, max_new_tokens: int = 128) -> list[dict]:
         engine = Engine(model, EngineConfig(block_size=BLOCK_SIZE, overlap=overlap,
                                             cuda_graphs=graphs, max_num_seqs=num_prompts))
         engine.generate([prompts[0][:8]], SamplingParams(max_new_tokens=4))
-        forward, busy = engine.adapter.forward, []
+        forward, busy = engine.runner.execute, []
 
         def timed(*a, **kw):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -162,7 +162,7 @@ def run_overlap(num_prompts: int = 64, max_new_tokens: int = 128) -> list[dict]:
             busy.append((start, end))
             return out
         if not graphs:      # a replayed graph does not call forward; events would be captured
-            engine.adapter.forward = timed
+            engine.runner.execute = timed
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         steps0 = engine.stats()["steps"]

@@ -19,7 +19,7 @@ def scheduler_step_ms(num_running: int = 256, steps: int = 200) -> dict:
     from cb_kernels.engine.config import SamplingParams
     from cb_kernels.engine.scheduler import Scheduler
     from cb_kernels.engine.sequence import Sequence
-    from cb_kernels.hf.adapter import ModelAdapter
+    from cb_kernels.runner.step_inputs import pack
 
     bm = BlockManager(num_running * 40, 16)
     sched = Scheduler(bm, max_batch_tokens=512, max_num_seqs=num_running)
@@ -33,16 +33,14 @@ def scheduler_step_ms(num_running: int = 256, steps: int = 200) -> dict:
             s.num_computed_tokens += n
             if s.num_computed_tokens == s.num_tokens:
                 s.token_ids.append(1)
-    packer = ModelAdapter.__new__(ModelAdapter)       # prepare() needs only these fields
-    packer.block_size, packer.device = 16, torch.device("cpu")
-    packer.k_caches = packer.v_caches = []
-    packer.sliding_windows, packer.softcap, packer.attention_backend = [], None, None
+    cpu, num_slots = torch.device("cpu"), bm.num_blocks * 16
     t_sched = t_pack = 0.0
     for _ in range(steps):
         t0 = time.perf_counter()
         batch = sched.schedule()
         t1 = time.perf_counter()
-        packer.prepare(batch.seqs, batch.num_new_tokens)
+        pack(batch.seqs, batch.num_new_tokens, 16, num_slots, cpu, k_caches=[], v_caches=[],
+             sliding_windows=[], softcap=None, backend=None)
         t2 = time.perf_counter()
         for s in batch.seqs:
             s.num_computed_tokens += 1
@@ -65,7 +63,7 @@ t2 = time.perf_counter()
 engine = Engine(model, EngineConfig())
 rid = engine.add_request(list(range(1, 129)), SamplingParams(max_new_tokens=2))
 t3 = time.perf_counter()
-while not engine._seqs[rid].output_token_ids:
+while not engine.sequence(rid).output_token_ids:
     engine.step()
 t4 = time.perf_counter()
 print(json.dumps({"imports_s": t1 - t0, "model_build_s": t2 - t1, "engine_init_s": t3 - t2,

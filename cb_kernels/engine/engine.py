@@ -6,7 +6,7 @@ import time
 from typing import Iterator, Optional
 
 from cb_kernels import ops
-from cb_kernels.engine import requests
+from cb_kernels.engine import requests, sizing
 from cb_kernels.engine.block_manager import BlockManager
 from cb_kernels.engine.config import EngineConfig, RequestOutput, SamplingParams
 from cb_kernels.engine.frontend import Frontend
@@ -14,7 +14,7 @@ from cb_kernels.engine.pipeline import OverlapPipeline
 from cb_kernels.engine.sampler import Sampler
 from cb_kernels.engine.scheduler import ScheduledBatch, Scheduler
 from cb_kernels.engine.sequence import Sequence, SequenceStatus
-from cb_kernels.engine.sizing import ModelShape, host_available_bytes, resolve
+from cb_kernels.engine.sizing import ModelShape, resolve
 from cb_kernels.engine.step import LaunchedStep, StepClock
 from cb_kernels.engine.streams import StreamOrchestrator
 from cb_kernels.engine.swapper import make_swapper
@@ -45,7 +45,7 @@ class Engine:
                 model, attention_backend=config.attention_backend,
                 pack_weights=config.pack_weights, greedy_head=config.greedy_head,
                 cuda_graphs=config.cuda_graphs,
-                available_host_bytes=host_available_bytes() if config.pack_weights == "auto"
+                available_host_bytes=sizing.host_available_bytes() if config.pack_weights == "auto"
                 else None)
         elif not isinstance(runner, ModelRunner):
             raise TypeError(f"runner must implement cb_kernels.runner.ModelRunner, got "
@@ -113,6 +113,11 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return bool(self._seqs)
+
+    @property
+    def eos_token_ids(self) -> frozenset:
+        """The ids that end a request (unless ignore_eos), as the model's generate() sees them."""
+        return self.runner.eos_token_ids
 
     def sequence(self, request_id: str) -> Optional[Sequence]:
         """The live Sequence of a waiting or running request, else None."""

@@ -85,6 +85,7 @@ class Scheduler:
         self.num_recomputes = 0
         self.swapper = swapper
         self.swapped: list = []          # sorted by arrival (seq_id)
+        self._failed: list = []          # ended by a failed swap; handed over by schedule()
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -120,6 +121,7 @@ class Scheduler:
             n = min(seq.num_uncomputed_tokens, budget)
             self._add(batch, seq, n, decode=False)
             budget -= n
+        batch.failed, self._failed = self._failed, []
         return batch
 
     def _schedule_decodes(self, batch: ScheduledBatch, budget: int):
@@ -139,7 +141,7 @@ class Scheduler:
             copies = bm.try_append_slot(seq)
             while copies is None:
                 victim = self._pick_victim(i)
-                self._preempt(victim, batch)
+                self._preempt(victim)
                 if victim is seq:
                     break
                 copies = bm.try_append_slot(seq)
@@ -176,7 +178,7 @@ class Scheduler:
             try:
                 self.swapper.swap_in(seq)
             except OffloadError as e:
-                self._fail(seq, str(e), batch)
+                self._fail(seq, str(e))
                 continue
             bisect.insort(self.running, seq, key=_arrival)
             if seq.is_decoding:
@@ -193,7 +195,7 @@ class Scheduler:
         batch.add(seq, n, decode)
         self.block_manager.commit(seq, seq.num_computed_tokens + n)
 
-    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+    def _preempt(self, seq: Sequence) -> None:
         """Take `seq`'s device blocks away. Recompute: free them (the prefix cache keeps their
         KV until evicted) and put `seq` at the front of the waiting queue."""
         self.running.remove(seq)
@@ -204,7 +206,7 @@ class Scheduler:
                 self.swapper.swap_out(seq)
             except OffloadError as e:
                 self.block_manager.free(seq)
-                self._fail(seq, str(e), batch)
+                self._fail(seq, str(e))
                 return
             bisect.insort(self.swapped, seq, key=_arrival)
             return
@@ -214,12 +216,12 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_recomputes += 1
 
-    def _fail(self, seq: Sequence, message: str, batch: ScheduledBatch) -> None:
-        """End `seq` (which holds no device block) with an error; the engine reports it."""
+    def _fail(self, seq: Sequence, message: str) -> None:
+        """End `seq` (which holds no device block) with an error; the next batch reports it."""
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = "error"
         seq.error = message
-        batch.failed.append(seq)
+        self._failed.append(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Remove an ended request (finished, cancelled or failed) and return its blocks."""

@@ -33,7 +33,7 @@ BLOCK_SIZE = 16
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What sizing needs to know about the model (filled by the adapter)."""
+    """What sizing needs to know about the model (read off the model runner)."""
 
     num_layers: int
     num_kv_heads: int

@@ -62,7 +62,7 @@ def write_kv_unchecked(key, value, k_cache, v_cache, slot_mapping, backend=None)
 
     Shapes, dtypes, strides and devices are still checked (tensor metadata, free). The caller
     vouches for the slot values: the engine builds slot_mapping on the host from its own block
-    tables and checks it there once per step (hf/adapter.py, `check_slots`), before the upload.
+    tables and checks it there once per step (runner/step_inputs.py, `check_slots`), before the upload.
     The C++, CUDA and Triton kernels skip slots outside the pool in any case, so a bad value can
     drop a token but never write outside the caches. Same arguments as `write_kv`.
     """

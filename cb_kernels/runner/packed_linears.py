@@ -61,8 +61,8 @@ def backend() -> Optional[str]:
     """The packed backend new groups use: "cbk", "onednn", or None (neither runs here)."""
     if BACKEND not in ("auto", "cbk", "onednn"):
         raise ValueError(f"packed_linears.BACKEND must be 'auto', 'cbk' or 'onednn', got {BACKEND!r}")
-    if BACKEND in ("auto", "cbk") and PackedLinear.fast():
-        return "cbk"
+    if BACKEND == "cbk" or (BACKEND == "auto" and PackedLinear.fast()):
+        return "cbk"          # forced: its portable body runs on any CPU
     if BACKEND in ("auto", "onednn") and _onednn_ok():
         return "onednn"
     return None

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cb_kernels import Engine, EngineConfig, SamplingParams
-from tiny_models import (ATTN_BACKEND, make_model, make_tokenizer, random_prompts,
+from tests.helpers import (ATTN_BACKEND, make_model, make_tokenizer, random_prompts,
                          reference_tokens, run_checked)
 
 pytestmark = pytest.mark.one_thread
@@ -116,7 +116,7 @@ def test_random_cancellations(llama, expected):
     cancelled = set()
 
     def maybe_cancel(step):
-        live = [i for i in ids if i in engine._seqs]
+        live = [i for i in ids if engine.sequence(i) is not None]
         if live and rng.random() < 0.3:
             victim = rng.choice(live)
             engine.cancel(victim)
@@ -184,7 +184,7 @@ def test_eos_from_generation_config(llama):
     prompts = random_prompts([10], seed=12)
     greedy = reference_tokens(llama, prompts, [10])[0]
     engine = engine_for(llama, block_size=8, num_blocks=32)
-    engine.eos_token_ids = frozenset([greedy[3]])
+    engine.runner.eos_token_ids = frozenset([greedy[3]])
     out = engine.generate(prompts, SamplingParams(max_new_tokens=10))[0]
     assert out.finish_reason == "stop" and out.token_ids == greedy[:greedy.index(greedy[3]) + 1]
     out = engine.generate(prompts, SamplingParams(max_new_tokens=10, ignore_eos=True))[0]

@@ -2,7 +2,7 @@
 import pytest
 
 from cb_kernels import Engine, EngineConfig, SamplingParams
-from tiny_models import ATTN_BACKEND, fail_nth_model_run, make_model, random_prompts, reference_tokens, run_checked
+from tests.helpers import ATTN_BACKEND, fail_nth_model_run, make_model, random_prompts, reference_tokens, run_checked
 
 pytestmark = pytest.mark.one_thread
 
@@ -101,7 +101,7 @@ def test_cancel_unknown_request(engine):
 
 def test_exception_inside_a_step_fails_that_step_only(engine, llama, monkeypatch):
     prompts = random_prompts([5, 6, 7], seed=5)
-    fail_nth_model_run(monkeypatch, engine.adapter, 3)
+    fail_nth_model_run(monkeypatch, engine.runner, 3)
     first = [engine.add_request(p, SamplingParams(max_new_tokens=8)) for p in prompts]
     assert engine.step() == [] and engine.step() == []      # prefill, first decode
     ended = engine.step()                                   # the injected failure

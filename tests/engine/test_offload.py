@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cb_kernels.engine import Engine, EngineConfig, SamplingParams
-from tiny_models import ATTN_BACKEND, make_model
+from tests.helpers import ATTN_BACKEND, make_model
 
 BLOCK_SIZE = 4
 pytestmark = pytest.mark.one_thread

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from cb_kernels.engine import Engine, EngineConfig, SamplingParams
-from tiny_models import make_model
+from tests.helpers import make_model
 
 pytestmark = pytest.mark.gpu
 BLOCK_SIZE = 16

@@ -9,11 +9,10 @@ import pytest
 import torch
 
 from cb_kernels.engine import Engine, EngineConfig, SamplingParams
-from cb_kernels.engine import engine as engine_mod
 from cb_kernels.engine import pipeline
-from cb_kernels.engine.cuda_graphs import adapter_decode_runner
+from cb_kernels.runner.cuda_graphs import decode_graph_runner
 from cb_kernels.engine.swapper import OffloadError
-from tiny_models import ATTN_BACKEND, fail_nth_model_run, make_model, random_prompts, reference_tokens
+from tests.helpers import ATTN_BACKEND, fail_nth_model_run, make_model, random_prompts, reference_tokens
 
 pytestmark = pytest.mark.one_thread
 BLOCK_SIZE = 4
@@ -55,7 +54,7 @@ def run(engine, prompts, params, cancel_at=None):
             outs[out.request_id] = out
         engine.check_invariants()
         for k, count in (cancel_at or {}).items():
-            seq = engine._seqs.get(ids[k])
+            seq = engine.sequence(ids[k])
             if seq is not None and len(seq.output_token_ids) >= count:
                 assert len(seq.output_token_ids) == count, "more than one token per step"
                 engine.cancel(ids[k])
@@ -138,7 +137,7 @@ def test_preempted_while_its_token_is_unknown(llama, workload, monkeypatch, pree
         return real_schedule()
 
     rows = {"prefill": 0, "decode": 0}
-    real_rows = engine_mod.placeholder_rows
+    real_rows = pipeline.placeholder_rows
 
     def counted_rows(batch, prev, block_size):
         dst, src, late = real_rows(batch, prev, block_size)
@@ -148,7 +147,7 @@ def test_preempted_while_its_token_is_unknown(llama, workload, monkeypatch, pree
         return dst, src, late
 
     monkeypatch.setattr(sched, "schedule", schedule)
-    monkeypatch.setattr(engine_mod, "placeholder_rows", counted_rows)
+    monkeypatch.setattr(pipeline, "placeholder_rows", counted_rows)
     outs = run(engine, prompts, [SamplingParams(max_new_tokens=n) for n in NEW])
     assert [o.token_ids for o in outs] == ref
     st = engine.stats()
@@ -176,7 +175,7 @@ def test_seeded_sampling_and_greedy_mix_match(llama, workload):
 def test_failed_step_in_flight_fails_only_its_requests(llama, workload, monkeypatch):
     prompts, ref = workload
     engine = make_engine(llama, "on", num_blocks=60)
-    fail_nth_model_run(monkeypatch, engine.adapter, 6)
+    fail_nth_model_run(monkeypatch, engine.runner, 6)
     outs = run(engine, prompts, [SamplingParams(max_new_tokens=n) for n in NEW])
     failed = [k for k, o in enumerate(outs) if o.finish_reason == "error"]
     assert failed and engine.stats()["failed_steps"] == 1
@@ -228,8 +227,8 @@ def test_cancel_while_in_flight_keeps_the_shown_tokens(llama, workload):
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=20)) for p in short]
     engine.step()
     engine.step()
-    assert engine._in_flight is not None and engine.stats()["overlapped_steps"] == 1
-    shown = list(engine._seqs[ids[1]].output_token_ids)
+    assert engine.pipeline.in_flight is not None and engine.stats()["overlapped_steps"] == 1
+    shown = list(engine.sequence(ids[1]).output_token_ids)
     assert len(shown) == 1
     engine.cancel(ids[1])
     engine.check_invariants()
@@ -264,11 +263,11 @@ def test_graph_runner_static_inputs_get_the_filled_tokens(llama, workload):
     its static buffer after the placeholders were filled on the device."""
     prompts, ref = workload
     engine = make_engine(llama, "on")
-    engine.graphs = adapter_decode_runner(engine.adapter, 8, 64)
-    engine.graphs.capture = False
+    engine.runner.graphs = graphs = decode_graph_runner(engine.runner, 8, 64)
+    graphs.capture = False
     outs = run(engine, prompts[:6], [SamplingParams(max_new_tokens=n) for n in NEW[:6]])
     assert [o.token_ids for o in outs] == ref[:6]
-    assert engine.graphs.eager_runs > 10 and engine.stats()["placeholder_fills"] > 50
+    assert graphs.eager_runs > 10 and engine.stats()["placeholder_fills"] > 50
 
 
 def test_fill_placeholders_ranges_and_scattered_rows():
@@ -283,8 +282,8 @@ def test_fill_placeholders_ranges_and_scattered_rows():
 
 
 def test_overlap_modes_resolve(llama):
-    assert make_engine(llama, "on")._overlap and not make_engine(llama, "off")._overlap
-    assert not make_engine(llama, "auto")._overlap          # auto: on for CUDA only
+    assert make_engine(llama, "on").pipeline is not None and make_engine(llama, "off").pipeline is None
+    assert make_engine(llama, "auto").pipeline is None         # auto: on for CUDA only
     assert make_engine(llama, "on").clock.stats()["timed_steps"] == 0
 
 
@@ -321,7 +320,7 @@ def test_failed_swap_of_a_request_whose_token_in_flight_stops_it(llama, workload
     sched, real_schedule, victims = engine.scheduler, engine.scheduler.schedule, []
 
     def schedule():
-        seq = engine._seqs.get(f"req_{k}")
+        seq = engine.sequence(f"req_{k}")
         if seq is not None and seq in sched.running and len(seq.output_token_ids) == at + 1:
             victims.append(seq)          # its stop token is in flight (overlap) or known (off)
             sched._preempt(seq)

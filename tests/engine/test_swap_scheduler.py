@@ -44,9 +44,8 @@ class FakeRun:
 
     def step(self):
         batch = self.sched.schedule()
-        for seq in self.sched.failed:
+        for seq in batch.failed:
             self.errors[seq.request_id] = seq.error
-        self.sched.failed.clear()
         for src, dst in batch.blocks_to_copy:
             for c in self.caches:
                 c[dst] = c[src]

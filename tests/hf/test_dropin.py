@@ -7,7 +7,7 @@ from transformers import ContinuousBatchingConfig, GenerationConfig, LlamaConfig
 
 import cb_kernels.hf
 from cb_kernels import ops
-from cb_kernels.hf import backend
+from cb_kernels.hf import dropin
 
 # Prompt lengths cross the 16-token page boundary and exceed the 48-token step budget (chunked
 # prefill); 1 is the shortest prompt there is.
@@ -59,7 +59,7 @@ def test_same_tokens_as_sdpa_and_kernels_used(tiny_llama, monkeypatch):
     monkeypatch.setattr(ops, "paged_attention", attention)
     monkeypatch.setattr(ops, "write_kv", write)
     cb_kernels.hf.enable(model)
-    original = backend._state["patched"]
+    original = dropin._state["patched"]
     sdpa = {name: _Counter(fn) for name, fn in original.sdpa.items()}
     update = _Counter(original.update)
     monkeypatch.setattr(original, "sdpa", sdpa)
@@ -101,15 +101,15 @@ def test_plain_forward_unchanged_while_enabled(tiny_llama):
 
 def test_installed_transformers_is_supported():
     # Fails loudly when the pinned transformers moves past the versions whose internals the
-    # backend was written against: update backend.py (and SUPPORTED_VERSIONS) then.
-    backend.check_version()
-    assert ".".join(transformers.__version__.split(".")[:2]) in backend.SUPPORTED_VERSIONS
+    # drop-in was written against: update dropin.py (and SUPPORTED_VERSIONS) then.
+    dropin.check_version()
+    assert ".".join(transformers.__version__.split(".")[:2]) in dropin.SUPPORTED_VERSIONS
 
 
 @pytest.mark.parametrize("version", ["5.17.0", "5.16.2", "5.25.0", "6.0.0"])
 def test_unsupported_versions_refused(version):
     with pytest.raises(RuntimeError, match="supports transformers"):
-        backend.check_version(version)
+        dropin.check_version(version)
 
 
 def test_refuses_sliding_window_models():

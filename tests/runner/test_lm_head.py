@@ -6,7 +6,7 @@ import torch
 
 from cb_kernels import Engine, EngineConfig, SamplingParams
 from cb_kernels.ops import GreedyHead
-from tiny_models import ATTN_BACKEND, make_model, random_prompts, reference_tokens, run_checked
+from tests.helpers import ATTN_BACKEND, make_model, random_prompts, reference_tokens, run_checked
 
 pytestmark = pytest.mark.one_thread
 
@@ -97,22 +97,19 @@ def test_bad_setting():
 
 @pytest.mark.parametrize("kind, greedy_head", [("gemma", True), ("llama", False)])
 def test_greedy_steps_without_the_head_run_in_inference_mode(kind, greedy_head):
-    """An all-greedy step that cannot take the greedy head (no fast path, or the head off) runs
-    transformers' forward: in inference mode like forward(), not building an autograd graph
-    through weights that require grad."""
+    """All-greedy steps on transformers' forward (no fused path), with the greedy head (Gemma:
+    its logits are its head's output, so the runner runs the decoder and the head) or without it,
+    run in inference mode, not building an autograd graph through weights that require grad."""
     model = make_model(kind).requires_grad_(True)
     engine = Engine(model, EngineConfig(attention_backend=ATTN_BACKEND, pack_weights=False,
                                         greedy_head=greedy_head))
     if kind == "llama":
-        model.lm_head.register_forward_hook(lambda m, i, o: None)   # the fast path steps aside
+        model.lm_head.register_forward_hook(lambda m, i, o: None)
+    assert engine.runner.fused is None
+    assert (getattr(engine.runner.head, "greedy", None) is not None) == greedy_head
     modes = []
-    run_model = engine.adapter._run_model
-
-    def spy(*args, **kwargs):
-        modes.append(torch.is_inference_mode_enabled())
-        return run_model(*args, **kwargs)
-
-    engine.adapter._run_model = spy
+    model.model.register_forward_pre_hook(
+        lambda m, args: modes.append(torch.is_inference_mode_enabled()))
     prompts = random_prompts([5, 7], seed=2)
     outs = engine.generate(prompts, [SamplingParams(max_new_tokens=3)] * 2)
     assert [o.token_ids for o in outs] == reference_tokens(model, prompts, [3, 3])

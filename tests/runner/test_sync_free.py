@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from cb_kernels import Engine, EngineConfig, SamplingParams
-from cb_kernels.hf import adapter as adapter_mod
-from tiny_models import ATTN_BACKEND, make_model, random_prompts
+from cb_kernels import ops
+from cb_kernels.runner import step_inputs
+from tests.helpers import ATTN_BACKEND, make_model, random_prompts
 
 
 def _engine(device="cpu", num_layers=2, **config):
@@ -17,17 +18,15 @@ def _engine(device="cpu", num_layers=2, **config):
     return Engine(model, EngineConfig(**{**cfg, **config}))
 
 
-@pytest.mark.parametrize("pack", [True, False], ids=["llama-path", "transformers-path"])
+@pytest.mark.parametrize("pack", [True, False], ids=["fused-path", "transformers-path"])
 def test_layers_use_the_unchecked_write_kv(monkeypatch, pack):
-    from cb_kernels.hf import fast_llama
-
     engine = _engine(pack_weights=pack)
+    assert (engine.runner.fused is not None) == pack
     unchecked, checked = [], []
-    real = adapter_mod.write_kv_unchecked
-    for module in (adapter_mod, fast_llama):
-        monkeypatch.setattr(module, "write_kv_unchecked",
-                            lambda *a, **k: (unchecked.append(1), real(*a, **k)))
-    monkeypatch.setattr(adapter_mod.ops, "write_kv", lambda *a, **k: checked.append(1))
+    real = ops.write_kv_unchecked
+    monkeypatch.setattr(ops, "write_kv_unchecked",
+                        lambda *a, **k: (unchecked.append(1), real(*a, **k)))
+    monkeypatch.setattr(ops, "write_kv", lambda *a, **k: checked.append(1))
     outs = engine.generate(random_prompts([9, 5], seed=2), SamplingParams(max_new_tokens=3))
     assert [len(o.token_ids) for o in outs] == [3, 3]
     assert checked == [] and len(unchecked) == 2 * engine.stats()["steps"]
@@ -49,13 +48,13 @@ def test_prepare_checks_slots_once_per_step():
     engine = _engine()
     engine.add_request(random_prompts([5], seed=4)[0], SamplingParams(max_new_tokens=4))
     engine.step()
-    seq = next(iter(engine._seqs.values()))
+    seq = engine.scheduler.running[0]
     good = list(seq.block_table)
     seq.block_table[0] = engine.block_manager.num_blocks       # one past the pool
     with pytest.raises(RuntimeError, match="outside the KV pool"):
-        engine.adapter.prepare([seq], [1])
+        engine.runner.prepare([seq], [1])
     seq.block_table[:] = good
-    engine.adapter.prepare([seq], [1])
+    engine.runner.prepare([seq], [1])
 
 
 @pytest.mark.parametrize("slots, match", [([0, 3, -1], "slot -1 outside"),
@@ -63,16 +62,16 @@ def test_prepare_checks_slots_once_per_step():
                                           ([2, 5, 2], "same KV slot")])
 def test_check_slots_rejects(slots, match):
     with pytest.raises(RuntimeError, match=match):
-        adapter_mod.check_slots(slots, 64)
-    adapter_mod.check_slots([0, 63, 5], 64)
-    adapter_mod.check_slots([], 64)
+        step_inputs.check_slots(slots, 64)
+    step_inputs.check_slots([0, 63, 5], 64)
+    step_inputs.check_slots([], 64)
 
 
 def _decode_ready(engine, prompts):
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=8)) for p in prompts]
-    while any(not engine._seqs[i].output_token_ids for i in ids):
+    while any(not engine.sequence(i).output_token_ids for i in ids):
         engine.step()
-    return [engine._seqs[i] for i in ids]
+    return [engine.sequence(i) for i in ids]
 
 
 @pytest.mark.gpu
@@ -80,15 +79,15 @@ def test_decode_forward_has_no_host_sync_gpu():
     engine = _engine("cuda", num_layers=4, cuda_graphs=False)
     seqs = _decode_ready(engine, random_prompts([9, 20, 3], seed=6))
     engine.step()           # one decode step first: Triton compiles its decode kernel there
-    a = engine.adapter
-    ids, pos, rows, step, _ = a.prepare(seqs, [1] * len(seqs))
+    r = engine.runner
+    inputs = r.prepare(seqs, [1] * len(seqs))
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        logits = a.forward(ids, pos, rows, step)
+        logits = r.execute(inputs).logits
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert logits.shape == (3, a.vocab_size) and bool(torch.isfinite(logits).all())
+    assert logits.shape == (3, r.vocab_size) and bool(torch.isfinite(logits).all())
 
 
 @pytest.mark.gpu
@@ -119,7 +118,7 @@ def test_upload_packs_every_part_into_one_buffer(pack):
 
     parts = [array("q", [5, -1, 2**40]), array("i", [7]), array("q", []), array("i", [1, 2, 3]),
              array("q", [9])]
-    out = adapter_mod.upload(parts, torch.device("cpu"), pack=pack)
+    out = step_inputs.upload(parts, torch.device("cpu"), pack=pack)
     assert [t.dtype for t in out] == [torch.int64, torch.int32, torch.int64, torch.int32,
                                       torch.int64]
     assert [t.tolist() for t in out] == [list(a) for a in parts]
@@ -134,8 +133,8 @@ def test_packed_upload_gives_the_same_tokens(monkeypatch):
     prompts = random_prompts([9, 17, 4], seed=8)
     params = SamplingParams(max_new_tokens=6)
     plain = [o.token_ids for o in _engine().generate(prompts, params)]
-    real = adapter_mod.upload
-    monkeypatch.setattr(adapter_mod, "upload", lambda parts, device: real(parts, device, pack=True))
+    real = step_inputs.upload
+    monkeypatch.setattr(step_inputs, "upload", lambda parts, device: real(parts, device, pack=True))
     assert [o.token_ids for o in _engine().generate(prompts, params)] == plain
 
 

@@ -1,14 +1,19 @@
-"""The Llama family's own forward (cb_kernels/hf/fast_llama.py): when it applies, and that its
-logits match transformers' forward on the same packed weights and kernels (to fp32 rounding: the
-norms, SiLU and rotary run as fused C++ passes), and that greedy tokens match generate."""
+"""The fused CPU forward (cb_kernels/runner/fused): which models it takes (the families in
+runner/fused/families, exactly), and that its logits match transformers' forward on the same
+packed weights and kernels (to fp32 rounding: the norms, SiLU and rotary run as fused C++
+passes). Packed linears run on our kernel here, whose portable body runs on any CPU."""
 import pytest
 import torch
 
 from cb_kernels import Engine, EngineConfig, SamplingParams
-from cb_kernels.hf.packed_linears import supported
-from tests.engine.tiny_models import make_model, random_prompts
+from cb_kernels.runner import packed_linears
+from cb_kernels.runner.fused.families import SPECS
+from tests.helpers import make_model, random_prompts
 
-pytestmark = pytest.mark.skipif(not supported(), reason="neither packed backend runs here")
+
+@pytest.fixture(autouse=True)
+def _our_packed_linears(monkeypatch):
+    monkeypatch.setattr(packed_linears, "BACKEND", "cbk")
 
 
 def _engine(model, **kw):
@@ -19,20 +24,21 @@ def _engine(model, **kw):
     ("llama", True), ("qwen2", True), ("qwen3", True), ("mistral", True),
     ("gemma", False), ("gemma2", False),      # (1 + weight) norms, softcaps: transformers' path
 ])
-def test_applies_to_the_llama_family_only(kind, applies):
-    assert (_engine(make_model(kind)).adapter._fast is not None) == applies
+def test_applies_to_the_families_it_has_a_spec_for(kind, applies):
+    assert (_engine(make_model(kind)).runner.fused is not None) == applies
+    assert (kind in SPECS) == applies
 
 
 def test_not_without_packed_weights_or_with_a_hook():
-    assert _engine(make_model(), pack_weights=False).adapter._fast is None
+    assert _engine(make_model(), pack_weights=False).runner.fused is None
     model = make_model()
     handle = model.model.layers[1].mlp.register_forward_hook(lambda *a: None)
-    assert _engine(model).adapter._fast is None
+    assert _engine(model).runner.fused is None
     handle.remove()
     engine = _engine(model)
-    assert engine.adapter._fast.usable()
+    assert engine.runner.fused.usable()
     handle = model.model.norm.register_forward_pre_hook(lambda *a: None)
-    assert not engine.adapter._fast.usable()   # a hook added later: transformers' path again
+    assert not engine.runner.fused.usable()   # a hook added later: transformers' path again
     handle.remove()
 
 
@@ -47,50 +53,45 @@ def test_subclasses_and_instance_forwards_keep_transformers_path():
 
     model = make_model()
     model.model.layers[1].__class__ = Halved
-    assert _engine(model).adapter._fast is None
+    assert _engine(model).runner.fused is None
     model = make_model()
     mlp = model.model.layers[0].mlp
     stock = mlp.forward
     mlp.forward = lambda x: stock(x) * 2
-    assert _engine(model).adapter._fast is None
+    assert _engine(model).runner.fused is None
     del mlp.forward
     engine = _engine(model)
-    assert engine.adapter._fast.usable()
+    assert engine.runner.fused.usable()
     model.model.norm.forward = lambda x: x              # patched after the engine was built
-    assert not engine.adapter._fast.usable()
+    assert not engine.runner.fused.usable()
     del model.model.norm.forward
-    with engine.adapter._packed:        # the packed linears' own forwards are no reason to stop
-        assert engine.adapter._fast.usable()
+    with engine.runner.packed:        # the packed linears' own forwards are no reason to stop
+        assert engine.runner.fused.usable()
 
 
 def test_a_norm_that_is_not_plain_rms_norm_keeps_transformers_path():
     model = make_model()
     norm = model.model.layers[0].post_attention_layernorm
     norm.variance_epsilon = 1        # an int eps: not the module this path knows
-    assert _engine(model).adapter._fast is None
+    assert _engine(model).runner.fused is None
 
 
 class _Both:
-    """Runs each step through this path and through transformers' forward; records the largest
-    difference of their logits."""
+    """Runs each step through the fused forward and through transformers' forward (same packed
+    linears, same head); records whether their logits agree."""
 
-    greedy = None      # no greedy head: every step goes through __call__ (logits)
-
-    def __init__(self, adapter):
-        self.adapter, self.fast, self.equal = adapter, adapter._fast, []
+    def __init__(self, runner):
+        self.runner, self.fused, self.equal = runner, runner.fused, []
 
     def usable(self):
         return True
 
-    def __call__(self, *args):
-        got = self.fast(*args)
-        self.adapter._fast = None          # transformers' forward, same packed linears
-        try:
-            want = self.adapter.forward(*args)
-        finally:
-            self.adapter._fast = self
+    def __call__(self, input_ids, positions, logits_indices, attn):
+        rows = self.fused(input_ids, positions, logits_indices, attn)
+        want = self.runner.forward_logits(input_ids, positions, logits_indices, attn)
+        got = self.runner.head.logits(rows)
         self.equal.append(torch.allclose(got, want, rtol=1e-4, atol=1e-4))
-        return got
+        return rows
 
 
 WINDOWS = dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)
@@ -114,7 +115,7 @@ WINDOWS = dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)
 def test_logits_match_transformers_forward(kind, overrides):
     model = make_model(kind, seed=5, **overrides)
     engine = _engine(model, max_batch_tokens=16)       # chunked prefill, then decodes
-    both = _Both(engine.adapter)
-    engine.adapter._fast = both
+    both = _Both(engine.runner)
+    engine.runner.fused = both
     engine.generate(random_prompts([30, 3, 12], seed=4), SamplingParams(max_new_tokens=6))
     assert len(both.equal) >= 8 and all(both.equal)

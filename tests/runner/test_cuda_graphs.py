@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from cb_kernels.engine.cuda_graphs import DecodeGraphRunner, check_cuda_graphs, graphs_enabled
+from cb_kernels.runner.cuda_graphs import DecodeGraphRunner, check_cuda_graphs, graphs_enabled
 
 BLOCK_SIZE, NUM_BLOCKS, HEAD_DIM, MAX_BLOCKS = 4, 32, 8, 6
 PADS = {"input_ids": 0, "positions": 0, "slot_mapping": -1, "seq_lens": 1, "block_tables": 0,

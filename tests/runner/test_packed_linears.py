@@ -1,12 +1,12 @@
-"""Packed linears (cb_kernels/hf/packed_linears.py): which linears they take, that the model's
+"""Packed linears (cb_kernels/runner/packed_linears.py): which linears they take, that the model's
 outputs stay the model's, that leaving restores the model, and the engine's tokens with and
 without them."""
 import pytest
 import torch
 
 from cb_kernels import Engine, EngineConfig, SamplingParams
-from cb_kernels.hf.packed_linears import PackedLinears, supported
-from tests.engine.tiny_models import make_model, random_prompts, reference_tokens
+from cb_kernels.runner.packed_linears import PackedLinears, supported
+from tests.helpers import make_model, random_prompts, reference_tokens
 
 pytestmark = pytest.mark.skipif(not supported(), reason="neither packed backend runs here")
 
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(not supported(), reason="neither packed backend 
 @pytest.fixture(autouse=True, params=["cbk", "onednn"])
 def packed_backend(request, monkeypatch):
     """Every test runs on both packed backends (ours and oneDNN's)."""
-    import cb_kernels.hf.packed_linears as pl
+    import cb_kernels.runner.packed_linears as pl
 
     monkeypatch.setattr(pl, "BACKEND", request.param)
     if pl.backend() != request.param:
@@ -36,8 +36,9 @@ def test_groups_siblings_that_read_one_input():
 def test_builds_only_when_asked_and_for_cpu_fp32(monkeypatch):
     assert PackedLinears.build(make_model(), False) is None
     assert PackedLinears.build(make_model().to(torch.bfloat16), True) is None
+    assert PackedLinears.build(make_model(), "auto", 1 << 20) is None      # the copy would not fit
     monkeypatch.setattr("cb_kernels.engine.sizing.host_available_bytes", lambda: 1 << 20)
-    assert PackedLinears.build(make_model(), "auto") is None      # the copy would not fit
+    assert Engine(make_model(), EngineConfig(num_blocks=8)).runner.packed is None
     assert PackedLinears.build(make_model(), True) is not None    # forced
 
 
@@ -194,14 +195,14 @@ def test_engine_tokens_equal_generate_either_way(pack):
     model = make_model()
     prompts = random_prompts([5, 17, 40, 9], seed=3)
     engine = Engine(model, EngineConfig(pack_weights=pack))
-    assert (engine.adapter._packed is not None) == pack
+    assert (engine.runner.packed is not None) == pack
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=12, ignore_eos=True))
     assert [o.token_ids for o in outs] == reference_tokens(model, prompts, 12)
     assert not any("forward" in m.__dict__ for m in model.modules())
 
 
 def test_backend_setting_is_checked(monkeypatch):
-    import cb_kernels.hf.packed_linears as pl
+    import cb_kernels.runner.packed_linears as pl
 
     monkeypatch.setattr(pl, "BACKEND", "mkl")
     with pytest.raises(ValueError, match="BACKEND must be 'auto', 'cbk' or 'onednn'"):

@@ -93,18 +93,15 @@ def make_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
 
 
-def fail_nth_model_run(monkeypatch, adapter, n: int, message: str = "injected kernel failure"):
-    """Makes the adapter's n-th model run (1-based) raise RuntimeError(message). A step runs
-    exactly one of forward / forward_greedy (the latter on all-greedy steps): both count."""
+def fail_nth_model_run(monkeypatch, runner, n: int, message: str = "injected kernel failure"):
+    """Makes the runner's n-th step (1-based `execute` call) raise RuntimeError(message)."""
     calls = [0]
+    real = runner.execute
 
-    def flaky(real):
-        def run(*args, **kwargs):
-            calls[0] += 1
-            if calls[0] == n:
-                raise RuntimeError(message)
-            return real(*args, **kwargs)
-        return run
+    def execute(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == n:
+            raise RuntimeError(message)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(adapter, "forward", flaky(adapter.forward))
-    monkeypatch.setattr(adapter, "forward_greedy", flaky(adapter.forward_greedy))
+    monkeypatch.setattr(runner, "execute", execute)

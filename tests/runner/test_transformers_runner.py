@@ -1,11 +1,14 @@
-"""The model adapter across model families: greedy parity with generate (sliding window, softcap,
+"""TransformersRunner across model families: greedy parity with generate (sliding window, softcap,
 GQA, q/k norms), no dense mask, and the user's model left as it was."""
 import pytest
 import torch
 
 from cb_kernels import Engine, EngineConfig, SamplingParams
-from cb_kernels.hf import adapter as adapter_mod
-from tiny_models import ATTN_BACKEND, make_model, random_prompts, reference_tokens, run_checked
+from cb_kernels import ops
+from cb_kernels.runner import attention as attention_mod
+from cb_kernels.runner.kv_cache import host_zeros
+from cb_kernels.runner.transformers_runner import TransformersRunner
+from tests.helpers import ATTN_BACKEND, make_model, random_prompts, reference_tokens, run_checked
 
 pytestmark = pytest.mark.one_thread
 
@@ -26,22 +29,22 @@ def test_family_greedy_matches_generate(kind):
 
 def test_sliding_window_and_softcap_come_from_the_model():
     model = make_model("gemma2", seed=2, layer_types=["sliding_attention", "full_attention"])
-    a = adapter_mod.ModelAdapter(model)
+    a = TransformersRunner(model)
     assert a.sliding_windows == [24, None] and a.softcap == 5.0
     seen = []
-    real = adapter_mod.ops.paged_attention
+    real = ops.paged_attention
 
     def spy(*args, **kwargs):
         seen.append((kwargs["sliding_window"], kwargs["softcap"]))
         return real(*args, **kwargs)
 
-    adapter_mod.ops.paged_attention = spy
+    ops.paged_attention = spy
     try:
         engine = Engine(model, EngineConfig(block_size=8, num_blocks=16,
                                             attention_backend=ATTN_BACKEND))
         engine.generate(random_prompts([30], seed=1), SamplingParams(max_new_tokens=2))
     finally:
-        adapter_mod.ops.paged_attention = real
+        ops.paged_attention = real
     assert seen[:2] == [(24, 5.0), (None, 5.0)]
 
 
@@ -58,13 +61,13 @@ def test_no_dense_mask_and_no_cache_object_reach_attention():
     def checking(module, query, key, value, attention_mask, **kwargs):
         calls.append((attention_mask, kwargs.get("cache"), kwargs.get("past_key_values"),
                       tuple(query.shape)))
-        return adapter_mod._engine_attention(module, query, key, value, attention_mask, **kwargs)
+        return attention_mod.engine_attention(module, query, key, value, attention_mask, **kwargs)
 
-    AttentionInterface.register(adapter_mod.ATTN_NAME, checking)
+    AttentionInterface.register(attention_mod.ATTN_NAME, checking)
     try:
         engine.generate(random_prompts([9, 5], seed=2), SamplingParams(max_new_tokens=3))
     finally:
-        AttentionInterface.register(adapter_mod.ATTN_NAME, adapter_mod._engine_attention)
+        AttentionInterface.register(attention_mod.ATTN_NAME, attention_mod.engine_attention)
     assert calls and all(m is None and c is None and p is None for m, c, p, _ in calls)
     assert calls[0][3] == (1, 4, 14, 16)       # one packed row of 9 + 5 prompt tokens
 
@@ -79,7 +82,7 @@ def test_user_model_is_left_as_it_was():
     assert model.config._attn_implementation == "sdpa"
     assert reference_tokens(model, prompts, 5) == before
     with pytest.raises(RuntimeError, match="runs only inside cb_kernels.Engine steps"):
-        adapter_mod._engine_attention(model.model.layers[0].self_attn, torch.zeros(1, 4, 1, 16),
+        attention_mod.engine_attention(model.model.layers[0].self_attn, torch.zeros(1, 4, 1, 16),
                                       torch.zeros(1, 2, 1, 16), torch.zeros(1, 2, 1, 16), None)
 
 
@@ -117,9 +120,7 @@ def test_two_engines_on_one_model_in_two_threads():
                 if worker.ident is not None:
                     a_done.set()
         return run
-    # A step runs exactly one of the two (forward_greedy on all-greedy steps).
-    first.adapter.forward = after_a(first.adapter.forward)
-    first.adapter.forward_greedy = after_a(first.adapter.forward_greedy)
+    first.runner.execute = after_a(first.runner.execute)
     handle = model.model.layers[0].register_forward_hook(hook)
     try:
         outs = first.generate([prompts[0]], SamplingParams(max_new_tokens=5))
@@ -143,8 +144,8 @@ def test_model_without_logits_to_keep_projects_all_tokens():
     prompts = random_prompts([12, 3], seed=4)
     engine = Engine(model, EngineConfig(block_size=8, num_blocks=16,
                                         attention_backend=ATTN_BACKEND))
-    assert engine.adapter._keeps_logits
-    engine.adapter._keeps_logits = False
+    assert engine.runner._keeps_logits
+    engine.runner._keeps_logits = False
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=5))
     assert [o.token_ids for o in outs] == reference_tokens(model, prompts, 5)
 
@@ -153,7 +154,7 @@ def test_model_without_logits_to_keep_projects_all_tokens():
 def test_host_zeros_are_zero_writable_and_outlive_their_mapping(dtype):
     import gc
 
-    t = adapter_mod.host_zeros((5, 16, 2, 8), dtype)
+    t = host_zeros((5, 16, 2, 8), dtype)
     assert t.shape == (5, 16, 2, 8) and t.dtype == dtype and t.is_contiguous()
     assert not t.any()
     gc.collect()                       # only the tensor holds the mapping now
