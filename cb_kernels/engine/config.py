@@ -54,9 +54,9 @@ class EngineConfig:
     pack_weights: "auto", True or False (CPU fp32: run the model's linears on weights packed
         once, ops.PackedLinear or oneDNN's format on CPUs without AVX-512, one extra copy of them;
         "auto" = when that copy takes under a quarter of the available host memory; see
-        cb_kernels/hf/packed_linears.py).
-    greedy_head: "auto", True or False (CPU fp32, the engine's own Llama-family forward: an
-        all-greedy step picks its tokens with cb_kernels.ops.greedy_head, int8 scores with a
+        cb_kernels/runner/packed_linears.py).
+    greedy_head: "auto", True or False (CPU fp32, any model whose logits are its LM head's
+        output: an all-greedy step picks its tokens with cb_kernels.ops.GreedyHead, int8 scores with a
         proven error bound and exact rescoring of the few rows that can win, instead of every
         fp32 logit; same tokens. "auto" = where the CPU has AVX-512 VNNI, which makes it ~4x
         faster than the fp32 head; True also uses its slower portable body elsewhere).

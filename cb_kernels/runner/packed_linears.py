@@ -2,7 +2,7 @@
 
 Why: torch's F.linear goes to MKL, which takes a slow path on the AMD bench machine, and linears
 are most of a step on small models (78% of a SmolLM2-135M decode step at 16 rows, profiled).
-Two packed backends ("auto" takes the first this CPU runs):
+Two GEMMs on packed weights ("auto" takes the first this CPU runs):
 - "cbk": our kernel, ops.PackedLinear (csrc/cpu/linear.cpp; "auto" takes it with AVX-512, where
   it beats oneDNN; its AVX2 body is correct but slower than oneDNN). Streaming
   SmolLM2-135M's linears at 16 rows, 2 threads: 1.2x oneDNN's packed weights; 512 rows
@@ -11,7 +11,7 @@ Two packed backends ("auto" takes the first this CPU runs):
 - "onednn": `torch.ops.mkldnn._reorder_linear_weight` / `_linear_pointwise`. Against F.linear
   at 16 rows: 1.2-1.45x on one thread, 2-3.3x on two. Its rows were also checked independent of
   the batch (1..700 rows).
-Either way batch composition cannot change a sequence's tokens. `BACKEND` (module attribute:
+Either way batch composition cannot change a sequence's tokens. `GEMM` (module attribute:
 "auto", "cbk" or "onednn") picks one for groups packed after it is set (benchmarks, tests).
 
 How: for the duration of one step (`with packed:`) every plain `torch.nn.Linear` of the model gets
@@ -49,7 +49,7 @@ SIBLING_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 _PACK_ROWS_HINT = 32
 
 
-BACKEND = "auto"
+GEMM = "auto"
 
 
 def _onednn_ok() -> bool:
@@ -57,19 +57,19 @@ def _onednn_ok() -> bool:
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
-def backend() -> Optional[str]:
-    """The packed backend new groups use: "cbk", "onednn", or None (neither runs here)."""
-    if BACKEND not in ("auto", "cbk", "onednn"):
-        raise ValueError(f"packed_linears.BACKEND must be 'auto', 'cbk' or 'onednn', got {BACKEND!r}")
-    if BACKEND == "cbk" or (BACKEND == "auto" and PackedLinear.fast()):
+def gemm() -> Optional[str]:
+    """The GEMM new groups use: "cbk", "onednn", or None (neither runs here)."""
+    if GEMM not in ("auto", "cbk", "onednn"):
+        raise ValueError(f"packed_linears.GEMM must be 'auto', 'cbk' or 'onednn', got {GEMM!r}")
+    if GEMM == "cbk" or (GEMM == "auto" and PackedLinear.fast()):
         return "cbk"          # forced: its portable body runs on any CPU
-    if BACKEND in ("auto", "onednn") and _onednn_ok():
+    if GEMM in ("auto", "onednn") and _onednn_ok():
         return "onednn"
     return None
 
 
 def supported() -> bool:
-    return backend() is not None
+    return gemm() is not None
 
 
 def _plain_linear(m) -> bool:
@@ -121,7 +121,7 @@ class _Group:
             self.bias = torch.cat([b.detach() if b is not None else
                                    torch.zeros(m.out_features, dtype=torch.float32)
                                    for m, b in zip(self.members, biases)])
-        if backend() == "cbk":
+        if gemm() == "cbk":
             self.lin, self.weight = PackedLinear(w, self.bias), None
         else:
             self.lin = None

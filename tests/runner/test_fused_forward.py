@@ -13,7 +13,7 @@ from tests.helpers import make_model, random_prompts
 
 @pytest.fixture(autouse=True)
 def _our_packed_linears(monkeypatch):
-    monkeypatch.setattr(packed_linears, "BACKEND", "cbk")
+    monkeypatch.setattr(packed_linears, "GEMM", "cbk")
 
 
 def _engine(model, **kw):

@@ -16,8 +16,8 @@ def packed_backend(request, monkeypatch):
     """Every test runs on both packed backends (ours and oneDNN's)."""
     import cb_kernels.runner.packed_linears as pl
 
-    monkeypatch.setattr(pl, "BACKEND", request.param)
-    if pl.backend() != request.param:
+    monkeypatch.setattr(pl, "GEMM", request.param)
+    if pl.gemm() != request.param:
         pytest.skip(f"the {request.param} packed backend does not run on this machine")
     return request.param
 
@@ -204,6 +204,6 @@ def test_engine_tokens_equal_generate_either_way(pack):
 def test_backend_setting_is_checked(monkeypatch):
     import cb_kernels.runner.packed_linears as pl
 
-    monkeypatch.setattr(pl, "BACKEND", "mkl")
-    with pytest.raises(ValueError, match="BACKEND must be 'auto', 'cbk' or 'onednn'"):
-        pl.backend()
+    monkeypatch.setattr(pl, "GEMM", "mkl")
+    with pytest.raises(ValueError, match="GEMM must be 'auto', 'cbk' or 'onednn'"):
+        pl.gemm()
