@@ -91,6 +91,16 @@ def available_backends() -> list[str]:
     return out
 
 
+def default_cuda_backend(supported: Sequence[str]) -> str:
+    """The backend an op without a measured CUDA default takes for CUDA tensors: the compiled
+    kernels where they run, else Triton where the op has it, else the reference."""
+    if not cuda_kernels_error():
+        return "cuda"
+    if "triton" in supported and not triton_error():
+        return "triton"
+    return "torch"
+
+
 def resolve_backend(requested: str | None, device: torch.device, supported: Sequence[str],
                     default_cuda: str, op: str) -> str:
     """Pick the backend for one call.
