@@ -14,9 +14,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 
-from cb_kernels import ops  # before torch: cb_kernels sets the OpenMP spin bound
+# Run from a checkout, the checkout's cb_kernels wins over an installed one.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if os.path.isdir(os.path.join(_ROOT, "cb_kernels")) and _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from cb_kernels import ops  # noqa: E402  (before torch: cb_kernels sets the OpenMP spin bound)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

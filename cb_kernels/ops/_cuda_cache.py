@@ -14,7 +14,7 @@ from cb_kernels import _C
 
 # Swaps whose blocks are at least this large go through cuMemcpyBatchAsync (copy engines, no SM
 # time); smaller ones through the copy kernel reading mapped pinned memory, which pays no
-# per-copy setup. 64 KiB is a starting point, not a measurement yet: bench/bench_cache.py
+# per-copy setup. 64 KiB is a starting point, not a measurement yet: bench/bench_swap_blocks.py
 # --device cuda prints both paths per block size; override with CBK_SWAP_BATCH_MIN_BYTES.
 BATCH_MIN_BYTES = int(os.environ.get("CBK_SWAP_BATCH_MIN_BYTES", 64 << 10))
 

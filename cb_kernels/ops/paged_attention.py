@@ -66,7 +66,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     # Eager calls skip the dispatcher: a 1-token decode on one thread takes ~7 us through
     # run_backend and ~160 us through torch.ops.cb_kernels.paged_attention (the Python custom-op
-    # layers: autograd, ADInplaceOrView, dynamo-disable), measured by bench/bench_attention.py.
+    # layers: autograd, ADInplaceOrView, dynamo-disable), measured by bench/bench_paged_attention.py.
     # torch.compile must see the registered op to trace it, so traced calls take it.
     if compiling:
         torch.ops.cb_kernels.paged_attention(q, k_cache, v_cache, block_tables, seq_lens,
