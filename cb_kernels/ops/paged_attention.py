@@ -13,9 +13,10 @@ from cb_kernels.ops import _backend
 from cb_kernels.ops._paged_attention_checks import check_args, check_values
 from cb_kernels.ops.reference import ref_paged_attention
 
-# Default backend for CUDA tensors: a reasoned default, pending bench/gpu_check.sh numbers (no
-# GPU was available when it was chosen). Triton because (1) it is present wherever torch's CUDA
-# wheels are (they depend on triton) while the "cuda" kernels exist only in builds made with nvcc;
+# Default backend for CUDA tensors: reasoned, not yet measured (bench/gpu_check.sh's attention
+# stage times both on a GPU; set this from its numbers). Triton because (1) it is present
+# wherever torch's CUDA wheels are (they depend on triton) while the "cuda" kernels exist only in
+# builds made with nvcc;
 # (2) it covers every head_dim/block_size the API allows; (3) its decode tile runs Q.K^T and P.V
 # on tensor cores, which FlashInfer reports pays off from GQA group 4 up (Llama-3 uses 4-8), where
 # the CUDA kernel's fp32 FMAs cost nearly as much time as its memory traffic (estimate for group 8,
