@@ -2,7 +2,7 @@
 
 Contenders, same inputs, same run, each checked to give the same tokens:
   torch          F.linear(h, W) then argmax (what transformers' generate does)
-  onednn         the engine's packed oneDNN fp32 head (hf/packed_linears.py) then ops.greedy_tokens
+  onednn         the engine's packed oneDNN fp32 head (runner/packed_linears.py) then ops.greedy_tokens
   greedy_head    int8 VNNI scores with a proven bound, exact rescoring of the few candidates
 Shapes: the tiny Llama's head (256 x 32000) and SmolLM2-135M's (576 x 49152), with Gaussian
 hidden rows and with rows carrying a few large "massive activation" dims (as SmolLM2's do), which
@@ -14,9 +14,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 
-from cb_kernels import ops  # before torch: cb_kernels sets the OpenMP spin bound
+# Run from a checkout, the checkout's cb_kernels wins over an installed one.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if os.path.isdir(os.path.join(_ROOT, "cb_kernels")) and _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from cb_kernels import ops  # noqa: E402  (before torch: cb_kernels sets the OpenMP spin bound)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

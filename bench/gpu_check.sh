@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One prepared GPU session: build for the local arch, run the attention, cache and engine
-# benchmarks, then the GPU tests; print one summary and leave everything under RESULTS_DIR.
+# One prepared GPU session: build for the local arch, run the kernel (paged_attention, cache ops)
+# and engine benchmarks, then the GPU tests; print one summary and leave everything under RESULTS_DIR.
 #
 #   bash bench/gpu_check.sh RESULTS_DIR        (total budget: < 8 minutes on an H100/H200)
 #
@@ -80,8 +80,10 @@ run_stage() {   # name timeout_s command...: one stage, its output in $OUT/name.
   return 0
 }
 
-run_stage attention 120 "$PY" bench/bench_attention.py --device cuda --quick --json "$OUT/attention.json"
-run_stage cache 90 "$PY" bench/bench_cache.py --device cuda --json "$OUT/cache.json"
+run_stage attention 120 "$PY" bench/bench_paged_attention.py --device cuda --quick --json "$OUT/attention.json"
+run_stage swap_blocks 50 "$PY" bench/bench_swap_blocks.py --device cuda --json "$OUT/swap_blocks.json"
+run_stage copy_blocks 20 "$PY" bench/bench_copy_blocks.py --device cuda --json "$OUT/copy_blocks.json"
+run_stage write_kv 20 "$PY" bench/bench_write_kv.py --device cuda --json "$OUT/write_kv.json"
 run_stage engine 180 "$PY" bench/bench_engine.py --device cuda --dtype bfloat16 \
   --model-shape llama-1b --num-requests 128 --skip hf_tuned --json "$OUT/engine.json"
 run_stage overlap 120 "$PY" bench/bench_overlap.py --device cuda --quick --json "$OUT/overlap.json"

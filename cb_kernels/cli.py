@@ -3,7 +3,11 @@
     cb-kernels info                     versions, backends, GPU
     cb-kernels demo                     the real-model demo (see README)
     cb-kernels generate --model M ...   batch generation over a jsonl file
-    cb-kernels bench attention|cache|engine|dropin|offload|overlap|greedy_head [args]   bench/*.py
+    cb-kernels bench paged_attention|write_kv|copy_blocks|swap_blocks|greedy_head|engine|dropin|
+                     offload|overlap [args]        bench/bench_<name>.py
+    cb-kernels bench attention [args]   = bench paged_attention
+    cb-kernels bench cache [args]       swap_blocks, copy_blocks and write_kv in turn (their common
+                                        options only; --json PATH writes PATH.<op>.json per bench)
 """
 from __future__ import annotations
 
@@ -12,7 +16,10 @@ import runpy
 import sys
 from pathlib import Path
 
-BENCHES = ("attention", "cache", "engine", "dropin", "offload", "overlap", "greedy_head")
+BENCHES = ("paged_attention", "write_kv", "copy_blocks", "swap_blocks", "greedy_head", "engine", "dropin",
+           "offload", "overlap")
+# Group names: `attention` runs paged_attention, `cache` the three cache-op benches.
+BENCH_ALIASES = {"attention": ("paged_attention",), "cache": ("swap_blocks", "copy_blocks", "write_kv")}
 
 
 def _bench_dir() -> Path:
@@ -32,12 +39,19 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    script = _bench_dir() / f"bench_{args.which}.py"
-    if not script.exists():
-        raise SystemExit(f"benchmark {script} does not exist yet")
-    sys.argv = [str(script), *args.rest]
-    sys.path.insert(0, str(script.parent))
-    runpy.run_path(str(script), run_name="__main__")
+    names = BENCH_ALIASES.get(args.which, (args.which,))
+    for name in names:
+        script = _bench_dir() / f"bench_{name}.py"
+        if not script.exists():
+            raise SystemExit(f"benchmark {script} does not exist yet")
+        rest = list(args.rest)
+        if len(names) > 1 and "--json" in rest[:-1]:    # one JSON file per bench of an alias
+            i = rest.index("--json") + 1
+            rest[i] = f"{rest[i]}.{name}.json"
+        sys.argv = [str(script), *rest]
+        if str(script.parent) not in sys.path:
+            sys.path.insert(0, str(script.parent))
+        runpy.run_path(str(script), run_name="__main__")
     return 0
 
 
@@ -60,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("info", help="versions, backends and GPU").set_defaults(fn=_cmd_info)
 
     b = sub.add_parser("bench", help="run a benchmark from bench/")
-    b.add_argument("which", choices=BENCHES)
+    b.add_argument("which", choices=BENCHES + tuple(BENCH_ALIASES))
     b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     b.set_defaults(fn=_cmd_bench)
 

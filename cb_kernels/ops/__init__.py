@@ -5,13 +5,17 @@ The `*_unchecked` variants are the engine's hot path: the same kernels without t
 checks, for arguments the caller has checked once (their docstrings say what is still checked).
 """
 from cb_kernels.ops._backend import available_backends
-from cb_kernels.ops.cache_ops import copy_blocks, swap_blocks, write_kv, write_kv_unchecked
-from cb_kernels.ops.elementwise import rms_norm, rms_norm_unchecked, rope_, silu_mul
+from cb_kernels.ops.copy_blocks import copy_blocks
 from cb_kernels.ops.greedy_head import GreedyHead
+from cb_kernels.ops.greedy_tokens import greedy_tokens
 from cb_kernels.ops.host_pool import HostPool
 from cb_kernels.ops.linear import PackedLinear
 from cb_kernels.ops.paged_attention import paged_attention, paged_attention_unchecked
-from cb_kernels.ops.sampling import greedy_tokens
+from cb_kernels.ops.rms_norm import rms_norm, rms_norm_unchecked
+from cb_kernels.ops.rope import rope_
+from cb_kernels.ops.silu_mul import silu_mul
+from cb_kernels.ops.swap_blocks import swap_blocks
+from cb_kernels.ops.write_kv import write_kv, write_kv_unchecked
 
 __all__ = ["available_backends", "paged_attention", "paged_attention_unchecked", "write_kv",
            "write_kv_unchecked", "copy_blocks", "swap_blocks", "HostPool", "greedy_tokens",

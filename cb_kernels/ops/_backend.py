@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Iterable, Sequence
+from typing import Iterable
 
 import torch
 
@@ -91,7 +91,17 @@ def available_backends() -> list[str]:
     return out
 
 
-def resolve_backend(requested: str | None, device: torch.device, supported: Sequence[str],
+def default_cuda_backend(supported: tuple[str, ...]) -> str:
+    """The backend an op without a measured CUDA default takes for CUDA tensors: the compiled
+    kernels where they run, else Triton where the op has it, else the reference."""
+    if not cuda_kernels_error():
+        return "cuda"
+    if "triton" in supported and not triton_error():
+        return "triton"
+    return "torch"
+
+
+def resolve_backend(requested: str | None, device: torch.device, supported: tuple[str, ...],
                     default_cuda: str, op: str) -> str:
     """Pick the backend for one call.
 

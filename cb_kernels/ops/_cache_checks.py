@@ -6,7 +6,7 @@ tensors (one reduction and one host sync; see its docstring).
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -82,7 +82,7 @@ def pools_overlap(a: Pool, b: Pool) -> bool:
     return any(x0 < y1 and y0 < x1 for (x0, x1), (y0, y1) in zip(a.spans(), b.spans()))
 
 
-def check_same_geometry(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], name_a: str, name_b: str) -> None:
+def check_same_geometry(a: list[torch.Tensor], b: list[torch.Tensor], name_a: str, name_b: str) -> None:
     """Pairwise equal dtype and block shape (block counts may differ)."""
     if len(a) != len(b):
         raise ValueError(f"{name_a} has {len(a)} tensors but {name_b} has {len(b)}")

@@ -14,7 +14,7 @@ from cb_kernels import _C
 
 # Swaps whose blocks are at least this large go through cuMemcpyBatchAsync (copy engines, no SM
 # time); smaller ones through the copy kernel reading mapped pinned memory, which pays no
-# per-copy setup. 64 KiB is a starting point, not a measurement yet: bench/bench_cache.py
+# per-copy setup. 64 KiB is a starting point, not a measurement yet: bench/bench_swap_blocks.py
 # --device cuda prints both paths per block size; override with CBK_SWAP_BATCH_MIN_BYTES.
 BATCH_MIN_BYTES = int(os.environ.get("CBK_SWAP_BATCH_MIN_BYTES", 64 << 10))
 
@@ -31,7 +31,7 @@ def block_copy(src_caches, dst_caches, block_mapping, stream: int, args: tuple, 
     side is pageable memory, which none of these paths can read without a host sync.
 
     args: (src_ptrs, dst_ptrs, block_bytes, src_strides, dst_strides, mapping_ptr, num_pairs)
-    as built by cache_ops._run_block_copy.
+    as built by _block_copy.run_block_copy.
     """
     src_ptrs, dst_ptrs, block_bytes, src_strides, dst_strides, mapping_ptr, n = args
     src_host, dst_host = not src_caches[0].is_cuda, not dst_caches[0].is_cuda

@@ -5,7 +5,7 @@
 
 Every output is one fused multiply-add chain over k in order (plus the bias), so a row's result
 does not depend on the other rows of the batch, the thread count or the ISA body (AVX-512, AVX2
-or plain C++, chosen at run time). The engine's packed linears (hf/packed_linears.py) use it
+or plain C++, chosen at run time). The engine's packed linears (runner/packed_linears.py) use it
 where `PackedLinear.fast()` (AVX-512); the kernel file says what it measured against oneDNN.
 """
 from __future__ import annotations
@@ -68,3 +68,41 @@ class PackedLinear:
                   rows.stride(0) if rows.shape[0] > 1 else self.k, self.packed.data_ptr(), self.n,
                   0 if self.bias is None else self.bias.data_ptr(), y.data_ptr(), self.n, isa)
         return y.view(*x.shape[:-1], self.n)
+
+
+def _check_packed(x, packed, bias, n: int) -> int:
+    """k of the functional op's arguments; ValueError/TypeError naming the bad one."""
+    for name, t in (("x", x), ("packed", packed), ("bias", bias)):
+        if t is None and name == "bias":
+            continue
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.dtype != torch.float32:
+            raise TypeError(f"{name} must be a float32 CPU tensor")
+    if x.dim() < 1 or x.shape[-1] == 0 or n <= 0:
+        raise ValueError(f"x must be [..., k] with k >= 1 and n >= 1, got shape {tuple(x.shape)}, n={n}")
+    k = x.shape[-1]
+    if packed.dim() != 1 or packed.shape[0] != _C.linear_packed_floats(n, k) or not packed.is_contiguous():
+        raise ValueError(f"packed must be the contiguous 1-D packing of an [{n}, {k}] weight "
+                         f"({_C.linear_packed_floats(n, k)} floats), got shape {tuple(packed.shape)}")
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"bias must be [{n}], got shape {tuple(bias.shape)}")
+    return k
+
+
+# The functional op over PackedLinear's tensors (`lin.packed`, `lin.bias`), so torch.compile can
+# trace a packed linear: y = x @ W.T + bias, the fastest body this CPU has.
+@torch.library.custom_op("cb_kernels::linear", mutates_args=())
+def _linear_op(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], n: int) -> torch.Tensor:
+    k = _check_packed(x, packed, bias, n)
+    rows = x.reshape(-1, k).contiguous()
+    bias = None if bias is None else bias.contiguous()
+    y = torch.empty(rows.shape[0], n, dtype=torch.float32)
+    sync_threads()
+    _C.linear(rows.data_ptr(), rows.shape[0], k, k, packed.data_ptr(), n,
+              0 if bias is None else bias.data_ptr(), y.data_ptr(), n, -1)
+    return y.view(*x.shape[:-1], n)
+
+
+@_linear_op.register_fake
+def _(x, packed, bias, n) -> torch.Tensor:
+    _check_packed(x, packed, bias, n)
+    return x.new_empty(*x.shape[:-1], n)

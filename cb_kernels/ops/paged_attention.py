@@ -13,9 +13,10 @@ from cb_kernels.ops import _backend
 from cb_kernels.ops._paged_attention_checks import check_args, check_values
 from cb_kernels.ops.reference import ref_paged_attention
 
-# Default backend for CUDA tensors: a reasoned default, pending bench/gpu_check.sh numbers (no
-# GPU was available when it was chosen). Triton because (1) it is present wherever torch's CUDA
-# wheels are (they depend on triton) while the "cuda" kernels exist only in builds made with nvcc;
+# Default backend for CUDA tensors: reasoned, not yet measured (bench/gpu_check.sh's attention
+# stage times both on a GPU; set this from its numbers). Triton because (1) it is present
+# wherever torch's CUDA wheels are (they depend on triton) while the "cuda" kernels exist only in
+# builds made with nvcc;
 # (2) it covers every head_dim/block_size the API allows; (3) its decode tile runs Q.K^T and P.V
 # on tensor cores, which FlashInfer reports pays off from GQA group 4 up (Llama-3 uses 4-8), where
 # the CUDA kernel's fp32 FMAs cost nearly as much time as its memory traffic (estimate for group 8,
@@ -66,7 +67,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     # Eager calls skip the dispatcher: a 1-token decode on one thread takes ~7 us through
     # run_backend and ~160 us through torch.ops.cb_kernels.paged_attention (the Python custom-op
-    # layers: autograd, ADInplaceOrView, dynamo-disable), measured by bench/bench_attention.py.
+    # layers: autograd, ADInplaceOrView, dynamo-disable), measured by bench/bench_paged_attention.py.
     # torch.compile must see the registered op to trace it, so traced calls take it.
     if compiling:
         torch.ops.cb_kernels.paged_attention(q, k_cache, v_cache, block_tables, seq_lens,

@@ -81,3 +81,47 @@ def ref_swap_blocks(src_caches, dst_caches, block_mapping) -> None:
     for src, dst in block_mapping.tolist():
         for s, d in zip(src_caches, dst_caches):
             d[dst].copy_(s[src])
+
+
+def ref_greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """logits: [num_rows, vocab_size]. Returns int64 [num_rows]: the first index of each row's
+    largest value, a NaN counting as largest (torch.argmax's rule)."""
+    return logits.argmax(dim=-1)
+
+
+def ref_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [..., dim] (x += residual in place first when residual, like x, is given); weight: [dim].
+    Returns weight * x / sqrt(mean(x^2, -1) + eps), a new tensor like x."""
+    if residual is not None:
+        x.add_(residual)
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def ref_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [..., 2 * dim], gate then up. Returns [..., dim] = silu(gate) * up."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def ref_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, num_heads, head_dim], rotated in place and returned; cos, sin:
+    [num_tokens, head_dim]. x = x * cos + rotate_half(x) * sin (transformers' apply_rotary_pos_emb)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    x.copy_(x * cos[:, None] + rotated * sin[:, None])
+    return x
+
+
+def ref_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [..., k]; weight: [n, k]; bias: [n] or None. Returns [..., n] = x @ weight.T + bias in
+    x's dtype, computed in float64 (the op's fp32 result is within fp32 rounding of it)."""
+    y = torch.nn.functional.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    return y.to(x.dtype)
+
+
+def ref_greedy_head(hidden_states: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """hidden_states: [num_rows, hidden]; weight: [vocab, hidden]. Returns int64 [num_rows]: the
+    argmax of the logits hidden_states @ weight.T computed in float64 (exact enough to order
+    near-ties fp32 cannot), the lowest index on a tie."""
+    return (hidden_states.double() @ weight.double().t()).argmax(dim=-1)

@@ -6,13 +6,9 @@ import pytest
 import torch
 
 from cb_kernels.ops import GreedyHead
+from cb_kernels.ops.reference import ref_greedy_head
 
 BODIES = [True, False]       # use_simd; without VNNI both run the portable body
-
-
-def exact_argmax(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The reference: logits in double (exact enough to order the cases below), first max."""
-    return (h.double() @ w.double().t()).argmax(dim=-1)
 
 
 def _random(vocab, hidden, rows, seed, scale=0.05):
@@ -30,12 +26,12 @@ def _random(vocab, hidden, rows, seed, scale=0.05):
     (1, 8, 3),             # a one-token vocab
     (3000, 64, 150),       # three passes of up to 64 rows
 ])
-def test_matches_exact_argmax(vocab, hidden, rows, use_simd):
+def test_matches_reference(vocab, hidden, rows, use_simd):
     h, w = _random(vocab, hidden, rows, seed=vocab + hidden + rows)
     head = GreedyHead(w)
     got = head(h, use_simd=use_simd)
     assert got.dtype == torch.int64 and got.shape == (rows,)
-    assert torch.equal(got, exact_argmax(h, w))
+    assert torch.equal(got, ref_greedy_head(h, w))
     assert torch.equal(got, (h @ w.t()).argmax(-1))        # no near-tie in these: fp32 agrees
     # The bound prunes: on random data only a few logits per row need exact rescoring.
     assert rows <= head.num_rescored <= max(rows * 64, rows * vocab // 20)
@@ -47,7 +43,7 @@ def test_near_ties_below_int8_resolution(use_simd):
     rescoring must still pick the larger (and on exact equality, the lower index)."""
     vocab, hidden, rows = 3000, 128, 6
     h, w = _random(vocab, hidden, rows, seed=1)
-    base = exact_argmax(h, w)
+    base = ref_greedy_head(h, w)
     twins = [(int(a) * 7 + 11) % vocab for a in base]
     assert len(set(twins) | set(base.tolist())) == 2 * rows       # six distinct pairs
     for r in range(rows):
@@ -55,7 +51,7 @@ def test_near_ties_below_int8_resolution(use_simd):
         w[twin] = w[a]
         k = int(h[r].abs().argmax())               # nudge along the row's largest dimension
         w[twin, k] += 1e-6 * torch.sign(h[r, k]) * w[a].abs().max()
-    want = exact_argmax(h, w)
+    want = ref_greedy_head(h, w)
     got = GreedyHead(w)(h, use_simd=use_simd)
     assert torch.equal(got, want)
     assert got.tolist() == twins          # each row's nudged twin, a hair above its original
@@ -85,7 +81,7 @@ def test_outlier_dimensions(use_simd):
     w[:, 5] *= 0.01
     head, plain = GreedyHead(w), GreedyHead(w, max_exact_dims=0)
     got = head(h, use_simd=use_simd)      # finds the two dims: exact from the next call on
-    assert torch.equal(got, exact_argmax(h, w))
+    assert torch.equal(got, ref_greedy_head(h, w))
     assert sorted(head.exact_dims[:head.num_exact].tolist()) == [5, 77]
     assert torch.equal(head(h, use_simd=use_simd), got)
     assert torch.equal(plain(h, use_simd=use_simd), got) and plain.num_exact == 0
@@ -109,7 +105,7 @@ def test_tiny_magnitudes_whose_int8_scale_would_be_subnormal(use_simd):
         w = torch.randn(300, 24, generator=g) * ws
         w[::7] *= 1e-3                               # some rows far smaller than the rest
         assert torch.equal(GreedyHead(w, max_exact_dims=0)(h, use_simd=use_simd),
-                           exact_argmax(h, w))
+                           ref_greedy_head(h, w))
 
 
 def test_outliers_reported_by_several_row_chunks_are_added_once():
@@ -117,20 +113,20 @@ def test_outliers_reported_by_several_row_chunks_are_added_once():
     h[:, 3] *= 40.0
     h[150:, 50] *= 40.0
     head = GreedyHead(w)
-    assert torch.equal(head(h), exact_argmax(h, w))
+    assert torch.equal(head(h), ref_greedy_head(h, w))
     assert sorted(head.exact_dims[:head.num_exact].tolist()) == [3, 50]
-    assert torch.equal(head(h), exact_argmax(h, w))
+    assert torch.equal(head(h), ref_greedy_head(h, w))
 
 
 def test_exact_dims_follow_a_weight_update():
     h, w = _random(3000, 64, 6, seed=9)
     h[:, 10] *= 50.0
     head = GreedyHead(w)
-    assert torch.equal(head(h), exact_argmax(h, w)) and head.num_exact == 1
-    assert torch.equal(head(h), exact_argmax(h, w))
+    assert torch.equal(head(h), ref_greedy_head(h, w)) and head.num_exact == 1
+    assert torch.equal(head(h), ref_greedy_head(h, w))
     with torch.no_grad():
         w[:, 10].mul_(-3.0)               # the exact dim's column changes
-    assert torch.equal(head(h), exact_argmax(h, w))
+    assert torch.equal(head(h), ref_greedy_head(h, w))
 
 
 def test_strided_and_noncontiguous_hidden():
@@ -138,21 +134,21 @@ def test_strided_and_noncontiguous_hidden():
     head = GreedyHead(w)
     wide = torch.randn(12, 100)
     wide[:, :64] = h
-    assert torch.equal(head(wide[:, :64]), exact_argmax(h, w))
-    assert torch.equal(head(h.t().contiguous().t()), exact_argmax(h, w))
+    assert torch.equal(head(wide[:, :64]), ref_greedy_head(h, w))
+    assert torch.equal(head(h.t().contiguous().t()), ref_greedy_head(h, w))
     assert head(h[:0]).shape == (0,)
 
 
 def test_weight_written_in_place_is_repacked():
     h, w = _random(3000, 32, 4, seed=5)
     head = GreedyHead(w)
-    assert torch.equal(head(h), exact_argmax(h, w))
+    assert torch.equal(head(h), ref_greedy_head(h, w))
     with torch.no_grad():
         w.mul_(-1.0)                       # every argmax moves
-    assert torch.equal(head(h), exact_argmax(h, w))
+    assert torch.equal(head(h), ref_greedy_head(h, w))
     w.data[:, :] = torch.randn(3000, 32)   # unseen by torch's version counter
     head.refresh(force=True)
-    assert torch.equal(head(h), exact_argmax(h, w))
+    assert torch.equal(head(h), ref_greedy_head(h, w))
 
 
 def test_non_finite_values_are_refused():
@@ -208,7 +204,7 @@ def test_weight_data_swapped_for_another_shape_or_dtype_is_refused():
     w = torch.nn.Parameter(torch.randn(3000, 64), requires_grad=False)
     head = GreedyHead(w)
     h = torch.randn(2, 64)
-    assert torch.equal(head(h), exact_argmax(h, w))
+    assert torch.equal(head(h), ref_greedy_head(h, w))
     w.data = torch.randn(10, 64)
     with pytest.raises(ValueError, match=r"\[3000, 64\]"):
         head(h)
@@ -216,4 +212,4 @@ def test_weight_data_swapped_for_another_shape_or_dtype_is_refused():
     with pytest.raises(ValueError, match="fp32"):
         head(h)
     w.data = torch.randn(3000, 64)                 # the same shape again: repacked
-    assert torch.equal(head(h), exact_argmax(h, w.data))
+    assert torch.equal(head(h), ref_greedy_head(h, w.data))

@@ -1,11 +1,13 @@
 """ops.PackedLinear (csrc/cpu/linear.cpp): y = x @ W.T + b on a packed weight. Every body
 (AVX-512, AVX2, plain C++) gives the same bits, a row's result does not depend on the other rows
-or the thread count, and the values match a double-precision reference to fp32 rounding."""
+or the thread count, and the values match ops/reference.py's ref_linear (float64) to fp32
+rounding; the registered functional op `cb_kernels::linear` over the packed tensors."""
 import pytest
 import torch
 
 from cb_kernels import _C
 from cb_kernels.ops.linear import PackedLinear
+from cb_kernels.ops.reference import ref_linear
 
 ISAS = {"avx512": 2, "avx2": 1, "generic": 0}
 HERE = ["generic", "avx2", "avx512"][:["generic", "avx2", "avx512"].index(_C.linear_isa()) + 1]
@@ -27,7 +29,7 @@ def _case(m, k, n, bias, seed):
 def test_matches_reference_and_every_body_gives_the_same_bits(m, k, n, bias):
     x, w, b = _case(m, k, n, bias, seed=m + k + n)
     lin = PackedLinear(w, b)
-    want = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    want = ref_linear(x.double(), w, b)
     outs = {isa: lin(x, isa=ISAS[isa]) for isa in HERE}
     for isa, y in outs.items():
         assert y.shape == (m, n) and y.dtype == torch.float32
@@ -72,3 +74,25 @@ def test_shapes_strides_and_bad_arguments():
         lin(torch.randn(3, 21))
     with pytest.raises(ValueError, match="fp32 on the CPU"):
         lin(x.half())
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_registered_op_matches_reference_and_passes_opcheck(bias):
+    x, w, b = _case(9, 37, 21, bias, seed=3)
+    lin = PackedLinear(w, b)
+    y = torch.ops.cb_kernels.linear(x.view(3, 3, 37), lin.packed, lin.bias, lin.n)
+    assert y.shape == (3, 3, 21)
+    assert torch.equal(y.view(9, 21), lin(x))
+    torch.testing.assert_close(y.view(9, 21).double(), ref_linear(x.double(), w, b), rtol=1e-5, atol=1e-5 * 37 ** 0.5)
+    torch.library.opcheck(torch.ops.cb_kernels.linear.default, (x, lin.packed, lin.bias, lin.n))
+
+
+def test_registered_op_checks_the_packing():
+    x, w, _ = _case(4, 16, 8, False, seed=4)
+    lin = PackedLinear(w)
+    with pytest.raises(ValueError, match=r"packed must be the contiguous 1-D packing of an \[40, 16\]"):
+        torch.ops.cb_kernels.linear(x, lin.packed, None, 40)
+    with pytest.raises(ValueError, match=r"bias must be \[8\]"):
+        torch.ops.cb_kernels.linear(x, lin.packed, torch.zeros(7), 8)
+    with pytest.raises(TypeError, match="x must be a float32 CPU"):
+        torch.ops.cb_kernels.linear(x.double(), lin.packed, None, 8)

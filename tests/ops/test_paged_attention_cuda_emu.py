@@ -19,7 +19,7 @@ import torch
 from cb_kernels import _C
 from cb_kernels.ops._backend import DTYPE_CODES
 from cb_kernels.ops.reference import ref_paged_attention
-from paged_attention_inputs import TOL, Case, make_inputs
+from paged_attention_cases import Case, build
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCHES = {
@@ -72,12 +72,12 @@ def emulated(tmp_path_factory):
 def run_emulated(dll, c: Case) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """(out, reference, rows the kernel owns: q_len == 1 ones, or every row at num_tokens ==
     num_seqs)."""
-    q, k_cache, v_cache, bt, seq_lens, cu = make_inputs(c)
+    q, k_cache, v_cache, bt, seq_lens, cu = build(c)
     num_tokens, num_heads, head_dim = q.shape
     num_seqs, max_blocks = bt.shape
     out = torch.full_like(q, float("nan"))
-    span = max_blocks * c.block_size if c.window is None else min(max_blocks * c.block_size,
-                                                                   c.window)
+    span = max_blocks * c.block_size if c.sliding_window is None else min(max_blocks * c.block_size,
+                                                                   c.sliding_window)
     max_splits = _C.paged_attention_cuda_max_splits(span)
     part_out = torch.full((num_seqs, num_heads, max_splits, head_dim), float("nan"))
     part_ml = torch.full((num_seqs, num_heads, max_splits, 2), float("nan"))
@@ -86,11 +86,11 @@ def run_emulated(dll, c: Case) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
                num_seqs, num_heads, k_cache.shape[2], head_dim, c.block_size, q.stride(0),
                q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3],
                *v_cache.stride()[:3], bt.stride(0), max_splits, DTYPE_CODES[c.dtype],
-               head_dim ** -0.5, c.window or 0, c.softcap or 0.0, num_tokens == num_seqs)
+               head_dim ** -0.5, c.sliding_window or 0, c.softcap or 0.0, num_tokens == num_seqs)
     err = dll.emu_paged_attention_decode(ctypes.byref(p))
     assert err is None, err.decode()
-    ref = ref_paged_attention(q, k_cache, v_cache, bt, seq_lens, cu, sliding_window=c.window,
-                              softcap=c.softcap)
+    ref = ref_paged_attention(q, k_cache, v_cache, bt, seq_lens, cu,
+                              sliding_window=c.sliding_window, softcap=c.softcap)
     q_lens = (cu[1:] - cu[:-1]).tolist()
     rows = (list(range(num_tokens)) if num_tokens == num_seqs
             else [int(cu[i]) for i, n in enumerate(q_lens) if n == 1])
@@ -99,21 +99,23 @@ def run_emulated(dll, c: Case) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
 
 # ~0.5-8 s each: the emulation starts 128 threads per CTA.
 CASES = [
-    Case("decode-1", (1,), (1,)),
-    Case("gqa2-d64-fp32-splits", (1, 1, 1), (17, 63, 300)),
-    Case("gqa8-d128-bf16-splits", (1, 1), (1000, 70), num_heads=8, num_kv_heads=1,
+    Case("decode-1", seq_lens=(1,), q_lens=(1,), num_heads=4),
+    Case("gqa2-d64-fp32-splits", seq_lens=(17, 63, 300), q_lens=(1, 1, 1), num_heads=4),
+    Case("gqa8-d128-bf16-splits", seq_lens=(1000, 70), q_lens=(1, 1), num_heads=8, num_kv_heads=1,
          head_dim=128, dtype=torch.bfloat16),
-    Case("gqa16-d256-fp16-bs256", (1, 1), (300, 30), num_heads=16, num_kv_heads=1, head_dim=256,
-         block_size=256, dtype=torch.float16),
-    Case("gqa6-d96-bs8", (1, 1), (280, 9), num_heads=6, num_kv_heads=1, head_dim=96,
-         block_size=8),
-    Case("gqa1-d80-bf16", (1,), (520,), num_heads=2, num_kv_heads=2, head_dim=80,
+    Case("gqa16-d256-fp16-bs256", seq_lens=(300, 30), q_lens=(1, 1), num_heads=16, num_kv_heads=1,
+         head_dim=256, block_size=256, dtype=torch.float16),
+    Case("gqa6-d96-bs8", seq_lens=(280, 9), q_lens=(1, 1), num_heads=6, num_kv_heads=1,
+         head_dim=96, block_size=8),
+    Case("gqa1-d80-bf16", seq_lens=(520,), q_lens=(1,), num_heads=2, num_kv_heads=2, head_dim=80,
          dtype=torch.bfloat16),
-    Case("window-softcap", (1, 1), (1100, 5), window=300, softcap=5.0),
-    Case("interleaved-kv-views", (1, 1), (100, 30), interleaved=True),
-    Case("mixed-decode-rows", (1, 5, 1), (63, 17, 400)),
-    Case("qlen0-all-decode", (0, 2, 1), (5, 30, 40)),
-    Case("qlen0-window", (2, 0), (600, 0), window=100),
+    Case("window-softcap", seq_lens=(1100, 5), q_lens=(1, 1), num_heads=4, sliding_window=300,
+         softcap=5.0),
+    Case("kv-per-token-views", seq_lens=(100, 30), q_lens=(1, 1), num_heads=4,
+         kv_layout="kv-per-token"),
+    Case("mixed-decode-rows", seq_lens=(63, 17, 400), q_lens=(1, 5, 1), num_heads=4),
+    Case("qlen0-all-decode", seq_lens=(5, 30, 40), q_lens=(0, 2, 1), num_heads=4),
+    Case("qlen0-window", seq_lens=(600, 0), q_lens=(2, 0), num_heads=4, sliding_window=100),
 ]
 
 
@@ -122,5 +124,4 @@ def test_emulated_cuda_decode_matches_reference(emulated, c):
     out, ref, rows = run_emulated(emulated, c)
     assert rows
     assert not out[rows].isnan().any()
-    torch.testing.assert_close(out[rows].float(), ref[rows].float(), atol=TOL[c.dtype],
-                               rtol=TOL[c.dtype])
+    torch.testing.assert_close(out[rows].float(), ref[rows].float(), **c.tolerance)

@@ -16,33 +16,37 @@ import torch
 
 from cb_kernels.ops import paged_attention
 from cb_kernels.ops.reference import ref_paged_attention
-from paged_attention_inputs import TOL, Case, make_inputs
+from paged_attention_cases import Case, build, kwargs, tolerance
 
 def check(c: Case, backend: str, device="cpu") -> None:
-    args = make_inputs(c, device)
-    kw = dict(sliding_window=c.window, softcap=c.softcap)
-    out = paged_attention(*args, backend=backend, **kw)
-    ref = ref_paged_attention(*[a.cpu() for a in args], **kw)
+    args = build(c, device)
+    out = paged_attention(*args, backend=backend, **kwargs(c))
+    ref = ref_paged_attention(*[a.cpu() for a in args], **kwargs(c))
     assert not out.isnan().any()
-    torch.testing.assert_close(out.cpu().float(), ref.float(), atol=TOL[c.dtype], rtol=TOL[c.dtype])
+    torch.testing.assert_close(out.cpu().float(), ref.float(), **c.tolerance)
 
 
 # Each runs in ~0.1-1 s under the interpreter.
 TRITON_CASES = [
-    Case("decode-1", (1,), (1,)),
-    Case("mixed-decode-prefill-chunk", (1, 17, 5, 1), (63, 17, 40, 1000)),
-    Case("gqa1-bs8-d80", (1, 9), (30, 60), num_heads=3, num_kv_heads=3, head_dim=80, block_size=8),
-    Case("gqa3-d96-bf16", (1, 6), (300, 50), num_heads=6, num_kv_heads=2, head_dim=96,
-         dtype=torch.bfloat16),
-    Case("gqa8-d128-fp16", (1, 3), (520, 70), num_heads=8, num_kv_heads=1, head_dim=128,
-         block_size=32, dtype=torch.float16),
-    Case("gqa16-d256-bs256", (1, 4), (700, 300), num_heads=16, num_kv_heads=1, head_dim=256,
-         block_size=256),
-    Case("window-softcap", (1, 8, 1), (1100, 90, 5), window=50, softcap=5.0),
-    Case("window-1", (1, 3), (40, 9), window=1),
-    Case("interleaved-kv-views", (1, 7), (100, 30), interleaved=True),
-    Case("qlen0-all-decode-shape", (0, 2, 1), (5, 30, 40)),   # num_tokens == num_seqs
-    Case("qlen0-window", (2, 0), (600, 0), window=100),
+    Case("decode-1", seq_lens=(1,), q_lens=(1,), num_heads=4),
+    Case("mixed-decode-prefill-chunk", seq_lens=(63, 17, 40, 1000), q_lens=(1, 17, 5, 1),
+         num_heads=4),
+    Case("gqa1-bs8-d80", seq_lens=(30, 60), q_lens=(1, 9), num_heads=3, num_kv_heads=3,
+         head_dim=80, block_size=8),
+    Case("gqa3-d96-bf16", seq_lens=(300, 50), q_lens=(1, 6), num_heads=6, num_kv_heads=2,
+         head_dim=96, dtype=torch.bfloat16),
+    Case("gqa8-d128-fp16", seq_lens=(520, 70), q_lens=(1, 3), num_heads=8, num_kv_heads=1,
+         head_dim=128, block_size=32, dtype=torch.float16),
+    Case("gqa16-d256-bs256", seq_lens=(700, 300), q_lens=(1, 4), num_heads=16, num_kv_heads=1,
+         head_dim=256, block_size=256),
+    Case("window-softcap", seq_lens=(1100, 90, 5), q_lens=(1, 8, 1), num_heads=4,
+         sliding_window=50, softcap=5.0),
+    Case("window-1", seq_lens=(40, 9), q_lens=(1, 3), num_heads=4, sliding_window=1),
+    Case("kv-per-token-views", seq_lens=(100, 30), q_lens=(1, 7), num_heads=4,
+         kv_layout="kv-per-token"),
+    Case("qlen0-all-decode-shape", seq_lens=(5, 30, 40), q_lens=(0, 2, 1),
+         num_heads=4),   # num_tokens == num_seqs
+    Case("qlen0-window", seq_lens=(600, 0), q_lens=(2, 0), num_heads=4, sliding_window=100),
 ]
 
 
@@ -56,15 +60,17 @@ def test_triton_split_path_forced(monkeypatch):
     import cb_kernels.triton.paged_attention as tpa
     monkeypatch.setattr(tpa, "SPLIT_MIN", 64)
     monkeypatch.setattr(tpa, "MAX_SPLITS", 4)
-    check(Case("split", (1, 1, 1, 4), (65, 200, 1000, 300), num_heads=8, num_kv_heads=2), "triton")
-    check(Case("split-window", (1, 1), (400, 100), window=150, softcap=3.0), "triton")
+    check(Case("split", seq_lens=(65, 200, 1000, 300), q_lens=(1, 1, 1, 4), num_heads=8,
+               num_kv_heads=2), "triton")
+    check(Case("split-window", seq_lens=(400, 100), q_lens=(1, 1), num_heads=4,
+               sliding_window=150, softcap=3.0), "triton")
 
 
 def test_triton_decode_is_batch_invariant():
     """A decode's output does not depend on what shares its batch (engine rule): bit-identical
     alone and next to a prefill, a chunked prefill and other decodes."""
-    c = Case("mix", (3, 1, 20, 1), (10, 700, 20, 33))
-    q, k_cache, v_cache, bt, seq_lens, cu = make_inputs(c)
+    c = Case("mix", seq_lens=(10, 700, 20, 33), q_lens=(3, 1, 20, 1), num_heads=4)
+    q, k_cache, v_cache, bt, seq_lens, cu = build(c)
     out_all = paged_attention(q, k_cache, v_cache, bt, seq_lens, cu, backend="triton")
     one = torch.tensor([0, 1], dtype=torch.int32)
     out_one = paged_attention(q[3:4], k_cache, v_cache, bt[1:2], seq_lens[1:2], one,
@@ -87,10 +93,10 @@ def test_triton_launcher_reads_no_device_values(monkeypatch):
 
     monkeypatch.setattr(tpa, "_paged_attention_kernel", Recorder("attention"))
     monkeypatch.setattr(tpa, "_reduce_splits_kernel", Recorder("reduce"))
-    c = Case("mixed", (1, 17, 5, 1), (63, 17, 40, 1000))
-    q, k_cache, v_cache, bt, seq_lens, cu = make_inputs(c)
+    c = Case("mixed", seq_lens=(63, 17, 40, 1000), q_lens=(1, 17, 5, 1), num_heads=4)
+    q, k_cache, v_cache, bt, seq_lens, cu = build(c)
 
-    def no_host_read(*args, **kwargs):
+    def no_host_read(*args, **kw):
         raise AssertionError("the launcher read a tensor value on the host")
 
     for name in ("item", "tolist", "__int__", "__index__", "__bool__", "__float__", "numpy"):
@@ -127,7 +133,7 @@ def test_triton_pool_over_32768_blocks():
     cu = torch.tensor([0, 2, 3], dtype=torch.int32)
     out = paged_attention(q, k_cache, v_cache, bt, seq_lens, cu, backend="triton")
     ref = ref_paged_attention(q, k_cache, v_cache, bt, seq_lens, cu)
-    torch.testing.assert_close(out.float(), ref.float(), atol=TOL[torch.float16], rtol=0)
+    torch.testing.assert_close(out.float(), ref.float(), **tolerance(torch.float16))
 
 
 _AOT_SCRIPT = r"""
@@ -196,8 +202,8 @@ def test_triton_kernel_compiles_for_sm90_without_spills():
 
 def test_cuda_backend_argument_checks():
     from cb_kernels.ops.paged_attention_cuda import check_cuda_args
-    c = Case("ok", (1,), (20,), head_dim=64)
-    q, k_cache, v_cache, *_ = make_inputs(c)
+    c = Case("ok", seq_lens=(20,), q_lens=(1,), num_heads=4, head_dim=64)
+    q, k_cache, v_cache, *_ = build(c)
     check_cuda_args(q, k_cache, v_cache)
     with pytest.raises(ValueError, match="head_dim"):
         check_cuda_args(q[..., :48], k_cache[..., :48], v_cache[..., :48])
@@ -228,18 +234,20 @@ def test_cuda_kernel_without_cuda_build_raises():
 # ---- GPU: the CUDA kernel and Triton on the device (skipped where no GPU exists).
 
 GPU_CASES = [
-    Case("decode-bf16-gqa8-d128", (1,) * 6, (1, 17, 63, 1000, 4097, 9000), num_heads=32,
-         num_kv_heads=4, head_dim=128, dtype=torch.bfloat16),
-    Case("mixed-fp16-d64-bs8", (1, 17, 5, 1), (63, 17, 40, 1000), num_heads=8, num_kv_heads=2,
-         block_size=8, dtype=torch.float16),
-    Case("decode-fp32-d80-gqa1", (1, 1), (300, 2000), num_heads=4, num_kv_heads=4, head_dim=80),
-    Case("decode-bf16-d96-gqa6", (1, 1, 1), (5, 700, 2600), num_heads=12, num_kv_heads=2,
-         head_dim=96, block_size=64, dtype=torch.bfloat16),
-    Case("decode-fp16-d256-gqa16-bs256", (1, 1), (10, 3000), num_heads=16, num_kv_heads=1,
-         head_dim=256, block_size=256, dtype=torch.float16),
-    Case("window-softcap-bf16", (1, 9, 1), (5000, 90, 3), num_heads=8, num_kv_heads=2,
-         head_dim=128, dtype=torch.bfloat16, window=700, softcap=30.0),
-    Case("interleaved-qlen0", (0, 2, 1), (5, 300, 40), interleaved=True),
+    Case("decode-bf16-gqa8-d128", seq_lens=(1, 17, 63, 1000, 4097, 9000), q_lens=(1,) * 6,
+         num_heads=32, num_kv_heads=4, head_dim=128, dtype=torch.bfloat16),
+    Case("mixed-fp16-d64-bs8", seq_lens=(63, 17, 40, 1000), q_lens=(1, 17, 5, 1), num_heads=8,
+         num_kv_heads=2, block_size=8, dtype=torch.float16),
+    Case("decode-fp32-d80-gqa1", seq_lens=(300, 2000), q_lens=(1, 1), num_heads=4, num_kv_heads=4,
+         head_dim=80),
+    Case("decode-bf16-d96-gqa6", seq_lens=(5, 700, 2600), q_lens=(1, 1, 1), num_heads=12,
+         num_kv_heads=2, head_dim=96, block_size=64, dtype=torch.bfloat16),
+    Case("decode-fp16-d256-gqa16-bs256", seq_lens=(10, 3000), q_lens=(1, 1), num_heads=16,
+         num_kv_heads=1, head_dim=256, block_size=256, dtype=torch.float16),
+    Case("window-softcap-bf16", seq_lens=(5000, 90, 3), q_lens=(1, 9, 1), num_heads=8,
+         num_kv_heads=2, head_dim=128, dtype=torch.bfloat16, sliding_window=700, softcap=30.0),
+    Case("kv-per-token-qlen0", seq_lens=(5, 300, 40), q_lens=(0, 2, 1), num_heads=4,
+         kv_layout="kv-per-token"),
 ]
 
 
@@ -255,9 +263,9 @@ def test_gpu_backends_match_reference(c, backend):
 def test_gpu_decode_cuda_graph_replays_longer_sequences(backend):
     """Capture one decode step at short lengths, replay after the sequences grew (same block
     tables, longer seq_lens): the result matches the reference at the new lengths."""
-    c = Case("graph", (1,) * 4, (3000,) * 4, num_heads=16, num_kv_heads=2, head_dim=128,
-             dtype=torch.bfloat16)
-    q, k_cache, v_cache, bt, full_lens, cu = make_inputs(c, "cuda")
+    c = Case("graph", seq_lens=(3000,) * 4, q_lens=(1,) * 4, num_heads=16, num_kv_heads=2,
+             head_dim=128, dtype=torch.bfloat16)
+    q, k_cache, v_cache, bt, full_lens, cu = build(c, "cuda")
     seq_lens = torch.tensor([5, 40, 300, 1000], dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
     run = lambda: paged_attention(q, k_cache, v_cache, bt, seq_lens, cu, out=out, backend=backend)
@@ -274,4 +282,4 @@ def test_gpu_decode_cuda_graph_replays_longer_sequences(backend):
         graph.replay()
         torch.cuda.synchronize()
         ref = ref_paged_attention(*(t.cpu() for t in (q, k_cache, v_cache, bt, seq_lens, cu)))
-        torch.testing.assert_close(out.cpu().float(), ref.float(), atol=TOL[c.dtype], rtol=0)
+        torch.testing.assert_close(out.cpu().float(), ref.float(), **c.tolerance)

@@ -140,14 +140,13 @@ def test_packed_upload_gives_the_same_tokens(monkeypatch):
 
 def test_write_kv_unchecked_writes_like_write_kv_and_skips_bad_slots():
     from cb_kernels import ops
-    from cb_kernels.ops.cache_ops import write_kv_unchecked
 
     g = torch.Generator().manual_seed(0)
     key, value = torch.randn(4, 2, 8, generator=g), torch.randn(4, 2, 8, generator=g)
     caches = [torch.zeros(3, 4, 2, 8) for _ in range(4)]
     slots = torch.tensor([5, -1, 0, 11])
     ops.write_kv(key, value, caches[0], caches[1], slots)
-    write_kv_unchecked(key, value, caches[2], caches[3], slots)
+    ops.write_kv_unchecked(key, value, caches[2], caches[3], slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     bad = torch.tensor([5, 12, 0, 11])          # 12 is past the 3 x 4 slot pool
     with pytest.raises(ValueError, match="slot 12"):

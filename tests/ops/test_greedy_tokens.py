@@ -1,9 +1,11 @@
-"""greedy_tokens (csrc/cpu/sampling.cpp) against torch.argmax, including ties, NaN, -inf rows,
-odd widths and strided rows."""
+"""greedy_tokens (csrc/cpu/sampling.cpp) against ops/reference.py's ref_greedy_tokens
+(torch.argmax), including ties, NaN, -inf rows, odd widths and strided rows; the registered op."""
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from cb_kernels.ops import greedy_tokens
+from cb_kernels.ops.reference import ref_greedy_tokens
 
 
 def _cases():
@@ -33,15 +35,40 @@ def _cases():
 
 
 @pytest.mark.parametrize("logits", [c[1] for c in _cases()], ids=[c[0] for c in _cases()])
-def test_matches_torch_argmax(logits):
+def test_matches_reference(logits):
     got = greedy_tokens(logits)
     assert got.dtype == torch.int64
-    assert torch.equal(got, logits.argmax(dim=-1))
+    assert torch.equal(got, ref_greedy_tokens(logits))
+
+
+def test_reference_is_the_first_max_with_nan_largest():
+    x = torch.tensor([[1.0, 3.0, 3.0], [float("nan"), 9.0, float("nan")], [-1.0, -1.0, -2.0]])
+    assert ref_greedy_tokens(x).tolist() == [1, 0, 0]
 
 
 def test_other_dtypes_fall_back_to_torch():
     x = torch.randn(4, 50, dtype=torch.bfloat16)
-    assert torch.equal(greedy_tokens(x), x.argmax(dim=-1))
+    assert torch.equal(greedy_tokens(x), ref_greedy_tokens(x))
+
+
+@pytest.mark.parametrize("logits", [c[1] for c in _cases()[:6]], ids=[c[0] for c in _cases()[:6]])
+def test_registered_op_matches_reference_and_passes_opcheck(logits):
+    assert torch.equal(torch.ops.cb_kernels.greedy_tokens(logits), ref_greedy_tokens(logits))
+    torch.library.opcheck(torch.ops.cb_kernels.greedy_tokens.default, (logits,))
+
+
+def test_registered_op_fake_gives_the_shape():
+    with FakeTensorMode():
+        out = torch.ops.cb_kernels.greedy_tokens(torch.empty(5, 70))
+        assert out.shape == (5,) and out.dtype == torch.int64
+        with pytest.raises(ValueError, match="logits must be 2-D"):
+            torch.ops.cb_kernels.greedy_tokens(torch.empty(70))
+
+
+def test_traces_under_torch_compile():
+    logits = torch.randn(6, 333)
+    compiled = torch.compile(greedy_tokens, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(logits), ref_greedy_tokens(logits))
 
 
 @pytest.mark.parametrize("bad, error, match", [

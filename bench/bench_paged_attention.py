@@ -1,4 +1,4 @@
-"""Benchmark of cb_kernels.ops.paged_attention (also `cb-kernels bench attention`).
+"""Benchmark of cb_kernels.ops.paged_attention (also `cb-kernels bench paged_attention`).
 
 For decode (batch x context) and prefill shapes it prints each backend's time, achieved GB/s
 (q + K/V + out bytes touched / time), the ratio to this machine's copy bandwidth measured in the
@@ -8,23 +8,30 @@ and (b) transformers' way: gather every sequence's KV into one contiguous copy, 
 heads, one SDPA over the packed batch with a dense block-diagonal causal float mask (the mask is
 built outside the timed region, as transformers builds it once per batch).
 
-    python bench/bench_attention.py --quick
-    python bench/bench_attention.py --device cuda --json results.json
+    python bench/bench_paged_attention.py --quick
+    python bench/bench_paged_attention.py --device cuda --json results.json
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
+import sys
 import time
 
-from cb_kernels import ops  # before torch: cb_kernels sets the OpenMP spin bound
+# Run from a checkout, the checkout's cb_kernels wins over an installed one.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if os.path.isdir(os.path.join(_ROOT, "cb_kernels")) and _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from cb_kernels import ops  # noqa: E402  (before torch: cb_kernels sets the OpenMP spin bound)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from cb_kernels.ops.paged_attention import DEFAULT_CUDA_BACKEND, run_backend
-from cb_kernels.runner.kv_cache import host_zeros
-from cb_kernels.ops.reference import ref_paged_attention
+from cb_kernels.runner.kv_cache import host_zeros  # noqa: E402
+from cb_kernels.ops.paged_attention import DEFAULT_CUDA_BACKEND, run_backend  # noqa: E402
+from cb_kernels.ops.reference import ref_paged_attention  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 BASELINE_MAX_BYTES = 300 * 2**20  # beyond this KV size the baselines would need GBs of copies
