@@ -151,7 +151,7 @@ def test_write_kv_unchecked_writes_like_write_kv_and_skips_bad_slots():
     bad = torch.tensor([5, 12, 0, 11])          # 12 is past the 3 x 4 slot pool
     with pytest.raises(ValueError, match="slot 12"):
         ops.write_kv(key, value, caches[0], caches[1], bad)
-    write_kv_unchecked(key, value * 2, caches[2], caches[3], bad)   # the C++ kernel skips it
+    ops.write_kv_unchecked(key, value * 2, caches[2], caches[3], bad)   # the C++ kernel skips it
     assert torch.equal(caches[3].view(12, 2, 8)[[5, 0, 11]], (value * 2)[[0, 2, 3]])
     with pytest.raises(TypeError, match="slot_mapping must be int64"):
-        write_kv_unchecked(key, value, caches[2], caches[3], slots.int())
+        ops.write_kv_unchecked(key, value, caches[2], caches[3], slots.int())
