@@ -76,5 +76,5 @@ def paged_attention_cuda(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0), max_splits,
         dtype_code(q, "q"), float(scale), sliding_window or 0,
-        float(softcap) if softcap is not None else 0.0, num_tokens == num_seqs,
+        float(softcap) if softcap is not None else 0.0, num_tokens <= num_seqs,
         torch.cuda.current_stream(q.device).cuda_stream)

@@ -13,8 +13,8 @@ seq_lens int32 [num_seqs]; cu_seqlens_q int32 [num_seqs + 1].
   cut into splits whose count depends on that sequence's attended length alone (never on the
   batch), so a sequence's reduction order is the same whatever shares its batch. One split writes
   the output directly; more write fp32 partials that `_reduce_splits_kernel` merges. When
-  num_tokens == num_seqs the prefill launch is skipped and this one (ALL_DECODE) also covers a
-  q_len > 1 sequence, possible only next to a q_len == 0 one, token by token.
+  num_tokens <= num_seqs the prefill launch is skipped and this one (ALL_DECODE) also covers a
+  q_len > 1 sequence, possible only next to q_len == 0 ones, token by token.
 A decode therefore always takes the decode path and a prefill the other, whatever the batch mix.
 Nothing here reads a device value on the host, so CUDA graphs can capture the launches.
 """
@@ -100,7 +100,7 @@ def _launch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scal
         *q.stride(), *k_cache.stride()[:4], *v_cache.stride()[:4], *out.stride(),
         block_tables.stride(0),
         BLOCK_SIZE=block_size, GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q,
-        IS_DECODE=is_decode, ALL_DECODE=is_decode and num_tokens == num_seqs,
+        IS_DECODE=is_decode, ALL_DECODE=is_decode and num_tokens <= num_seqs,
         USE_SOFTCAP=softcap is not None,
         # The interpreter multiplies bf16 bit patterns in tl.dot, so it gets fp32 operands; on
         # GPU fp16/bf16 stay native (tensor cores); fp32 takes tf32x3 (three tf32 products, near
@@ -129,8 +129,9 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_seqle
     """
     if block_tables.shape[0] == 0 or q.shape[0] == 0:
         return
-    # At num_tokens == num_seqs the batch is (almost surely) all decodes and the prefill launch
-    # is skipped; the decode launch then also covers any sequence with q_len > 1 (ALL_DECODE).
+    # At num_tokens <= num_seqs the batch is (almost surely) all decodes and the prefill launch
+    # is skipped; the decode launch then also covers any sequence with q_len > 1 (ALL_DECODE),
+    # e.g. q_lens [0, 0, 0, 1, 3], where testing num_tokens == num_seqs left the 3 rows unwritten.
     # Shapes only: no host read of device values.
     paged_attention_prefill_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out,
                                    scale, sliding_window, softcap)

@@ -120,7 +120,7 @@ def _paged_attention_kernel(
     p_bt = bt_ptr + i_seq.to(tl.int64) * stride_bt
     if IS_DECODE:
         # q_len == 1: split i_split of the token's keys. With ALL_DECODE (no prefill launch, as
-        # num_tokens == num_seqs) a sequence with q_len > 1 (possible only when another has none)
+        # num_tokens <= num_seqs) a sequence with q_len > 1 (possible only when another has none)
         # is covered here too: its tokens i_split, i_split + bound, ..., each over all its keys.
         lo_d, num_splits, split_len = _decode_splits(seq_len, window, USE_WINDOW, TILE_N,
                                                      SPLIT_MIN, MAX_SPLITS)

@@ -133,6 +133,10 @@ CASES = [
     Case("fp16-d128-bs128", seq_lens=(1030, 129), q_lens=(1, 129), head_dim=128, block_size=128,
          dtype=torch.float16),
     Case("empty-q-seq", seq_lens=(30, 20), q_lens=(0, 2)),
+    # Fewer tokens than sequences: no prefill launch on CUDA/Triton, so the decode launch must
+    # also cover the q_len 3 row (it did only at num_tokens == num_seqs).
+    Case("qlen0-fewer-tokens-than-seqs", seq_lens=(5, 7, 9, 12, 20), q_lens=(0, 0, 0, 1, 3),
+         num_heads=4, interpreter=True),
     Case("kv-per-token-views", seq_lens=(100, 30), q_lens=(1, 7), num_heads=4,
          kv_layout="kv-per-token", interpreter=True),
     # Lengths at the CPU kernel's 256-key partition and 16/32-key tile edges, a prefill chunk that
