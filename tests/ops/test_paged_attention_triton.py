@@ -47,6 +47,8 @@ TRITON_CASES = [
     Case("qlen0-all-decode-shape", seq_lens=(5, 30, 40), q_lens=(0, 2, 1),
          num_heads=4),   # num_tokens == num_seqs
     Case("qlen0-window", seq_lens=(600, 0), q_lens=(2, 0), num_heads=4, sliding_window=100),
+    Case("qlen0-fewer-tokens-than-seqs", seq_lens=(5, 7, 9, 12, 20), q_lens=(0, 0, 0, 1, 3),
+         num_heads=4),   # num_tokens < num_seqs: no prefill launch, the decode one covers all
 ]
 
 
