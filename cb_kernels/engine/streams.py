@@ -92,21 +92,27 @@ class StreamOrchestrator:
             stream.wait_event(other)
         return stream
 
-    def _issue_copy(self, name: str, fn: Callable, keep_alive=None) -> None:
+    def _issue_copy(self, name: str, fn: Callable, keep_alive=None, ordered: bool = True):
+        """Run `fn(stream)` on copy stream `name`; returns the event after it (None when
+        synchronous). `ordered` copies (swaps) are waited for by the next compute and by the
+        other copy stream; an unordered one (the sampled tokens' trip to the host, which nothing
+        on the device reads) is not, so the next step never waits for it."""
         if not self.asynchronous:
             fn(None)
-            return
+            return None
         stream = self._copy_stream(name)
         with torch.cuda.stream(stream):
             fn(stream)
         event = torch.cuda.Event()
         event.record(stream)
-        self._last_copy[name] = event
-        self._pending_copies.append(event)
+        if ordered:
+            self._last_copy[name] = event
+            self._pending_copies.append(event)
         # Host tensors a queued copy still reads (its block mapping) must outlive it.
         self._in_flight = [(e, k) for e, k in self._in_flight if not e.query()]
         if keep_alive is not None:
             self._in_flight.append((event, keep_alive))
+        return event
 
     def copy_out(self, fn: Callable, keep_alive=None) -> None:
         """Run `fn(stream)` (a device -> host copy, e.g. a swap-out) on d2h; `keep_alive` is held
@@ -144,9 +150,10 @@ class StreamOrchestrator:
         # One pinned buffer per size would be reused by the next step before result() read it;
         # a fresh pinned tensor per step costs ~10 us, far below a decode step.
         host = torch.empty(n, dtype=tokens.dtype, pin_memory=True)
-        self._issue_copy("d2h", lambda stream: host.copy_(tokens, non_blocking=True))
+        event = self._issue_copy("d2h", lambda stream: host.copy_(tokens, non_blocking=True),
+                                 ordered=False)
         tokens.record_stream(self.d2h)
-        return PendingTokens(host, self._last_copy["d2h"])
+        return PendingTokens(host, event)
 
     def synchronize(self) -> None:
         """Wait for everything issued on every stream (tests, shutdown, error recovery)."""

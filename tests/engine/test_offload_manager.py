@@ -169,6 +169,52 @@ def test_orchestrator_cpu_is_synchronous(caplog):
         StreamOrchestrator("cpu", "yes")
 
 
+class _FakeStream:
+    def __init__(self, name):
+        self.name, self.waits = name, []
+
+    def wait_stream(self, other):
+        self.waits.append(other.name)
+
+    def wait_event(self, event):
+        self.waits.append(event.name)
+
+
+def test_compute_waits_for_swaps_but_never_for_the_token_copy(monkeypatch):
+    """The event bookkeeping of an asynchronous orchestrator, with stand-in streams and events:
+    the next step's compute (and the other copy stream) wait for a swap's copy, never for the
+    sampled tokens' copy to the host, which nothing on the device reads."""
+    import contextlib
+
+    names = iter(f"event{i}" for i in range(100))
+
+    class Event:
+        def __init__(self):
+            self.name = next(names)
+
+        def record(self, stream):
+            self.stream = stream.name
+
+        def query(self):
+            return False
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    orch = StreamOrchestrator("cpu", "off")
+    orch.asynchronous = True
+    orch.compute, orch.h2d, orch.d2h = (_FakeStream(n) for n in ("compute", "h2d", "d2h"))
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    orch.copy_out(lambda stream: None)                          # a swap-out: event0
+    pending = orch.tokens_to_host(torch.tensor([3, 1, 4]))      # the sampled tokens: event1
+    orch.copy_in(lambda stream: None)                           # a swap-in: event2
+    orch.begin_compute()
+    assert pending._event.name == "event1" and pending._host.tolist() == [3, 1, 4]
+    assert orch.compute.waits == ["event0", "event2"]
+    assert orch.h2d.waits == ["compute", "event0"]
+
+
 @pytest.mark.gpu
 def test_round_trip_on_copy_streams_gpu():
     """Swap-out on d2h, compute overwrites the freed blocks, swap-in on h2d: bit-exact."""
