@@ -167,10 +167,32 @@ class DecodeGraphRunner:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            self._outputs[bucket] = self.fn(**static)
+        caller = torch.cuda.current_stream()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                self._outputs[bucket] = self.fn(**static)
+        except BaseException:
+            # torch 2.11: when capture_end raises, torch.cuda.graph leaves its capture stream
+            # current (later work would run on it, unordered with the engine's streams) and the
+            # caching allocator still routing into the pool (every later empty_cache() asserts);
+            # torch 2.12 fixed the allocator side. Undo both here.
+            torch.cuda.set_stream(caller)
+            _stop_routing_to_pool(self._pool)
+            self._outputs.pop(bucket, None)
+            raise
         self._graphs[bucket] = graph
         logger.info("captured a CUDA graph for decode batches of %d", bucket)
+
+
+def _stop_routing_to_pool(pool) -> None:
+    """End the allocator's routing into a graph pool that a failed capture left open."""
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    if end is None:
+        return
+    try:
+        end(torch.cuda.current_device(), pool)
+    except RuntimeError:        # not routing any more (capture_end stopped it: torch >= 2.12)
+        pass
 
 
 def decode_graph_runner(runner, max_num_seqs: int, max_blocks_per_seq: int) -> DecodeGraphRunner:
