@@ -52,8 +52,12 @@ class HostPool:
             nbytes = num_blocks * t[0].numel() * t.element_size()
             total += -(-nbytes // _ALIGN) * _ALIGN
         want_pinned = torch.cuda.is_available() if pin_memory is None else pin_memory
-        raw, self.pinned = _allocate(total + _ALIGN, want_pinned)
+        raw = torch.empty(total + _ALIGN, dtype=torch.uint8)
         start = -raw.data_ptr() % _ALIGN
+        # Only the page-aligned span the views use is registered: the driver pins whole pages,
+        # and an unaligned range shares its first and last page with the neighbouring
+        # allocations, so a second pool there failed to pin (cudaErrorHostMemoryAlreadyRegistered).
+        self.pinned = want_pinned and _pin(raw, raw.data_ptr() + start, total)
         self.num_blocks = num_blocks
         self.nbytes = total
         self.caches = []
@@ -75,34 +79,26 @@ class HostPool:
                 f"nbytes={self.nbytes}, pinned={self.pinned})")
 
 
-def _allocate(nbytes: int, pinned: bool) -> tuple[torch.Tensor, bool]:
-    """A uint8 buffer, page-locked when asked and possible.
+def _pin(owner: torch.Tensor, ptr: int, nbytes: int) -> bool:
+    """Page-lock [ptr, ptr + nbytes) for as long as `owner` (the buffer holding it) lives.
 
     Pinning goes through cudaHostRegister on plain memory, not `pin_memory=True`: torch's pinned
     allocator rounds every request up to a power of two, so a 40 GiB pool would lock 64 GiB.
     """
-    buf = torch.empty(nbytes, dtype=torch.uint8)
-    if not pinned:
-        return buf, False
-    why = _register(buf)
-    if why:
-        logger.warning("HostPool: pinned memory unavailable (%s); using plain memory, swaps will be slower", why)
-        return buf, False
-    return buf, True
-
-
-def _register(buf: torch.Tensor) -> str:
-    """Page-lock `buf` until it is freed; "" on success, else why not."""
     try:
         cudart = torch.cuda.cudart()
         # Portable | Mapped: usable from every device, and readable by the swap copy kernel.
-        rc = int(cudart.cudaHostRegister(buf.data_ptr(), buf.numel(), 0x1 | 0x2))
+        rc = int(cudart.cudaHostRegister(ptr, nbytes, 0x1 | 0x2))
     except (RuntimeError, AssertionError, AttributeError) as e:  # CPU-only torch, no driver
-        return str(e)
-    if rc != 0:
-        return f"cudaHostRegister failed with CUDA error {rc} (a locked-memory limit?)"
-    weakref.finalize(buf, _unregister, cudart, buf.data_ptr())
-    return ""
+        why = str(e)
+    else:
+        if rc == 0:
+            weakref.finalize(owner, _unregister, cudart, ptr)
+            return True
+        why = f"cudaHostRegister failed with CUDA error {rc} (a locked-memory limit?)"
+    logger.warning("HostPool: pinned memory unavailable (%s); using plain memory, swaps will be "
+                   "slower", why)
+    return False
 
 
 def _unregister(cudart, ptr: int) -> None:

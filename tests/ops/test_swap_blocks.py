@@ -80,6 +80,34 @@ def test_host_pool_layout_and_fallback_without_pinning(caplog):
     assert all(t.data_ptr() % 4096 == 0 for t in pool.caches)
 
 
+def test_host_pools_register_whole_pages_so_two_pools_both_pin(monkeypatch):
+    """A stand-in for the driver that pins whole pages and refuses a page pinned twice (as
+    cudaHostRegister does): two small pools side by side must both pin, and the range each
+    registers is the page-aligned span its views use."""
+    pinned_pages, calls = set(), []
+
+    class Cudart:
+        def cudaHostRegister(self, ptr, nbytes, flags):
+            calls.append((ptr, nbytes))
+            pages = set(range(ptr // 4096, (ptr + nbytes - 1) // 4096 + 1))
+            if pages & pinned_pages:
+                return 712          # cudaErrorHostMemoryAlreadyRegistered
+            pinned_pages.update(pages)
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart())
+    like = [nan_empty(8, 4, 2, 8), nan_empty(8, 4, 2, 8)]
+    pools = [ops.HostPool(like, 3, pin_memory=True) for _ in range(4)]
+    assert all(p.pinned for p in pools)
+    for (ptr, nbytes), pool in zip(calls, pools):
+        assert ptr % 4096 == 0 and nbytes % 4096 == 0
+        assert ptr <= pool.caches[0].data_ptr() and \
+            pool.caches[-1].data_ptr() + pool.caches[-1].nbytes <= ptr + nbytes
+
+
 def test_registered_op_matches_reference_and_passes_opcheck():
     src = make_pool(2, 7, 4, 2, 8, torch.float32, interleaved=True)[0]
     dst = [nan_empty(5, 4, 2, 8) for _ in range(2)]
