@@ -52,6 +52,6 @@ def test_swap_under_pressure_gpu(model, reference, overlap):
 
 def test_cuda_graphs_match_eager_gpu(model, reference):
     tokens, engine = run(model, cuda_graphs=True, overlap="on")
-    assert not engine.graphs.disabled, engine.graphs.disabled
-    assert engine.graphs.replays > 0
+    assert not engine.runner.graphs.disabled, engine.runner.graphs.disabled
+    assert engine.runner.graphs.replays > 0
     assert tokens == reference
