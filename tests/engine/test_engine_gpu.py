@@ -57,16 +57,16 @@ def test_cuda_attention_backend_gives_the_triton_tokens(llama, reference, overla
 
 @pytest.mark.parametrize("method", ["batch", "kernel"])
 def test_swaps_with_32k_blocks_on_both_copy_paths(method, monkeypatch):
-    """Blocks of 16 tokens x 8 kv heads x 128 dims in bf16 are 32 KiB per layer and K/V. The
+    """Blocks of 16 tokens x 8 kv heads x 128 dims in fp32 are 64 KiB per layer and K/V. The
     batched cuMemcpyBatchAsync path takes blocks >= BATCH_MIN_BYTES, the copy kernel smaller
     ones: moving the threshold sends every swap down one path."""
     import cb_kernels.ops._cuda_cache as cuda_cache
 
     model = make_model("llama", hidden_size=1024, intermediate_size=1024, num_attention_heads=8,
-                       num_key_value_heads=8, head_dim=128).cuda().to(torch.bfloat16)
+                       num_key_value_heads=8, head_dim=128).cuda()
     want = tokens(run(model, overlap="off", preemption="recompute", cuda_graphs=False)[0])
     monkeypatch.setattr(cuda_cache, "BATCH_MIN_BYTES", 0 if method == "batch" else 1 << 40)
-    block_bytes = 2 * 2 * 16 * 8 * 128 * 2          # layers x (K, V) x one block
+    block_bytes = 2 * 2 * 16 * 8 * 128 * 4          # layers x (K, V) x one block
     outs, engine = run(model, num_blocks=20, preemption="swap", overlap="on", cuda_graphs=False,
                        cpu_offload_gib=400 * block_bytes / 2**30)
     st = engine.stats()
@@ -118,7 +118,8 @@ def test_graph_replay_and_eager_agree(llama):
 def test_sliding_window_and_softcap_model_matches_the_cpu(backend):
     """Gemma 2 (window 24 on every other layer, attention and final softcaps): the GPU step's
     logits against the CPU engine's on the same prompts and prefix, fp32."""
-    model = make_model("gemma2", seed=2, layer_types=["sliding_attention", "full_attention"])
+    model = make_model("gemma2", seed=2, head_dim=64, query_pre_attn_scalar=64,
+                       layer_types=["sliding_attention", "full_attention"])
     prompts = random_prompts([30, 50, 7], seed=3)
     rows = []
     for device in ("cpu", "cuda"):
@@ -127,9 +128,9 @@ def test_sliding_window_and_softcap_model_matches_the_cpu(backend):
                                                        attention_backend=None if device == "cpu"
                                                        else backend, cuda_graphs=False))
         _logit_rows(engine, record)
-        outs = engine.generate(prompts, SamplingParams(max_new_tokens=1))
+        outs = engine.generate(prompts, SamplingParams(max_new_tokens=3))
         rows.append(record)
-    assert rows[0].keys() == rows[1].keys() and len(rows[0]) == 3
+    assert rows[0].keys() == rows[1].keys() and len(rows[0]) == 9
     for k in rows[0]:
         torch.testing.assert_close(rows[1][k].cpu(), rows[0][k], atol=2e-3, rtol=2e-3)
     assert all(o.finish_reason == "length" for o in outs)
@@ -138,9 +139,10 @@ def test_sliding_window_and_softcap_model_matches_the_cpu(backend):
 def test_overlap_stops_and_cancels_while_a_step_is_in_flight(llama, reference):
     """Stop tokens found one step late and cancels issued while step N+1 is in flight: the
     outputs are the synchronous path's."""
-    stop_at = {1: 3, 4: 5}                   # request -> index of its stop token
-    params = [SamplingParams(max_new_tokens=n, stop_token_ids=(reference[i][stop_at[i]],)
-                             if i in stop_at else ()) for i, n in enumerate(NEW)]
+    stops = {1: reference[1][3], 4: reference[4][5]}           # request -> its stop token
+    stop_at = {i: reference[i].index(t) for i, t in stops.items()}
+    params = [SamplingParams(max_new_tokens=n, stop_token_ids=(stops[i],) if i in stops else ())
+              for i, n in enumerate(NEW)]
     engine = Engine(llama, EngineConfig(block_size=16, num_blocks=256, overlap="on",
                                         cuda_graphs=True, attention_backend="cuda"))
     assert engine.pipeline is not None and engine.streams.asynchronous
