@@ -86,7 +86,6 @@
 #include <vector>
 
 #include "attention_vec.h"
-#include "isa.h"
 #include "threads.h"
 
 namespace cbk {
@@ -547,4 +546,3 @@ Status paged_attention(const PagedAttentionParams& p) {
 }  // namespace CBK_CPU_NS
 }  // namespace cbk
 
-CBK_CPU_DISPATCH(Status, paged_attention, const PagedAttentionParams&)

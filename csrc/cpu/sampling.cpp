@@ -13,7 +13,6 @@
 #include <cstring>
 
 #include "attention_vec.h"
-#include "isa.h"
 #include "threads.h"
 
 namespace cbk {
@@ -86,4 +85,3 @@ Status argmax_rows(const ArgmaxParams& p) {
 }  // namespace CBK_CPU_NS
 }  // namespace cbk
 
-CBK_CPU_DISPATCH(Status, argmax_rows, const ArgmaxParams&)

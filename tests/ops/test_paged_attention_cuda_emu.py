@@ -29,22 +29,24 @@ LAUNCHES = {
         "emu_launch(reduce_kernel<T>, reduce_grid, kThreads, p);",
 }
 ENTRY = """
-extern "C" const char* emu_paged_attention_decode(const cbk::cuda::PagedAttentionParams* p) {
+extern "C" const char* emu_paged_attention_decode(const cbk::PagedAttentionParams* p) {
   return cbk::cuda::paged_attention_decode(*p, nullptr).message;
 }
 """
 
 
-class Params(ctypes.Structure):  # mirrors cbk::cuda::PagedAttentionParams
+class Params(ctypes.Structure):  # mirrors cbk::PagedAttentionParams
     _fields_ = (
         [(n, ctypes.c_void_p) for n in ("q", "k_cache", "v_cache", "out", "block_tables",
                                         "seq_lens", "cu_seqlens_q", "part_out", "part_ml")]
         + [(n, ctypes.c_int64) for n in (
-            "num_seqs", "num_heads", "num_kv_heads", "head_dim", "block_size", "stride_qt",
-            "stride_qh", "stride_ot", "stride_oh", "stride_kb", "stride_kt", "stride_kh",
-            "stride_vb", "stride_vt", "stride_vh", "stride_bt", "max_splits")]
+            "num_seqs", "num_heads", "num_kv_heads", "head_dim", "block_size", "q_stride_token",
+            "q_stride_head", "out_stride_token", "out_stride_head", "k_stride_block",
+            "k_stride_token", "k_stride_head", "v_stride_block", "v_stride_token",
+            "v_stride_head", "block_table_stride", "max_splits")]
         + [("dtype", ctypes.c_int32), ("scale", ctypes.c_float), ("sliding_window", ctypes.c_int32),
-           ("softcap", ctypes.c_float), ("all_decode", ctypes.c_bool)])
+           ("softcap", ctypes.c_float), ("all_decode", ctypes.c_bool)]
+        + [(n, ctypes.c_int64) for n in ("num_tokens", "num_blocks", "max_blocks_per_seq")])
 
 
 @pytest.fixture(scope="module")
