@@ -26,7 +26,7 @@ constexpr int64_t kParallelBytes = 1 << 20;
 constexpr int64_t kStreamBytes = 4 << 20;
 
 // memcpy with non-temporal stores: the destination bypasses the caches, so no read-for-ownership
-// traffic and no eviction of the working set.
+// traffic and no eviction of the working set. d, s: n bytes.
 inline void copy_nt(char* d, const char* s, int64_t n) {
 #if defined(__AVX2__)
   constexpr int64_t kAlign = 32;

@@ -22,9 +22,9 @@
 // than the first alone, and the exact outlier dims 3x fewer again (median 738 of 786k logits
 // for 16 rows).
 //
-// One copy of this file is built (the primary compile); the SIMD body carries its own target
-// attribute and runs only where the CPU reports AVX-512 VNNI. The portable body does the same
-// integer arithmetic, so both give the same tokens.
+// The file is built portable and avx512_vnni (cb_kernels/isa.h): the flags of each compile pick
+// the three ISA-specific steps (score_tiles, rescore_tile, exact_logit_of). The portable body
+// does the same integer arithmetic, so both give the same tokens.
 #include "cb_kernels/greedy_head.h"
 
 #include <omp.h>
@@ -88,7 +88,7 @@ inline int64_t packed_offset(int64_t j, int64_t k, int64_t groups) {
 
 // <h, w_j> in double: float products are exact there. 16 partial sums (lane k % 16), folded in a
 // fixed order and rounded once to float; exact_logit_avx512 keeps the same 16 sums in two
-// vectors, so both bodies return the same float.
+// vectors, so both bodies return the same float. s: [16] partial sums.
 inline float fold_sums(const double* s) {
   double t[8];
   for (int i = 0; i < 8; ++i) t[i] = s[i] + s[i + 8];
@@ -96,6 +96,7 @@ inline float fold_sums(const double* s) {
 }
 
 #if !CBK_GREEDY_HEAD_VNNI
+// h: [n] the hidden row in double; wj: [n] vocab row j of the fp32 weight.
 float exact_logit(const double* h, const float* wj, int64_t n) {
   double s[16] = {};
   for (int64_t k = 0; k < n; ++k) s[k % 16] += h[k] * static_cast<double>(wj[k]);
@@ -133,6 +134,7 @@ struct Slice {
 // The epilogue of one row over one tile: 64 integer dots (with the +128 offset still in) ->
 // scores and bounds. Pass 1 (s given): keeps the tile's largest score + bound and the row's
 // largest score - bound. Pass 2 (hi_out given): writes the 64 scores + bounds there.
+// dots, hi_out: [kTile].
 inline void tile_epilogue(const Work& w, int64_t row, int64_t j0, const int32_t* dots, Slice* s,
                           float* hi_out) {
   const GreedyHeadParams& p = w.p;
@@ -164,7 +166,7 @@ inline void tile_epilogue(const Work& w, int64_t row, int64_t j0, const int32_t*
   s->best_lo[row] = std::max(s->best_lo[row], tile_lo);
 }
 
-// One hidden row over tile t, plain loops.
+// One hidden row over tile t, plain loops; hi_out: nullptr or [kTile] as in tile_epilogue.
 void tile_row_portable(const Work& w, int64_t t, int64_t row, Slice* s, float* hi_out) {
   const uint8_t* tile = w.p.packed + t * w.groups * kTile * 4;
   const int8_t* h = w.hq.data() + row * w.padded_hidden;
@@ -187,6 +189,7 @@ void tiles_portable(const Work& w, int64_t t0, int64_t t1, Slice& s) {
 
 // The three ISA-specific steps, portable body.
 void score_tiles(const Work& w, int64_t t0, int64_t t1, Slice& s) { tiles_portable(w, t0, t1, s); }
+// hi: [kTile], the scores + bounds of row `row` over tile t.
 void rescore_tile(const Work& w, int64_t t, int64_t row, float* hi) {
   tile_row_portable(w, t, row, nullptr, hi);
 }
@@ -244,7 +247,8 @@ inline void tile_epilogue_vnni(const Work& w, int64_t row, int64_t j0,
 }
 
 // MR hidden rows x one tile: MR x 4 accumulators of 16 int32 lanes, one VNNI op per block and
-// group of 4 dims; each weight vector is loaded once for the MR rows.
+// group of 4 dims; each weight vector is loaded once for the MR rows. tile: the packed tile,
+// [groups][4 blocks][16 rows][4 bytes]; hi_out: nullptr or [kTile] as in tile_epilogue.
 template <int MR>
 void tile_rows_vnni(const Work& w, const uint8_t* tile, int64_t row0, int64_t j0,
                                      Slice* s, float* hi_out) {
@@ -292,7 +296,7 @@ void tiles_vnni(const Work& w, int64_t t0, int64_t t1, Slice& s) {
   }
 }
 
-// exact_logit() 16 lanes at a time; `h` is padded with zeros to a multiple of 16.
+// exact_logit() 16 lanes at a time; h: [n rounded up to 16], zeros past n; wj: [n].
 float exact_logit_avx512(const double* h, const float* wj, int64_t n) {
   __m512d s0 = _mm512_setzero_pd(), s1 = _mm512_setzero_pd();
   int64_t k = 0;

@@ -12,8 +12,8 @@
 // The register tile keeps MR rows x 32 columns of y in registers (AVX-512: 12 x 2 zmm; AVX2:
 // 6 rows x 16 columns, 2 ymm, per half panel); each k step loads the panel's line(s) once and
 // broadcasts one x value per row. Work items are (row chunk, panel), split statically over the
-// threads. One copy of this file is built (the primary compile); the SIMD bodies carry their own
-// target attributes and run where the CPU reports AVX-512F or AVX2 + FMA.
+// threads. The file is built portable, avx2 and avx512 (cb_kernels/isa.h); the flags of each
+// compile pick its register tile (CBK_LINEAR_BODY), the rest of the code is the same.
 #include "cb_kernels/linear.h"
 
 #include <omp.h>
@@ -49,7 +49,8 @@ constexpr int64_t kSerialWork = 1 << 16;        // below this many FMAs one thre
 
 #if CBK_LINEAR_BODY == 0
 // Columns [c0, c0 + cols) of panel `wp` for rows [0, rows) of x: plain loops, std::fma in k
-// order (the SIMD bodies' arithmetic).
+// order (the SIMD bodies' arithmetic). x: [rows, k], rows x_stride apart; wp: [k][kP];
+// y: [rows, cols], rows y_stride apart.
 void panel_generic(const LinearParams& p, const float* x, int64_t rows, const float* wp,
                    int64_t col0, int64_t cols, float* y) {
   for (int64_t r = 0; r < rows; ++r) {
@@ -97,6 +98,7 @@ void pack_rows(const float* x, int64_t ld, int64_t rows, int64_t k, int64_t mr, 
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
 // xp: the MR rows of x packed k-major, [K][MR]: one k step's broadcasts read one line.
+// wp: [K][kP] (one panel); y: [MR, cols], rows y_stride apart.
 template <int MR>
 void tile_avx512(const LinearParams& p, const float* xp, const float* wp,
                                    int64_t col0, int64_t cols, float* y) {
@@ -128,7 +130,7 @@ void tile_avx512(const LinearParams& p, const float* xp, const float* wp,
   }
 }
 
-// xp: the chunk's rows packed by pack_rows(.., 12, ..).
+// xp: the chunk's rows packed by pack_rows(.., 12, ..); wp: [K][kP]; y: [rows, cols].
 void panel_avx512(const LinearParams& p, const float* xp, int64_t rows,
                                     const float* wp, int64_t col0, int64_t cols, float* y) {
   int64_t r = 0;
@@ -142,7 +144,7 @@ void panel_avx512(const LinearParams& p, const float* xp, int64_t rows,
 #endif
 
 #if CBK_LINEAR_BODY == 1
-// Half a panel (16 columns at wp) for MR rows: 2 ymm per row; xp as in tile_avx512.
+// Half a panel (16 columns at wp) for MR rows: 2 ymm per row; xp, wp, y as in tile_avx512.
 template <int MR>
 void tile_avx2(const LinearParams& p, const float* xp, const float* wp,
                                int64_t col0, int64_t cols, float* y) {
@@ -175,7 +177,7 @@ void tile_avx2(const LinearParams& p, const float* xp, const float* wp,
   }
 }
 
-// xp: the chunk's rows packed by pack_rows(.., 6, ..).
+// xp: the chunk's rows packed by pack_rows(.., 6, ..); wp: [K][kP]; y: [rows, cols].
 void panel_avx2(const LinearParams& p, const float* xp, int64_t rows,
                                 const float* wp, int64_t col0, int64_t cols, float* y) {
   for (int64_t half = 0; half < 2 && half * 16 < cols; ++half) {

@@ -19,6 +19,7 @@ namespace cbk {
 namespace CBK_CPU_NS {
 namespace {
 
+// x: [n].
 int64_t argmax_row(const float* x, int64_t n) {
   float best = -INFINITY;
   int64_t best_at = n;  // none yet
