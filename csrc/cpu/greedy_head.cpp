@@ -324,9 +324,7 @@ void score_tiles(const Work& w, int64_t t0, int64_t t1, Slice& s) { tiles_vnni(w
 void rescore_tile(const Work& w, int64_t t, int64_t row, float* hi) {
   tile_rows_vnni<1>(w, w.p.packed + t * w.groups * kTile * 4, row, t * kTile, nullptr, hi);
 }
-float exact_logit_of(const double* h, const float* wj, int64_t n) {
-  return exact_logit_avx512(h, wj, n);
-}
+float exact_logit_of(const double* h, const float* wj, int64_t n) { return exact_logit_avx512(h, wj, n); }
 #endif  // CBK_GREEDY_HEAD_VNNI
 
 }  // namespace
@@ -455,10 +453,7 @@ RowResult rescore_row(const Work& w, const std::vector<Slice>& slices, int64_t r
   std::vector<int32_t> picked;
   collect_candidates(w, r, floor_lo, cap, picked);
   RowResult res;
-  if (static_cast<int64_t>(picked.size()) > cap) {
-    res.kind = RowResult::Kind::kOverCap;
-    return res;
-  }
+  if (static_cast<int64_t>(picked.size()) > cap) return {RowResult::Kind::kOverCap, 0, 0};
   const float* h = p.hidden_states + r * p.hidden_stride;
   std::vector<double> hd((p.hidden + 15) / 16 * 16, 0.0);
   for (int64_t k = 0; k < p.hidden; ++k) hd[k] = h[k];
@@ -467,14 +462,11 @@ RowResult rescore_row(const Work& w, const std::vector<Slice>& slices, int64_t r
   for (const int32_t j : picked) {      // increasing j
     const float e = exact_logit_of(hd.data(), p.weight + j * p.weight_stride, p.hidden);
     if (!any || e > best) {             // strict: the lowest index keeps a tie
-      best = e;
-      res.token = j;
-      any = true;
+      best = e, res.token = j, any = true;
     }
   }
   res.num_rescored = static_cast<int64_t>(picked.size());
-  // Cannot happen: the row reaching the floor is a candidate.
-  if (!any) res.kind = RowResult::Kind::kNoCandidate;
+  if (!any) res.kind = RowResult::Kind::kNoCandidate;  // cannot happen: the floor's row passes
   return res;
 }
 
@@ -482,8 +474,7 @@ RowResult rescore_row(const Work& w, const std::vector<Slice>& slices, int64_t r
 Status greedy_head_rows(const GreedyHeadParams& p) {
   Work w(p);
   std::vector<char> exact;   // per hidden dim: 1 exact, 2 reported as an outlier in this call
-  const Status st = init_work(p, w, exact);
-  if (!st.ok()) return st;
+  if (const Status st = init_work(p, w, exact); !st.ok()) return st;
   const int64_t rows = p.num_rows;
   const bool report = p.outlier_ratio > 0.0f && p.max_outliers > 0 && p.outliers && p.num_outliers;
   int64_t found = 0;
