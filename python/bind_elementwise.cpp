@@ -1,4 +1,5 @@
 // Bindings of the fused decoder-layer operations; cb_kernels/ops/elementwise.py owns the checks.
+// `isa` caps the body (cb_kernels/isa.h): "auto", or "portable" to test the plain C++ one.
 #include <pybind11/pybind11.h>
 
 #include "bindings.h"
@@ -10,7 +11,8 @@ void bind_elementwise(py::module_& m) {
   m.def(
       "rms_norm",
       [](uintptr_t x, uintptr_t residual, uintptr_t weight, uintptr_t out, int64_t rows, int64_t dim,
-         int64_t x_stride, int64_t residual_stride, int64_t out_stride, float eps) {
+         int64_t x_stride, int64_t residual_stride, int64_t out_stride, float eps,
+         const std::string& isa) {
         cbk::RmsNormParams p;
         p.x = cbk::as_ptr<float>(x);
         p.residual = cbk::as_ptr<const float>(residual);
@@ -22,13 +24,18 @@ void bind_elementwise(py::module_& m) {
         p.residual_stride = residual_stride;
         p.out_stride = out_stride;
         p.eps = eps;
+        const cbk::Isa body = cbk::as_isa(isa);
         py::gil_scoped_release nogil;
-        cbk::throw_if_error(cbk::cpu::rms_norm(p));
+        cbk::throw_if_error(cbk::cpu::rms_norm(p, body));
       },
+      py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("out"), py::arg("rows"),
+      py::arg("dim"), py::arg("x_stride"), py::arg("residual_stride"), py::arg("out_stride"),
+      py::arg("eps"), py::arg("isa") = "auto",
       "x += residual (when not 0), then out = weight * x / sqrt(mean(x^2) + eps), per row.");
   m.def(
       "silu_mul",
-      [](uintptr_t gate_up, uintptr_t out, int64_t rows, int64_t dim, int64_t in_stride, int64_t out_stride) {
+      [](uintptr_t gate_up, uintptr_t out, int64_t rows, int64_t dim, int64_t in_stride, int64_t out_stride,
+         const std::string& isa) {
         cbk::SiluMulParams p;
         p.gate_up = cbk::as_ptr<const float>(gate_up);
         p.out = cbk::as_ptr<float>(out);
@@ -36,14 +43,17 @@ void bind_elementwise(py::module_& m) {
         p.dim = dim;
         p.in_stride = in_stride;
         p.out_stride = out_stride;
+        const cbk::Isa body = cbk::as_isa(isa);
         py::gil_scoped_release nogil;
-        cbk::throw_if_error(cbk::cpu::silu_mul(p));
+        cbk::throw_if_error(cbk::cpu::silu_mul(p, body));
       },
+      py::arg("gate_up"), py::arg("out"), py::arg("rows"), py::arg("dim"), py::arg("in_stride"),
+      py::arg("out_stride"), py::arg("isa") = "auto",
       "out = silu(gate_up[:, :dim]) * gate_up[:, dim:].");
   m.def(
       "rope",
       [](uintptr_t x, uintptr_t cos, uintptr_t sin, int64_t tokens, int64_t heads, int64_t head_dim,
-         int64_t token_stride, int64_t head_stride) {
+         int64_t token_stride, int64_t head_stride, const std::string& isa) {
         cbk::RopeParams p;
         p.x = cbk::as_ptr<float>(x);
         p.cos = cbk::as_ptr<const float>(cos);
@@ -53,8 +63,11 @@ void bind_elementwise(py::module_& m) {
         p.head_dim = head_dim;
         p.token_stride = token_stride;
         p.head_stride = head_stride;
+        const cbk::Isa body = cbk::as_isa(isa);
         py::gil_scoped_release nogil;
-        cbk::throw_if_error(cbk::cpu::rope(p));
+        cbk::throw_if_error(cbk::cpu::rope(p, body));
       },
+      py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("tokens"), py::arg("heads"),
+      py::arg("head_dim"), py::arg("token_stride"), py::arg("head_stride"), py::arg("isa") = "auto",
       "Rotary embedding in place: x = x * cos + rotate_half(x) * sin.");
 }

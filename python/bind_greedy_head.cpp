@@ -13,7 +13,8 @@ void bind_greedy_head(py::module_& m) {
         },
         py::arg("vocab"), py::arg("hidden"),
         "(packed bytes, floats of row stats) of a packed head.");
-  m.def("greedy_head_has_simd", &cbk::cpu::greedy_head_has_simd,
+  m.def("greedy_head_has_simd",
+        []() { return cbk::cpu::greedy_head_isa() == cbk::Isa::kAvx512Vnni; },
         "True where the CPU has AVX-512 VNNI (the fast path of the greedy head).");
   m.def(
       "greedy_head_pack",
@@ -38,7 +39,7 @@ void bind_greedy_head(py::module_& m) {
          uintptr_t row_stats, uintptr_t weight, int64_t vocab, int64_t hidden,
          int64_t weight_stride, uintptr_t exact_dims, uintptr_t exact_cols, int64_t num_exact,
          uintptr_t out, int64_t max_rescored_per_row, float outlier_ratio, uintptr_t outliers,
-         int64_t max_outliers, bool use_simd) {
+         int64_t max_outliers, const std::string& isa) {
         cbk::GreedyHeadParams p;
         p.hidden_states = cbk::as_ptr<const float>(hidden_states);
         p.num_rows = num_rows;
@@ -54,16 +55,16 @@ void bind_greedy_head(py::module_& m) {
         p.num_exact = num_exact;
         p.out = cbk::as_ptr<int64_t>(out);
         p.max_rescored_per_row = max_rescored_per_row;
-        p.use_simd = use_simd;
         p.outlier_ratio = outlier_ratio;
         p.outliers = cbk::as_ptr<int32_t>(outliers);
         p.max_outliers = max_outliers;
+        const cbk::Isa body = cbk::as_isa(isa);
         int64_t rescored = 0, found = 0;
         p.num_rescored = &rescored;
         p.num_outliers = &found;
         {
           py::gil_scoped_release nogil;
-          cbk::throw_if_error(cbk::cpu::greedy_head(p));
+          cbk::throw_if_error(cbk::cpu::greedy_head(p, body));
         }
         return py::make_tuple(rescored, found);
       },
@@ -71,8 +72,9 @@ void bind_greedy_head(py::module_& m) {
       py::arg("row_stats"), py::arg("weight"), py::arg("vocab"), py::arg("hidden"),
       py::arg("weight_stride"), py::arg("exact_dims"), py::arg("exact_cols"), py::arg("num_exact"),
       py::arg("out"), py::arg("max_rescored_per_row") = 0, py::arg("outlier_ratio") = 0.0f,
-      py::arg("outliers") = 0, py::arg("max_outliers") = 0, py::arg("use_simd") = true,
+      py::arg("outliers") = 0, py::arg("max_outliers") = 0, py::arg("isa") = "auto",
       "out[r] = argmax_j <h_r, w_j> (exact; lowest index on a tie), or -1 for a row that would "
       "rescore more than max_rescored_per_row logits. Returns (logits rescored, dims written to "
-      "outliers: |h| > outlier_ratio x the row's RMS, not exact yet).");
+      "outliers: |h| > outlier_ratio x the row's RMS, not exact yet). `isa` caps the body "
+      "('portable' or 'avx512_vnni'; both give the same tokens).");
 }

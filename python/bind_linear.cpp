@@ -9,7 +9,8 @@ namespace py = pybind11;
 void bind_linear(py::module_& m) {
   m.def("linear_packed_floats", &cbk::linear_packed_floats, py::arg("n"), py::arg("k"),
         "Floats of a packed [n, k] weight.");
-  m.def("linear_isa", &cbk::cpu::linear_isa, "The body linear() runs here: avx512, avx2 or generic.");
+  m.def("linear_isa", []() { return std::string(cbk::cpu::isa_name(cbk::cpu::linear_isa())); },
+        "The body linear() runs here: 'avx512', 'avx2' or 'portable'.");
   m.def(
       "linear_pack",
       [](uintptr_t weight, int64_t n, int64_t k, int64_t weight_stride, uintptr_t packed) {
@@ -27,7 +28,7 @@ void bind_linear(py::module_& m) {
   m.def(
       "linear",
       [](uintptr_t x, int64_t m_rows, int64_t k, int64_t x_stride, uintptr_t packed, int64_t n,
-         uintptr_t bias, uintptr_t y, int64_t y_stride, int isa) {
+         uintptr_t bias, uintptr_t y, int64_t y_stride, const std::string& isa) {
         cbk::LinearParams p;
         p.x = cbk::as_ptr<const float>(x);
         p.m = m_rows;
@@ -38,11 +39,12 @@ void bind_linear(py::module_& m) {
         p.bias = cbk::as_ptr<const float>(bias);
         p.y = cbk::as_ptr<float>(y);
         p.y_stride = y_stride;
-        p.isa = isa;
+        const cbk::Isa body = cbk::as_isa(isa);
         py::gil_scoped_release nogil;
-        cbk::throw_if_error(cbk::cpu::linear(p));
+        cbk::throw_if_error(cbk::cpu::linear(p, body));
       },
       py::arg("x"), py::arg("m"), py::arg("k"), py::arg("x_stride"), py::arg("packed"), py::arg("n"),
-      py::arg("bias"), py::arg("y"), py::arg("y_stride"), py::arg("isa") = -1,
-      "y[m, n] = x[m, k] @ W^T (+ bias) on a packed weight (bias 0: none).");
+      py::arg("bias"), py::arg("y"), py::arg("y_stride"), py::arg("isa") = "auto",
+      "y[m, n] = x[m, k] @ W^T (+ bias) on a packed weight (bias 0: none); `isa` caps the body "
+      "(every body gives the same bits).");
 }

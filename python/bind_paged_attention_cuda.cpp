@@ -16,12 +16,12 @@ void bind_paged_attention_cuda(py::module_& m) {
       [](uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uintptr_t out, uintptr_t block_tables,
          uintptr_t seq_lens, uintptr_t cu_seqlens_q, uintptr_t part_out, uintptr_t part_ml,
          int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-         int64_t stride_qt, int64_t stride_qh, int64_t stride_ot, int64_t stride_oh, int64_t stride_kb,
-         int64_t stride_kt, int64_t stride_kh, int64_t stride_vb, int64_t stride_vt, int64_t stride_vh,
-         int64_t stride_bt, int64_t max_splits, int dtype, float scale, int32_t sliding_window, float softcap,
+         int64_t q_stride_token, int64_t q_stride_head, int64_t out_stride_token, int64_t out_stride_head, int64_t k_stride_block,
+         int64_t k_stride_token, int64_t k_stride_head, int64_t v_stride_block, int64_t v_stride_token, int64_t v_stride_head,
+         int64_t block_table_stride, int64_t max_splits, int dtype, float scale, int32_t sliding_window, float softcap,
          bool all_decode, uintptr_t stream) {
 #if CBK_WITH_CUDA
-        cbk::cuda::PagedAttentionParams p;
+        cbk::PagedAttentionParams p;
         p.q = cbk::as_ptr<const void>(q);
         p.k_cache = cbk::as_ptr<const void>(k_cache);
         p.v_cache = cbk::as_ptr<const void>(v_cache);
@@ -36,17 +36,17 @@ void bind_paged_attention_cuda(py::module_& m) {
         p.num_kv_heads = num_kv_heads;
         p.head_dim = head_dim;
         p.block_size = block_size;
-        p.stride_qt = stride_qt;
-        p.stride_qh = stride_qh;
-        p.stride_ot = stride_ot;
-        p.stride_oh = stride_oh;
-        p.stride_kb = stride_kb;
-        p.stride_kt = stride_kt;
-        p.stride_kh = stride_kh;
-        p.stride_vb = stride_vb;
-        p.stride_vt = stride_vt;
-        p.stride_vh = stride_vh;
-        p.stride_bt = stride_bt;
+        p.q_stride_token = q_stride_token;
+        p.q_stride_head = q_stride_head;
+        p.out_stride_token = out_stride_token;
+        p.out_stride_head = out_stride_head;
+        p.k_stride_block = k_stride_block;
+        p.k_stride_token = k_stride_token;
+        p.k_stride_head = k_stride_head;
+        p.v_stride_block = v_stride_block;
+        p.v_stride_token = v_stride_token;
+        p.v_stride_head = v_stride_head;
+        p.block_table_stride = block_table_stride;
         p.max_splits = max_splits;
         p.dtype = cbk::as_dtype(dtype);
         p.scale = scale;
@@ -62,9 +62,9 @@ void bind_paged_attention_cuda(py::module_& m) {
 #else
         (void)q, (void)k_cache, (void)v_cache, (void)out, (void)block_tables, (void)seq_lens;
         (void)cu_seqlens_q, (void)part_out, (void)part_ml, (void)num_seqs, (void)num_heads;
-        (void)num_kv_heads, (void)head_dim, (void)block_size, (void)stride_qt, (void)stride_qh;
-        (void)stride_ot, (void)stride_oh, (void)stride_kb, (void)stride_kt, (void)stride_kh;
-        (void)stride_vb, (void)stride_vt, (void)stride_vh, (void)stride_bt, (void)max_splits;
+        (void)num_kv_heads, (void)head_dim, (void)block_size, (void)q_stride_token, (void)q_stride_head;
+        (void)out_stride_token, (void)out_stride_head, (void)k_stride_block, (void)k_stride_token, (void)k_stride_head;
+        (void)v_stride_block, (void)v_stride_token, (void)v_stride_head, (void)block_table_stride, (void)max_splits;
         (void)dtype, (void)scale, (void)sliding_window, (void)softcap, (void)all_decode, (void)stream;
         throw std::runtime_error(
             "cb_kernels was built without CUDA kernels (no nvcc at build time, or CBK_CUDA=off): "

@@ -1,3 +1,5 @@
+// Bindings of the process-wide CPU thread count (csrc/cpu/threads.h) and the CUDA device
+// queries (cb_kernels/runtime.h).
 #include <omp.h>
 #include <pybind11/pybind11.h>
 

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "cb_kernels/common.h"
+#include "cb_kernels/isa.h"
 
 void bind_runtime(pybind11::module_& m);         // threads, CUDA device checks
 void bind_paged_attention(pybind11::module_& m);
@@ -27,6 +28,18 @@ inline T* as_ptr(uintptr_t p) {
 
 inline void throw_if_error(const Status& s) {
   if (!s.ok()) throw std::runtime_error(s.message);
+}
+
+// The `isa` argument of the CPU kernels: "auto" or an ISA this CPU runs (ValueError otherwise).
+inline Isa as_isa(const std::string& name) {
+  Isa isa = Isa::kAuto;
+  if (!cpu::parse_isa(name.c_str(), &isa))
+    throw pybind11::value_error("isa must be 'auto', 'portable', 'avx2', 'avx512' or 'avx512_vnni', got '" +
+                                name + "'");
+  if (!cpu::isa_supported(isa))
+    throw pybind11::value_error("isa='" + name + "' cannot run on this CPU (its best is '" +
+                                cpu::isa_name(cpu::best_isa()) + "')");
+  return isa;
 }
 
 inline DType as_dtype(int code) {

@@ -3,8 +3,11 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <vector>
+
 #include "bindings.h"
-#include "isa.h"
+#include "cb_kernels/isa.h"
+#include "cb_kernels/paged_attention.h"
 
 namespace py = pybind11;
 
@@ -16,10 +19,18 @@ PYBIND11_MODULE(_C, m) {
   info["cuda_archs"] = std::string(CBK_CUDA_ARCH_LIST);
   info["cuda_version"] = std::string(CBK_CUDA_VERSION_STR);
   info["compiler"] = std::string(CBK_VERSION_INFO);
-  info["cpu_avx2_variant"] = static_cast<bool>(CBK_HAVE_AVX2_VARIANT);
   m.attr("build_info") = info;
-  m.def("cpu_isa", []() { return std::string(cbk::cpu::has_avx2() ? "avx2" : "generic"); },
-        "The CPU kernel variant chosen on this machine.");
+  m.def("cpu_isas", []() {
+          std::vector<std::string> names;
+          for (int i = 0; i <= static_cast<int>(cbk::cpu::best_isa()); ++i)
+            names.push_back(cbk::cpu::isa_name(static_cast<cbk::Isa>(i)));
+          return names;
+        },
+        "The values of a CPU kernel's `isa` argument this machine runs, besides 'auto' "
+        "(ascending: 'portable', then 'avx2', 'avx512', 'avx512_vnni' as far as the CPU goes).");
+  m.def("cpu_isa", []() { return std::string(cbk::cpu::isa_name(cbk::cpu::paged_attention_isa())); },
+        "The body paged attention (and the elementwise and argmax kernels) run here: "
+        "'avx2' or 'portable'.");
 
   bind_runtime(m);
   bind_paged_attention(m);

@@ -120,9 +120,10 @@ class GreedyHead:
             self._gather_column(self.num_exact)
             self.num_exact += 1
 
-    def __call__(self, hidden_states: torch.Tensor, *, use_simd: bool = True) -> torch.Tensor:
+    def __call__(self, hidden_states: torch.Tensor, *, isa: str = "auto") -> torch.Tensor:
         """hidden_states: fp32 CPU [rows, hidden]. Returns int64 [rows]. Raises RuntimeError on a
-        non-finite hidden state (the caller's fp32 path then applies torch's NaN rule)."""
+        non-finite hidden state (the caller's fp32 path then applies torch's NaN rule). `isa`
+        caps the body (tests): "auto" or one of _C.cpu_isas(); ValueError otherwise."""
         h = hidden_states
         if not isinstance(h, torch.Tensor) or h.dim() != 2 or h.shape[1] != self.hidden:
             raise ValueError(f"hidden_states must be a 2-D [rows, {self.hidden}] tensor, got "
@@ -141,7 +142,7 @@ class GreedyHead:
             w.data_ptr(), self.vocab, self.hidden, w.stride(0), self.exact_dims.data_ptr(),
             self.exact_cols.data_ptr(), self.num_exact, out.data_ptr(),
             self.max_rescored_per_row, OUTLIER_RATIO if room else 0.0,
-            self._outliers.data_ptr(), room, use_simd)
+            self._outliers.data_ptr(), room, isa)
         if found:           # exact from the next call on (this one's result is exact anyway)
             self._add_exact_dims(self._outliers[:found].tolist())
         wide = (out < 0).nonzero().flatten()

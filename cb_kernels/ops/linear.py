@@ -47,8 +47,9 @@ class PackedLinear:
         speed (measured on the Zen 4 with the body forced), so the engine keeps oneDNN there."""
         return _C.linear_isa() == "avx512"
 
-    def __call__(self, x: torch.Tensor, *, isa: int = -1) -> torch.Tensor:
-        """x: fp32 CPU [..., k]. Returns a new [..., n] tensor. `isa` caps the body (tests)."""
+    def __call__(self, x: torch.Tensor, *, isa: str = "auto") -> torch.Tensor:
+        """x: fp32 CPU [..., k]. Returns a new [..., n] tensor. `isa` caps the body (tests):
+        "auto" or one of _C.cpu_isas() ("portable", "avx2", "avx512", ...); ValueError else."""
         if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != self.k:
             raise ValueError(f"x must be a [..., {self.k}] tensor, got "
                              f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
@@ -56,7 +57,7 @@ class PackedLinear:
             raise ValueError(f"x must be fp32 on the CPU, got {x.dtype} on {x.device}")
         return self.run_unchecked(x, isa)
 
-    def run_unchecked(self, x: torch.Tensor, isa: int = -1) -> torch.Tensor:
+    def run_unchecked(self, x: torch.Tensor, isa: str = "auto") -> torch.Tensor:
         """__call__ without the argument checks, for callers that own them (the engine's
         packed linears)."""
         rows = x.reshape(-1, self.k)
@@ -98,7 +99,7 @@ def _linear_op(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tenso
     y = torch.empty(rows.shape[0], n, dtype=torch.float32)
     sync_threads()
     _C.linear(rows.data_ptr(), rows.shape[0], k, k, packed.data_ptr(), n,
-              0 if bias is None else bias.data_ptr(), y.data_ptr(), n, -1)
+              0 if bias is None else bias.data_ptr(), y.data_ptr(), n, "auto")
     return y.view(*x.shape[:-1], n)
 
 

@@ -136,8 +136,9 @@ def run_backend(name: str, q, k_cache, v_cache, block_tables, seq_lens, cu_seqle
 
 
 def _run_cpu(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale, window, cap,
-             portable: bool = False):
-    """The C++ kernel; `portable=True` forces its generic (non-AVX2) variant, for tests."""
+             isa: str = "auto"):
+    """The C++ kernel; `isa` caps its body ("auto", "portable", "avx2", ...: one of
+    _C.cpu_isas(); ValueError otherwise), for tests."""
     if not hasattr(_C, "paged_attention"):
         raise RuntimeError("the 'cpu' paged_attention kernel is not compiled into cb_kernels._C "
                            "(rebuild the extension)")
@@ -150,4 +151,4 @@ def _run_cpu(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, sca
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        _backend.DTYPE_CODES[q.dtype], scale, window, cap, portable)
+        _backend.DTYPE_CODES[q.dtype], scale, window, cap, isa)

@@ -1,7 +1,7 @@
 // Vector building blocks of the CPU paged-attention kernel (csrc/cpu/paged_attention.cpp), also
 // used by the sampling and elementwise kernels.
-// Compiled once per ISA variant like the kernel itself (see isa.h): include it only from a
-// csrc/cpu/*.cpp, which is built with CBK_CPU_NS set.
+// Compiled once per ISA body like the kernels that include it (cb_kernels/isa.h): include it
+// only from a csrc/cpu/*.cpp, which is built with CBK_CPU_NS set.
 #pragma once
 
 #include <algorithm>
@@ -14,7 +14,7 @@
 #include <immintrin.h>
 #endif
 
-// The generic variant passes 32-byte vectors between inline functions without AVX; they never
+// The portable body passes 32-byte vectors between inline functions without AVX; they never
 // cross an ABI boundary (all in an anonymous namespace), so GCC's ABI note is moot.
 #pragma GCC diagnostic ignored "-Wpsabi"
 
@@ -98,7 +98,8 @@ inline v8f softcap8(v8f x, float cap) {
 // s[r * s_stride + t]; a transposing add tree turns the 8 (row, key) accumulators into one vector
 // (lane r * T + t). Each K chunk loaded feeds R FMAs. Every (row, key) pair keeps
 // its own lane partial sums over head_dim and goes through the same transposing add tree, so a
-// score does not depend on R or on its place in the block.
+// score does not depend on R or on its place in the block. q: [R][q_stride]; k: [T] row
+// pointers, each [dim8]; s: [R][s_stride].
 template <int R>
 inline void dot_block(const float* q, int64_t q_stride, const float* const* k, int64_t dim8,
                       float* s, int64_t s_stride) {
@@ -170,7 +171,7 @@ struct Prefetcher {
 // Scores of query rows [0, rows) (dim8 floats apart) against keys [g0, g1) of a tile, S per row
 // at s: blocks of two rows (4 keys per tree), a last odd row alone (8 keys per tree). g0 is a
 // multiple of 4; keys up to the next multiple of 4 (8) past g1 are computed too. The prefetcher
-// moves on pf_step lines per dot block.
+// moves on pf_step lines per dot block. k: [S] key row pointers, each [dim8].
 template <int S>
 inline void tile_scores(const float* q, int64_t rows, const float* const* k, int g0, int g1,
                         int64_t dim8, float* s, Prefetcher& pf, int64_t pf_step) {
@@ -207,6 +208,8 @@ inline void pv_block(float* o, int64_t o_stride, const float* alpha, const float
     for (int i = 0; i < NV; ++i) store8(o + r * o_stride + c0 + 8 * i, acc[r][i]);
 }
 
+// pv_block over all of head_dim. o: [R][dim8]; alpha: [R]; p: [R][p_stride]; v: [j1] row
+// pointers, each [dim8].
 template <int R, int NV>
 inline void pv_rows(float* o, int64_t dim8, const float* alpha, const float* p, int64_t p_stride,
                     const float* const* v, int j0, int j1) {
@@ -246,6 +249,7 @@ inline void to_float(const void* src, DType dtype, int64_t n, float* dst) {
   }
 }
 
+// n fp32 values at src to `dtype` at dst.
 inline void from_float(const float* src, int64_t n, DType dtype, void* dst) {
   if (dtype == DType::kFloat32) {
     std::memcpy(dst, src, n * sizeof(float));

@@ -1,5 +1,5 @@
-// CPU cache kernels: byte copies, threaded with OpenMP. No ISA-specific code (memcpy picks its
-// own), but the file follows the per-ISA scheme of isa.h like every CPU kernel.
+// CPU cache kernels: byte copies, threaded with OpenMP. No ISA-specific body (memcpy picks its
+// own, SSE2 streaming stores are baseline x86-64), so the file is built once, portable.
 #include <omp.h>
 
 #include <cstring>
@@ -8,11 +8,10 @@
 #endif
 
 #include "cb_kernels/cache_ops.h"
-#include "isa.h"
 #include "threads.h"
 
 namespace cbk {
-namespace CBK_CPU_NS {
+namespace cpu {
 
 namespace {
 // Below this many bytes a copy runs on the calling thread: waking the OpenMP team costs
@@ -27,7 +26,7 @@ constexpr int64_t kParallelBytes = 1 << 20;
 constexpr int64_t kStreamBytes = 4 << 20;
 
 // memcpy with non-temporal stores: the destination bypasses the caches, so no read-for-ownership
-// traffic and no eviction of the working set.
+// traffic and no eviction of the working set. d, s: n bytes.
 inline void copy_nt(char* d, const char* s, int64_t n) {
 #if defined(__AVX2__)
   constexpr int64_t kAlign = 32;
@@ -128,8 +127,5 @@ Status copy_blocks(const BlockCopyParams& p) {
   return Status::Ok();
 }
 
-}  // namespace CBK_CPU_NS
+}  // namespace cpu
 }  // namespace cbk
-
-CBK_CPU_DISPATCH(Status, write_kv, const WriteKvParams&)
-CBK_CPU_DISPATCH(Status, copy_blocks, const BlockCopyParams&)

@@ -13,7 +13,6 @@
 #include <cmath>
 
 #include "attention_vec.h"
-#include "isa.h"
 #include "threads.h"
 
 namespace cbk {
@@ -135,6 +134,3 @@ Status rope(const RopeParams& p) {
 }  // namespace CBK_CPU_NS
 }  // namespace cbk
 
-CBK_CPU_DISPATCH(Status, rms_norm, const RmsNormParams&)
-CBK_CPU_DISPATCH(Status, silu_mul, const SiluMulParams&)
-CBK_CPU_DISPATCH(Status, rope, const RopeParams&)

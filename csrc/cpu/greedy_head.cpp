@@ -22,9 +22,9 @@
 // than the first alone, and the exact outlier dims 3x fewer again (median 738 of 786k logits
 // for 16 rows).
 //
-// One copy of this file is built (the primary compile); the SIMD body carries its own target
-// attribute and runs only where the CPU reports AVX-512 VNNI. The portable body does the same
-// integer arithmetic, so both give the same tokens.
+// The file is built portable and avx512_vnni (cb_kernels/isa.h): the flags of each compile pick
+// the three ISA-specific steps (score_tiles, rescore_tile, exact_logit_of). The portable body
+// does the same integer arithmetic, so both give the same tokens.
 #include "cb_kernels/greedy_head.h"
 
 #include <omp.h>
@@ -35,19 +35,19 @@
 #include <cstring>
 #include <vector>
 
-#include "isa.h"
 #include "threads.h"
 
-#if CBK_CPU_PRIMARY
-#if defined(__x86_64__) && defined(__GNUC__)
-#define CBK_GREEDY_HEAD_SIMD 1
+// The body this compile builds (see cb_kernels/isa.h): the flags of the ISA pick it.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define CBK_GREEDY_HEAD_VNNI 1
 #include <immintrin.h>
 #else
-#define CBK_GREEDY_HEAD_SIMD 0
+#define CBK_GREEDY_HEAD_VNNI 0
 #endif
 
 namespace cbk {
-namespace cpu {
+namespace CBK_CPU_NS {
+using cpu::max_threads;
 namespace {
 
 constexpr int64_t kTile = 64;     // vocab rows per tile: 4 blocks of 16 lanes
@@ -88,18 +88,21 @@ inline int64_t packed_offset(int64_t j, int64_t k, int64_t groups) {
 
 // <h, w_j> in double: float products are exact there. 16 partial sums (lane k % 16), folded in a
 // fixed order and rounded once to float; exact_logit_avx512 keeps the same 16 sums in two
-// vectors, so both bodies return the same float.
+// vectors, so both bodies return the same float. s: [16] partial sums.
 inline float fold_sums(const double* s) {
   double t[8];
   for (int i = 0; i < 8; ++i) t[i] = s[i] + s[i + 8];
   return static_cast<float>(((t[0] + t[4]) + (t[2] + t[6])) + ((t[1] + t[5]) + (t[3] + t[7])));
 }
 
+#if !CBK_GREEDY_HEAD_VNNI
+// h: [n] the hidden row in double; wj: [n] vocab row j of the fp32 weight.
 float exact_logit(const double* h, const float* wj, int64_t n) {
   double s[16] = {};
   for (int64_t k = 0; k < n; ++k) s[k % 16] += h[k] * static_cast<double>(wj[k]);
   return fold_sums(s);
 }
+#endif
 
 // Per-call state shared by the passes.
 struct Work {
@@ -127,9 +130,11 @@ struct Slice {
   explicit Slice(int64_t rows) : best_lo(rows, -INFINITY) {}
 };
 
+#if !CBK_GREEDY_HEAD_VNNI
 // The epilogue of one row over one tile: 64 integer dots (with the +128 offset still in) ->
 // scores and bounds. Pass 1 (s given): keeps the tile's largest score + bound and the row's
 // largest score - bound. Pass 2 (hi_out given): writes the 64 scores + bounds there.
+// dots, hi_out: [kTile].
 inline void tile_epilogue(const Work& w, int64_t row, int64_t j0, const int32_t* dots, Slice* s,
                           float* hi_out) {
   const GreedyHeadParams& p = w.p;
@@ -161,7 +166,7 @@ inline void tile_epilogue(const Work& w, int64_t row, int64_t j0, const int32_t*
   s->best_lo[row] = std::max(s->best_lo[row], tile_lo);
 }
 
-// One hidden row over tile t, plain loops.
+// One hidden row over tile t, plain loops; hi_out: nullptr or [kTile] as in tile_epilogue.
 void tile_row_portable(const Work& w, int64_t t, int64_t row, Slice* s, float* hi_out) {
   const uint8_t* tile = w.p.packed + t * w.groups * kTile * 4;
   const int8_t* h = w.hq.data() + row * w.padded_hidden;
@@ -182,16 +187,23 @@ void tiles_portable(const Work& w, int64_t t0, int64_t t1, Slice& s) {
     for (int64_t row = 0; row < w.p.num_rows; ++row) tile_row_portable(w, t, row, &s, nullptr);
 }
 
-#if CBK_GREEDY_HEAD_SIMD
+// The three ISA-specific steps, portable body.
+void score_tiles(const Work& w, int64_t t0, int64_t t1, Slice& s) { tiles_portable(w, t0, t1, s); }
+// hi: [kTile], the scores + bounds of row `row` over tile t.
+void rescore_tile(const Work& w, int64_t t, int64_t row, float* hi) {
+  tile_row_portable(w, t, row, nullptr, hi);
+}
+float exact_logit_of(const double* h, const float* wj, int64_t n) { return exact_logit(h, wj, n); }
+
+#else  // CBK_GREEDY_HEAD_VNNI
 // GCC 12's AVX-512 intrinsics start from _mm512_undefined_ps(), which -Wall reports as
-// uninitialised inside a target-attribute function: a false positive.
+// uninitialised: a false positive.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#define CBK_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 
 // tile_epilogue() in 16-lane steps.
-CBK_VNNI_TARGET inline void tile_epilogue_vnni(const Work& w, int64_t row, int64_t j0,
+inline void tile_epilogue_vnni(const Work& w, int64_t row, int64_t j0,
                                                const __m512i (&dots)[4], Slice* s, float* hi_out) {
   const GreedyHeadParams& p = w.p;
   const __m512 hs = _mm512_set1_ps(w.hscale[row]), u = _mm512_set1_ps(w.u[row]),
@@ -235,9 +247,10 @@ CBK_VNNI_TARGET inline void tile_epilogue_vnni(const Work& w, int64_t row, int64
 }
 
 // MR hidden rows x one tile: MR x 4 accumulators of 16 int32 lanes, one VNNI op per block and
-// group of 4 dims; each weight vector is loaded once for the MR rows.
+// group of 4 dims; each weight vector is loaded once for the MR rows. tile: the packed tile,
+// [groups][4 blocks][16 rows][4 bytes]; hi_out: nullptr or [kTile] as in tile_epilogue.
 template <int MR>
-CBK_VNNI_TARGET void tile_rows_vnni(const Work& w, const uint8_t* tile, int64_t row0, int64_t j0,
+void tile_rows_vnni(const Work& w, const uint8_t* tile, int64_t row0, int64_t j0,
                                      Slice* s, float* hi_out) {
   // One array per block: a single [MR][4] array is too large for GCC to keep in registers.
   __m512i a0[MR], a1[MR], a2[MR], a3[MR];
@@ -265,7 +278,7 @@ CBK_VNNI_TARGET void tile_rows_vnni(const Work& w, const uint8_t* tile, int64_t 
   }
 }
 
-CBK_VNNI_TARGET void tiles_vnni(const Work& w, int64_t t0, int64_t t1, Slice& s) {
+void tiles_vnni(const Work& w, int64_t t0, int64_t t1, Slice& s) {
   const GreedyHeadParams& p = w.p;
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* tile = p.packed + t * w.groups * kTile * 4;
@@ -283,8 +296,8 @@ CBK_VNNI_TARGET void tiles_vnni(const Work& w, int64_t t0, int64_t t1, Slice& s)
   }
 }
 
-// exact_logit() 16 lanes at a time; `h` is padded with zeros to a multiple of 16.
-CBK_VNNI_TARGET float exact_logit_avx512(const double* h, const float* wj, int64_t n) {
+// exact_logit() 16 lanes at a time; h: [n rounded up to 16], zeros past n; wj: [n].
+float exact_logit_avx512(const double* h, const float* wj, int64_t n) {
   __m512d s0 = _mm512_setzero_pd(), s1 = _mm512_setzero_pd();
   int64_t k = 0;
   for (; k + 16 <= n; k += 16) {
@@ -305,20 +318,234 @@ CBK_VNNI_TARGET float exact_logit_avx512(const double* h, const float* wj, int64
   return fold_sums(s);
 }
 #pragma GCC diagnostic pop
-#endif
+
+// The three ISA-specific steps, VNNI body.
+void score_tiles(const Work& w, int64_t t0, int64_t t1, Slice& s) { tiles_vnni(w, t0, t1, s); }
+void rescore_tile(const Work& w, int64_t t, int64_t row, float* hi) {
+  tile_rows_vnni<1>(w, w.p.packed + t * w.groups * kTile * 4, row, t * kTile, nullptr, hi);
+}
+float exact_logit_of(const double* h, const float* wj, int64_t n) { return exact_logit_avx512(h, wj, n); }
+#endif  // CBK_GREEDY_HEAD_VNNI
 
 }  // namespace
 
-bool greedy_head_has_simd() {
-#if CBK_GREEDY_HEAD_SIMD
-  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-  return ok;
-#else
-  return false;
-#endif
+namespace {
+
+// Sizes the per-call state and marks the exact dims (exact[k] == 1).
+Status init_work(const GreedyHeadParams& p, Work& w, std::vector<char>& exact) {
+  const int64_t rows = p.num_rows;
+  w.padded_hidden = greedy_head_padded_hidden(p.hidden);
+  w.groups = w.padded_hidden / 4;
+  w.padded_vocab = greedy_head_padded_vocab(p.vocab);
+  w.tiles = w.padded_vocab / kTile;
+  w.hq.assign(rows * w.padded_hidden, 0);
+  w.offset.resize(rows);
+  w.hscale.resize(rows);
+  for (auto* v : {&w.u, &w.v, &w.pn, &w.qn, &w.r}) v->resize(rows);
+  w.scale = p.row_stats;
+  w.l1 = w.scale + w.padded_vocab;
+  w.l2 = w.l1 + w.padded_vocab;
+  w.err = w.l2 + w.padded_vocab;
+  if (p.num_exact < 0 || p.num_exact > 64 || (p.num_exact > 0 && (!p.exact_dims || !p.exact_cols)))
+    return Status::Error("greedy_head: need 0 <= num_exact <= 64 and its dims and columns");
+  exact.assign(p.hidden, 0);
+  for (int64_t e = 0; e < p.num_exact; ++e) {
+    if (p.exact_dims[e] < 0 || p.exact_dims[e] >= p.hidden || exact[p.exact_dims[e]])
+      return Status::Error("greedy_head: exact_dims must be distinct dims < hidden");
+    exact[p.exact_dims[e]] = 1;
+  }
+  w.hx.resize(rows * p.num_exact);
+  return Status::Ok();
 }
 
+// Hidden row r -> its int8 vector, the +128 offset of the packed bytes, its exact dims and the
+// factors of its bound (see the top of the file). False: a value is not finite or > 1e15.
+bool quantize_row(const GreedyHeadParams& p, Work& w, const std::vector<char>& exact, int64_t r) {
+  const float* h = p.hidden_states + r * p.hidden_stride;
+  float mx = 0.0f, mx_int8 = 0.0f;   // over all dims, over the int8 ones
+  bool finite = true;
+  for (int64_t k = 0; k < p.hidden; ++k) {
+    finite = finite && std::isfinite(h[k]);
+    mx = std::max(mx, std::fabs(h[k]));
+    if (exact[k] != 1) mx_int8 = std::max(mx_int8, std::fabs(h[k]));
+  }
+  if (!finite || mx > kMaxMagnitude) return false;
+  for (int64_t e = 0; e < p.num_exact; ++e) w.hx[r * p.num_exact + e] = h[p.exact_dims[e]];
+  float inv = 0.0f;
+  const float hs = int8_scale(mx_int8, &inv);
+  int32_t sum = 0, sum_abs = 0;
+  int64_t sum_sq = 0;
+  double err = 0.0;
+  int8_t* q = w.hq.data() + r * w.padded_hidden;
+  for (int64_t k = 0; k < p.hidden; ++k) {
+    if (exact[k] == 1) continue;   // q stays 0: no int8 part, no error
+    const int v = static_cast<int>(std::min(127.0f, std::max(-127.0f, std::nearbyint(h[k] * inv))));
+    q[k] = static_cast<int8_t>(v);
+    sum += v;
+    sum_abs += v < 0 ? -v : v;
+    sum_sq += v * v;
+    const double d = static_cast<double>(h[k]) - static_cast<double>(hs) * v;
+    err += d * d;
+  }
+  w.offset[r] = 128 * sum;
+  w.hscale[r] = hs;
+  w.u[r] = kBoundScale * hs;
+  w.v[r] = kBoundScale * (hs * static_cast<float>(sum_abs));
+  w.pn[r] = kNormScale * static_cast<float>(std::sqrt(err));
+  w.qn[r] = kNormScale * static_cast<float>(hs * std::sqrt(static_cast<double>(sum_sq)));
+  w.r[r] = (kRoundingSlack + kExactDimSlack * static_cast<float>(p.num_exact)) * mx;
+  return true;
+}
+
+// Appends to p.outliers the dims of row r (not exact, not reported yet) where |h| exceeds
+// outlier_ratio x the row's RMS, marking them exact[k] = 2; returns the new count.
+int64_t report_outliers(const GreedyHeadParams& p, std::vector<char>& exact, int64_t r,
+                        int64_t found) {
+  const float* h = p.hidden_states + r * p.hidden_stride;
+  double sq = 0.0;
+  for (int64_t k = 0; k < p.hidden; ++k) sq += static_cast<double>(h[k]) * h[k];
+  const double limit = p.outlier_ratio * std::sqrt(sq / static_cast<double>(p.hidden));
+  for (int64_t k = 0; k < p.hidden && found < p.max_outliers; ++k) {
+    if (std::fabs(h[k]) > limit && !exact[k]) {
+      exact[k] = 2;     // reported (not scored exactly in this call)
+      p.outliers[found++] = static_cast<int32_t>(k);
+    }
+  }
+  return found;
+}
+
+// Pass 1: scores and bounds of every (row, tile), each thread over its own run of tiles.
+void score_all_tiles(const Work& w, std::vector<Slice>& slices, int threads) {
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num(), n = omp_get_num_threads();
+    score_tiles(w, w.tiles * t / n, w.tiles * (t + 1) / n, slices[t]);
+  }
+}
+
+// What pass 2 found for one hidden row.
+struct RowResult {
+  enum class Kind { kToken, kOverCap, kNoCandidate };
+  Kind kind = Kind::kToken;
+  int64_t token = 0;          // kToken: the argmax of the exact logits
+  int64_t num_rescored = 0;   // exact logits computed for the row
+};
+
+// The vocab rows of row r whose score + bound reaches `floor_lo` (the row's largest score -
+// bound), in increasing order; stops once there are more than `cap`.
+void collect_candidates(const Work& w, int64_t r, float floor_lo, int64_t cap,
+                        std::vector<int32_t>& picked) {
+  float hi[kTile];
+  for (int64_t t = 0; t < w.tiles && static_cast<int64_t>(picked.size()) <= cap; ++t) {
+    if (w.tile_hi[r * w.tiles + t] < floor_lo) continue;
+    rescore_tile(w, t, r, hi);
+    for (int64_t i = 0; i < kTile && t * kTile + i < w.p.vocab; ++i)
+      if (hi[i] >= floor_lo) picked.push_back(static_cast<int32_t>(t * kTile + i));
+  }
+}
+
+// Pass 2 for hidden row r: the exact logit of every candidate, the largest wins (the lowest
+// index on a tie); past `cap` candidates the row is left to the caller.
+RowResult rescore_row(const Work& w, const std::vector<Slice>& slices, int64_t r, int64_t cap) {
+  const GreedyHeadParams& p = w.p;
+  float floor_lo = -INFINITY;
+  for (const Slice& s : slices) floor_lo = std::max(floor_lo, s.best_lo[r]);
+  std::vector<int32_t> picked;
+  collect_candidates(w, r, floor_lo, cap, picked);
+  RowResult res;
+  if (static_cast<int64_t>(picked.size()) > cap) return {RowResult::Kind::kOverCap, 0, 0};
+  const float* h = p.hidden_states + r * p.hidden_stride;
+  std::vector<double> hd((p.hidden + 15) / 16 * 16, 0.0);
+  for (int64_t k = 0; k < p.hidden; ++k) hd[k] = h[k];
+  float best = -INFINITY;
+  bool any = false;
+  for (const int32_t j : picked) {      // increasing j
+    const float e = exact_logit_of(hd.data(), p.weight + j * p.weight_stride, p.hidden);
+    if (!any || e > best) {             // strict: the lowest index keeps a tie
+      best = e, res.token = j, any = true;
+    }
+  }
+  res.num_rescored = static_cast<int64_t>(picked.size());
+  if (!any) res.kind = RowResult::Kind::kNoCandidate;  // cannot happen: the floor's row passes
+  return res;
+}
+
+// Up to kChunkRows hidden rows: quantise, pass 1, pass 2.
+Status greedy_head_rows(const GreedyHeadParams& p) {
+  Work w(p);
+  std::vector<char> exact;   // per hidden dim: 1 exact, 2 reported as an outlier in this call
+  if (const Status st = init_work(p, w, exact); !st.ok()) return st;
+  const int64_t rows = p.num_rows;
+  const bool report = p.outlier_ratio > 0.0f && p.max_outliers > 0 && p.outliers && p.num_outliers;
+  int64_t found = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    if (!quantize_row(p, w, exact, r))
+      return Status::Error("greedy_head: a hidden state is not finite (or > 1e15)");
+    if (report) found = report_outliers(p, exact, r, found);
+  }
+  if (report) *p.num_outliers = found;
+
+  std::vector<float> tile_hi(rows * w.tiles);
+  w.tile_hi = tile_hi.data();
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_threads(), w.tiles)));
+  std::vector<Slice> slices(threads, Slice(rows));
+  score_all_tiles(w, slices, threads);
+
+  const int64_t cap = p.max_rescored_per_row > 0 ? p.max_rescored_per_row : p.vocab;
+  int64_t rescored = 0;
+  bool lost = false;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(+ : rescored) reduction(|| : lost) if (rows > 1)
+  for (int64_t r = 0; r < rows; ++r) {
+    const RowResult res = rescore_row(w, slices, r, cap);
+    p.out[r] = res.kind == RowResult::Kind::kToken ? res.token : -1;
+    rescored += res.num_rescored;
+    lost = lost || res.kind == RowResult::Kind::kNoCandidate;
+  }
+  if (p.num_rescored) *p.num_rescored = rescored;
+  if (lost) return Status::Error("greedy_head: internal error, a row kept no candidate");
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status greedy_head(const GreedyHeadParams& p) {
+  if (p.num_rows < 0 || p.vocab <= 0 || p.hidden <= 0 || p.hidden_stride < p.hidden ||
+      p.weight_stride < p.hidden)
+    return Status::Error("greedy_head: need num_rows >= 0, vocab > 0, hidden > 0 and strides >= hidden");
+  if (p.num_rows == 0) return Status::Ok();
+  if (!p.hidden_states || !p.packed || !p.row_stats || !p.weight || !p.out)
+    return Status::Error("greedy_head: null pointer");
+  // Up to kChunkRows hidden rows per pass over the weight (a decode step's rows fit one pass;
+  // the per-call scratch stays small for any batch).
+  int64_t rescored = 0, found = 0;
+  for (int64_t r0 = 0; r0 < p.num_rows; r0 += kChunkRows) {
+    GreedyHeadParams c = p;
+    c.hidden_states = p.hidden_states + r0 * p.hidden_stride;
+    c.num_rows = std::min(kChunkRows, p.num_rows - r0);
+    c.out = p.out + r0;
+    int64_t chunk_rescored = 0, chunk_found = 0;
+    c.num_rescored = &chunk_rescored;
+    c.num_outliers = &chunk_found;
+    if (p.outliers) {
+      c.outliers = p.outliers + found;
+      c.max_outliers = p.max_outliers - found;
+    }
+    const Status st = greedy_head_rows(c);
+    if (!st.ok()) return st;
+    rescored += chunk_rescored;
+    found += chunk_found;
+  }
+  if (p.num_rescored) *p.num_rescored = rescored;
+  if (p.num_outliers) *p.num_outliers = found;
+  return Status::Ok();
+}
+
+}  // namespace CBK_CPU_NS
+
+#if CBK_CPU_PORTABLE
+// Packing has no ISA-specific path: built once.
+namespace cpu {
+using namespace CBK_CPU_NS;  // the constants and helpers above
 Status greedy_head_pack(const GreedyHeadPackParams& p) {
   if (p.vocab <= 0 || p.hidden <= 0 || p.weight_stride < p.hidden)
     return Status::Error("greedy_head_pack: need vocab > 0, hidden > 0, weight_stride >= hidden");
@@ -366,197 +593,7 @@ Status greedy_head_pack(const GreedyHeadPackParams& p) {
   if (bad) return Status::Error("greedy_head_pack: the weight holds a non-finite or huge (> 1e15) value");
   return Status::Ok();
 }
-
-namespace {
-Status greedy_head_rows(const GreedyHeadParams& p);
-}  // namespace
-
-Status greedy_head(const GreedyHeadParams& p) {
-  if (p.num_rows < 0 || p.vocab <= 0 || p.hidden <= 0 || p.hidden_stride < p.hidden ||
-      p.weight_stride < p.hidden)
-    return Status::Error("greedy_head: need num_rows >= 0, vocab > 0, hidden > 0 and strides >= hidden");
-  if (p.num_rows == 0) return Status::Ok();
-  if (!p.hidden_states || !p.packed || !p.row_stats || !p.weight || !p.out)
-    return Status::Error("greedy_head: null pointer");
-  // Up to kChunkRows hidden rows per pass over the weight (a decode step's rows fit one pass;
-  // the per-call scratch stays small for any batch).
-  int64_t rescored = 0, found = 0;
-  for (int64_t r0 = 0; r0 < p.num_rows; r0 += kChunkRows) {
-    GreedyHeadParams c = p;
-    c.hidden_states = p.hidden_states + r0 * p.hidden_stride;
-    c.num_rows = std::min(kChunkRows, p.num_rows - r0);
-    c.out = p.out + r0;
-    int64_t chunk_rescored = 0, chunk_found = 0;
-    c.num_rescored = &chunk_rescored;
-    c.num_outliers = &chunk_found;
-    if (p.outliers) {
-      c.outliers = p.outliers + found;
-      c.max_outliers = p.max_outliers - found;
-    }
-    const Status st = greedy_head_rows(c);
-    if (!st.ok()) return st;
-    rescored += chunk_rescored;
-    found += chunk_found;
-  }
-  if (p.num_rescored) *p.num_rescored = rescored;
-  if (p.num_outliers) *p.num_outliers = found;
-  return Status::Ok();
-}
-
-namespace {
-Status greedy_head_rows(const GreedyHeadParams& p) {
-  Work w(p);
-  w.padded_hidden = greedy_head_padded_hidden(p.hidden);
-  w.groups = w.padded_hidden / 4;
-  w.tiles = greedy_head_padded_vocab(p.vocab) / kTile;
-  const int64_t rows = p.num_rows;
-  w.hq.assign(rows * w.padded_hidden, 0);
-  w.offset.resize(rows);
-  w.hscale.resize(rows);
-  for (auto* v : {&w.u, &w.v, &w.pn, &w.qn, &w.r}) v->resize(rows);
-  const int64_t padded_vocab = greedy_head_padded_vocab(p.vocab);
-  w.scale = p.row_stats;
-  w.l1 = w.scale + padded_vocab;
-  w.l2 = w.l1 + padded_vocab;
-  w.err = w.l2 + padded_vocab;
-  if (p.num_exact < 0 || p.num_exact > 64 || (p.num_exact > 0 && (!p.exact_dims || !p.exact_cols)))
-    return Status::Error("greedy_head: need 0 <= num_exact <= 64 and its dims and columns");
-  std::vector<char> exact(p.hidden, 0);
-  for (int64_t e = 0; e < p.num_exact; ++e) {
-    if (p.exact_dims[e] < 0 || p.exact_dims[e] >= p.hidden || exact[p.exact_dims[e]])
-      return Status::Error("greedy_head: exact_dims must be distinct dims < hidden");
-    exact[p.exact_dims[e]] = 1;
-  }
-  w.hx.resize(rows * p.num_exact);
-  const bool report = p.outlier_ratio > 0.0f && p.max_outliers > 0 && p.outliers && p.num_outliers;
-  int64_t found = 0;
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* h = p.hidden_states + r * p.hidden_stride;
-    float mx = 0.0f, mx_int8 = 0.0f;   // over all dims, over the int8 ones
-    bool finite = true;
-    for (int64_t k = 0; k < p.hidden; ++k) {
-      finite = finite && std::isfinite(h[k]);
-      mx = std::max(mx, std::fabs(h[k]));
-      if (exact[k] != 1) mx_int8 = std::max(mx_int8, std::fabs(h[k]));
-    }
-    if (!finite || mx > kMaxMagnitude)
-      return Status::Error("greedy_head: a hidden state is not finite (or > 1e15)");
-    for (int64_t e = 0; e < p.num_exact; ++e) w.hx[r * p.num_exact + e] = h[p.exact_dims[e]];
-    float inv = 0.0f;
-    const float hs = int8_scale(mx_int8, &inv);
-    int32_t sum = 0, sum_abs = 0;
-    int64_t sum_sq = 0;
-    double err = 0.0;
-    int8_t* q = w.hq.data() + r * w.padded_hidden;
-    for (int64_t k = 0; k < p.hidden; ++k) {
-      if (exact[k] == 1) continue;   // q stays 0: no int8 part, no error
-      const int v = static_cast<int>(std::min(127.0f, std::max(-127.0f, std::nearbyint(h[k] * inv))));
-      q[k] = static_cast<int8_t>(v);
-      sum += v;
-      sum_abs += v < 0 ? -v : v;
-      sum_sq += v * v;
-      const double d = static_cast<double>(h[k]) - static_cast<double>(hs) * v;
-      err += d * d;
-    }
-    w.offset[r] = 128 * sum;
-    w.hscale[r] = hs;
-    w.u[r] = kBoundScale * hs;
-    w.v[r] = kBoundScale * (hs * static_cast<float>(sum_abs));
-    w.pn[r] = kNormScale * static_cast<float>(std::sqrt(err));
-    w.qn[r] = kNormScale * static_cast<float>(hs * std::sqrt(static_cast<double>(sum_sq)));
-    w.r[r] = (kRoundingSlack + kExactDimSlack * static_cast<float>(p.num_exact)) * mx;
-    if (report) {
-      double sq = 0.0;
-      for (int64_t k = 0; k < p.hidden; ++k) sq += static_cast<double>(h[k]) * h[k];
-      const double limit = p.outlier_ratio * std::sqrt(sq / static_cast<double>(p.hidden));
-      for (int64_t k = 0; k < p.hidden && found < p.max_outliers; ++k) {
-        if (std::fabs(h[k]) > limit && !exact[k]) {
-          exact[k] = 2;     // reported (not scored exactly in this call)
-          p.outliers[found++] = static_cast<int32_t>(k);
-        }
-      }
-    }
-  }
-  if (report) *p.num_outliers = found;
-
-  // Pass 1: scores and bounds, each thread over its own run of tiles.
-  w.padded_vocab = padded_vocab;
-  std::vector<float> tile_hi(rows * w.tiles);
-  w.tile_hi = tile_hi.data();
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_threads(), w.tiles)));
-  std::vector<Slice> slices(threads, Slice(rows));
-#if CBK_GREEDY_HEAD_SIMD
-  const bool simd = p.use_simd && greedy_head_has_simd();
-#else
-  const bool simd = false;
-#endif
-#pragma omp parallel num_threads(threads)
-  {
-    const int t = omp_get_thread_num(), n = omp_get_num_threads();
-    const int64_t t0 = w.tiles * t / n, t1 = w.tiles * (t + 1) / n;
-#if CBK_GREEDY_HEAD_SIMD
-    if (simd)
-      tiles_vnni(w, t0, t1, slices[t]);
-    else
-#endif
-      tiles_portable(w, t0, t1, slices[t]);
-  }
-
-  // Pass 2: per hidden row, rescore the vocab rows whose score + bound reaches the largest
-  // score - bound; past the cap, leave the row to the caller (-1).
-  const int64_t cap = p.max_rescored_per_row > 0 ? p.max_rescored_per_row : p.vocab;
-  int64_t rescored = 0;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(+ : rescored) if (rows > 1)
-  for (int64_t r = 0; r < rows; ++r) {
-    float floor_lo = -INFINITY;
-    for (const Slice& s : slices) floor_lo = std::max(floor_lo, s.best_lo[r]);
-    // The tiles that can hold the maximum, their scores again, the vocab rows that reach it.
-    std::vector<int32_t> picked;
-    float hi[kTile];
-    for (int64_t t = 0; t < w.tiles && static_cast<int64_t>(picked.size()) <= cap; ++t) {
-      if (w.tile_hi[r * w.tiles + t] < floor_lo) continue;
-#if CBK_GREEDY_HEAD_SIMD
-      if (simd)
-        tile_rows_vnni<1>(w, p.packed + t * w.groups * kTile * 4, r, t * kTile, nullptr, hi);
-      else
-#endif
-        tile_row_portable(w, t, r, nullptr, hi);
-      for (int64_t i = 0; i < kTile && t * kTile + i < p.vocab; ++i)
-        if (hi[i] >= floor_lo) picked.push_back(static_cast<int32_t>(t * kTile + i));
-    }
-    if (static_cast<int64_t>(picked.size()) > cap) {
-      p.out[r] = -1;
-      continue;
-    }
-    const float* h = p.hidden_states + r * p.hidden_stride;
-    std::vector<double> hd((p.hidden + 15) / 16 * 16, 0.0);
-    for (int64_t k = 0; k < p.hidden; ++k) hd[k] = h[k];
-    float best = -INFINITY;
-    int64_t best_j = -1;
-    for (const int32_t j : picked) {      // increasing j
-      const float* wj = p.weight + j * p.weight_stride;
-#if CBK_GREEDY_HEAD_SIMD
-      const float e = simd ? exact_logit_avx512(hd.data(), wj, p.hidden)
-                           : exact_logit(hd.data(), wj, p.hidden);
-#else
-      const float e = exact_logit(hd.data(), wj, p.hidden);
-#endif
-      if (best_j < 0 || e > best) {       // strict: the lowest index keeps a tie
-        best = e;
-        best_j = j;
-      }
-    }
-    rescored += static_cast<int64_t>(picked.size());
-    p.out[r] = best_j;
-    if (best_j < 0) p.out[r] = -2;        // cannot happen: the row reaching the floor passes
-  }
-  if (p.num_rescored) *p.num_rescored = rescored;
-  for (int64_t r = 0; r < rows; ++r)
-    if (p.out[r] == -2) return Status::Error("greedy_head: internal error, a row kept no candidate");
-  return Status::Ok();
-}
-}  // namespace
-
 }  // namespace cpu
+#endif
+
 }  // namespace cbk
-#endif  // CBK_CPU_PRIMARY

@@ -12,8 +12,8 @@
 // The register tile keeps MR rows x 32 columns of y in registers (AVX-512: 12 x 2 zmm; AVX2:
 // 6 rows x 16 columns, 2 ymm, per half panel); each k step loads the panel's line(s) once and
 // broadcasts one x value per row. Work items are (row chunk, panel), split statically over the
-// threads. One copy of this file is built (the primary compile); the SIMD bodies carry their own
-// target attributes and run where the CPU reports AVX-512F or AVX2 + FMA.
+// threads. The file is built portable, avx2 and avx512 (cb_kernels/isa.h); the flags of each
+// compile pick its register tile (CBK_LINEAR_BODY), the rest of the code is the same.
 #include "cb_kernels/linear.h"
 
 #include <omp.h>
@@ -24,41 +24,33 @@
 #include <type_traits>
 #include <vector>
 
-#include "isa.h"
 #include "threads.h"
 
-#if CBK_CPU_PRIMARY
-#if defined(__x86_64__) && defined(__GNUC__)
-#define CBK_LINEAR_SIMD 1
-#include <immintrin.h>
+// The body this compile builds (see cb_kernels/isa.h): the flags of the ISA pick it.
+#if defined(__AVX512F__)
+#define CBK_LINEAR_BODY 2
+#elif defined(__AVX2__) && defined(__FMA__)
+#define CBK_LINEAR_BODY 1
 #else
-#define CBK_LINEAR_SIMD 0
+#define CBK_LINEAR_BODY 0
+#endif
+#if CBK_LINEAR_BODY > 0
+#include <immintrin.h>
 #endif
 
 namespace cbk {
-namespace cpu {
+namespace CBK_CPU_NS {
+using cpu::max_threads;
 namespace {
 
 constexpr int64_t kP = kLinearPanel;
 constexpr int64_t kChunkRows = 96;              // rows per work item (a multiple of 12 and 6)
 constexpr int64_t kSerialWork = 1 << 16;        // below this many FMAs one thread does all
 
-enum class Isa { kGeneric, kAvx2, kAvx512 };
-
-Isa best_isa() {
-#if CBK_LINEAR_SIMD
-  static const Isa isa = __builtin_cpu_supports("avx512f") ? Isa::kAvx512
-                         : (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-                             ? Isa::kAvx2
-                             : Isa::kGeneric;
-  return isa;
-#else
-  return Isa::kGeneric;
-#endif
-}
-
+#if CBK_LINEAR_BODY == 0
 // Columns [c0, c0 + cols) of panel `wp` for rows [0, rows) of x: plain loops, std::fma in k
-// order (the SIMD bodies' arithmetic).
+// order (the SIMD bodies' arithmetic). x: [rows, k], rows x_stride apart; wp: [k][kP];
+// y: [rows, cols], rows y_stride apart.
 void panel_generic(const LinearParams& p, const float* x, int64_t rows, const float* wp,
                    int64_t col0, int64_t cols, float* y) {
   for (int64_t r = 0; r < rows; ++r) {
@@ -69,6 +61,7 @@ void panel_generic(const LinearParams& p, const float* x, int64_t rows, const fl
     }
   }
 }
+#endif
 
 // f(std::integral_constant<int, n>) for a run-time n in [1, N]: the register tiles of a chunk's
 // last rows.
@@ -82,6 +75,7 @@ inline void with_rows(int64_t n, F&& f) {
   }
 }
 
+#if CBK_LINEAR_BODY > 0
 // Rows [0, rows) of x (row stride ld) into blocks of `mr` rows, each [k][rows in block]: block
 // b starts at b * mr * k.
 void pack_rows(const float* x, int64_t ld, int64_t rows, int64_t k, int64_t mr, float* xp) {
@@ -94,19 +88,19 @@ void pack_rows(const float* x, int64_t ld, int64_t rows, int64_t k, int64_t mr, 
     }
   }
 }
+#endif
 
-#if CBK_LINEAR_SIMD
+#if CBK_LINEAR_BODY == 2
 // GCC 12's AVX-512 intrinsics start from _mm512_undefined_ps(), which -Wall reports as
-// uninitialised inside a target-attribute function: a false positive.
+// uninitialised: a false positive.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#define CBK_AVX512_TARGET __attribute__((target("avx512f")))
-#define CBK_AVX2_TARGET __attribute__((target("avx2,fma")))
 
 // xp: the MR rows of x packed k-major, [K][MR]: one k step's broadcasts read one line.
+// wp: [K][kP] (one panel); y: [MR, cols], rows y_stride apart.
 template <int MR>
-CBK_AVX512_TARGET void tile_avx512(const LinearParams& p, const float* xp, const float* wp,
+void tile_avx512(const LinearParams& p, const float* xp, const float* wp,
                                    int64_t col0, int64_t cols, float* y) {
   const __mmask16 m0 = static_cast<__mmask16>(cols >= 16 ? 0xffff : (1u << cols) - 1u);
   const __mmask16 m1 = static_cast<__mmask16>(cols >= 32 ? 0xffff : cols <= 16 ? 0 : (1u << (cols - 16)) - 1u);
@@ -136,8 +130,8 @@ CBK_AVX512_TARGET void tile_avx512(const LinearParams& p, const float* xp, const
   }
 }
 
-// xp: the chunk's rows packed by pack_rows(.., 12, ..).
-CBK_AVX512_TARGET void panel_avx512(const LinearParams& p, const float* xp, int64_t rows,
+// xp: the chunk's rows packed by pack_rows(.., 12, ..); wp: [K][kP]; y: [rows, cols].
+void panel_avx512(const LinearParams& p, const float* xp, int64_t rows,
                                     const float* wp, int64_t col0, int64_t cols, float* y) {
   int64_t r = 0;
   for (; r + 12 <= rows; r += 12) tile_avx512<12>(p, xp + r * p.k, wp, col0, cols, y + r * p.y_stride);
@@ -146,9 +140,13 @@ CBK_AVX512_TARGET void panel_avx512(const LinearParams& p, const float* xp, int6
   });
 }
 
-// Half a panel (16 columns at wp) for MR rows: 2 ymm per row; xp as in tile_avx512.
+#pragma GCC diagnostic pop
+#endif
+
+#if CBK_LINEAR_BODY == 1
+// Half a panel (16 columns at wp) for MR rows: 2 ymm per row; xp, wp, y as in tile_avx512.
 template <int MR>
-CBK_AVX2_TARGET void tile_avx2(const LinearParams& p, const float* xp, const float* wp,
+void tile_avx2(const LinearParams& p, const float* xp, const float* wp,
                                int64_t col0, int64_t cols, float* y) {
   __m256 a0[MR], a1[MR];
   for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
@@ -179,8 +177,8 @@ CBK_AVX2_TARGET void tile_avx2(const LinearParams& p, const float* xp, const flo
   }
 }
 
-// xp: the chunk's rows packed by pack_rows(.., 6, ..).
-CBK_AVX2_TARGET void panel_avx2(const LinearParams& p, const float* xp, int64_t rows,
+// xp: the chunk's rows packed by pack_rows(.., 6, ..); wp: [K][kP]; y: [rows, cols].
+void panel_avx2(const LinearParams& p, const float* xp, int64_t rows,
                                 const float* wp, int64_t col0, int64_t cols, float* y) {
   for (int64_t half = 0; half < 2 && half * 16 < cols; ++half) {
     const float* w = wp + half * 16;
@@ -193,19 +191,64 @@ CBK_AVX2_TARGET void panel_avx2(const LinearParams& p, const float* xp, int64_t 
     });
   }
 }
-#pragma GCC diagnostic pop
 #endif
 
 }  // namespace
 
-const char* linear_isa() {
-  switch (best_isa()) {
-    case Isa::kAvx512: return "avx512";
-    case Isa::kAvx2: return "avx2";
-    default: return "generic";
+Status linear(const LinearParams& p) {
+  if (p.m < 0 || p.k <= 0 || p.n <= 0 || p.x_stride < p.k || p.y_stride < p.n)
+    return Status::Error("linear: need m >= 0, k > 0, n > 0, x_stride >= k, y_stride >= n");
+  if (p.m == 0) return Status::Ok();
+  if (!p.x || !p.packed || !p.y) return Status::Error("linear: null pointer");
+  const int64_t panels = (p.n + kP - 1) / kP;
+  // Equal chunks of at most kChunkRows rows (128 rows: 2 x 64, not 96 + 32, which would leave
+  // one of two threads a third of the work).
+  const int64_t chunks = (p.m + kChunkRows - 1) / kChunkRows;
+  const int64_t chunk_rows = (p.m + chunks - 1) / chunks;
+  const int64_t items = chunks * panels;
+  const bool serial = p.m * p.n * p.k < kSerialWork;
+  constexpr int64_t mr = CBK_LINEAR_BODY == 2 ? 12 : 6;
+#pragma omp parallel num_threads(max_threads()) if (!serial)
+  {
+    // Each thread takes a run of items, row chunks outermost, so it walks the panels in memory
+    // order and packs its chunk's rows of x (k-major per register block) once per chunk.
+    thread_local std::vector<float> xpack;
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    int64_t packed_chunk = -1;
+    for (int64_t item = items * t / nt; item < items * (t + 1) / nt; ++item) {
+      const int64_t chunk = item / panels, pi = item % panels;
+      const int64_t r0 = chunk * chunk_rows, rows = std::min(chunk_rows, p.m - r0);
+      const int64_t col0 = pi * kP, cols = std::min(kP, p.n - col0);
+      const float* x = p.x + r0 * p.x_stride;
+      const float* wp = p.packed + pi * p.k * kP;
+      float* y = p.y + r0 * p.y_stride + col0;
+#if CBK_LINEAR_BODY == 0
+      panel_generic(p, x, rows, wp, col0, cols, y);
+      (void)packed_chunk;
+      (void)mr;
+#else
+      if (chunk != packed_chunk) {
+        if (xpack.size() < static_cast<size_t>(rows * p.k)) xpack.resize(rows * p.k);
+        pack_rows(x, p.x_stride, rows, p.k, mr, xpack.data());
+        packed_chunk = chunk;
+      }
+#if CBK_LINEAR_BODY == 2
+      panel_avx512(p, xpack.data(), rows, wp, col0, cols, y);
+#else
+      panel_avx2(p, xpack.data(), rows, wp, col0, cols, y);
+#endif
+#endif
+    }
   }
+  return Status::Ok();
 }
 
+}  // namespace CBK_CPU_NS
+
+#if CBK_CPU_PORTABLE
+// Packing has no ISA-specific path: built once.
+namespace cpu {
+using namespace CBK_CPU_NS;  // the constants and helpers above
 Status linear_pack(const LinearPackParams& p) {
   if (p.n <= 0 || p.k <= 0 || p.weight_stride < p.k)
     return Status::Error("linear_pack: need n > 0, k > 0, weight_stride >= k");
@@ -226,56 +269,7 @@ Status linear_pack(const LinearPackParams& p) {
   }
   return Status::Ok();
 }
-
-Status linear(const LinearParams& p) {
-  if (p.m < 0 || p.k <= 0 || p.n <= 0 || p.x_stride < p.k || p.y_stride < p.n)
-    return Status::Error("linear: need m >= 0, k > 0, n > 0, x_stride >= k, y_stride >= n");
-  if (p.m == 0) return Status::Ok();
-  if (!p.x || !p.packed || !p.y) return Status::Error("linear: null pointer");
-  const int64_t panels = (p.n + kP - 1) / kP;
-  // Equal chunks of at most kChunkRows rows (128 rows: 2 x 64, not 96 + 32, which would leave
-  // one of two threads a third of the work).
-  const int64_t chunks = (p.m + kChunkRows - 1) / kChunkRows;
-  const int64_t chunk_rows = (p.m + chunks - 1) / chunks;
-  const int64_t items = chunks * panels;
-  Isa isa = best_isa();
-  if (p.isa >= 0 && p.isa < static_cast<int>(isa)) isa = static_cast<Isa>(p.isa);
-  const bool serial = p.m * p.n * p.k < kSerialWork;
-  const int64_t mr = isa == Isa::kAvx512 ? 12 : 6;
-#pragma omp parallel num_threads(max_threads()) if (!serial)
-  {
-    // Each thread takes a run of items, row chunks outermost, so it walks the panels in memory
-    // order and packs its chunk's rows of x (k-major per register block) once per chunk.
-    thread_local std::vector<float> xpack;
-    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-    int64_t packed_chunk = -1;
-    for (int64_t item = items * t / nt; item < items * (t + 1) / nt; ++item) {
-      const int64_t chunk = item / panels, pi = item % panels;
-      const int64_t r0 = chunk * chunk_rows, rows = std::min(chunk_rows, p.m - r0);
-      const int64_t col0 = pi * kP, cols = std::min(kP, p.n - col0);
-      const float* x = p.x + r0 * p.x_stride;
-      const float* wp = p.packed + pi * p.k * kP;
-      float* y = p.y + r0 * p.y_stride + col0;
-      if (isa == Isa::kGeneric) {
-        panel_generic(p, x, rows, wp, col0, cols, y);
-        continue;
-      }
-      if (chunk != packed_chunk) {
-        if (xpack.size() < static_cast<size_t>(rows * p.k)) xpack.resize(rows * p.k);
-        pack_rows(x, p.x_stride, rows, p.k, mr, xpack.data());
-        packed_chunk = chunk;
-      }
-#if CBK_LINEAR_SIMD
-      if (isa == Isa::kAvx512)
-        panel_avx512(p, xpack.data(), rows, wp, col0, cols, y);
-      else
-        panel_avx2(p, xpack.data(), rows, wp, col0, cols, y);
-#endif
-    }
-  }
-  return Status::Ok();
-}
-
 }  // namespace cpu
+#endif
+
 }  // namespace cbk
-#endif  // CBK_CPU_PRIMARY

@@ -13,13 +13,13 @@
 #include <cstring>
 
 #include "attention_vec.h"
-#include "isa.h"
 #include "threads.h"
 
 namespace cbk {
 namespace CBK_CPU_NS {
 namespace {
 
+// x: [n].
 int64_t argmax_row(const float* x, int64_t n) {
   float best = -INFINITY;
   int64_t best_at = n;  // none yet
@@ -86,4 +86,3 @@ Status argmax_rows(const ArgmaxParams& p) {
 }  // namespace CBK_CPU_NS
 }  // namespace cbk
 
-CBK_CPU_DISPATCH(Status, argmax_rows, const ArgmaxParams&)

@@ -69,6 +69,7 @@ __global__ void write_kv_kernel(WriteKvParams p) {
 // grid (num_pairs * chunks, num_tensors): CTA (x, y) copies chunk x % chunks of pair x / chunks
 // in tensor y. Each thread keeps four loads in flight before storing: reads of mapped host
 // memory cross PCIe/C2C, and bandwidth there comes from many outstanding requests.
+// table: int64 [num_tensors, 5] as in cache_ops.h; pairs: int64 [num_pairs, 2] (src, dst).
 template <int W>
 __global__ void copy_blocks_kernel(const int64_t* __restrict__ table, const int64_t* __restrict__ pairs,
                                    int64_t chunks) {

@@ -154,7 +154,7 @@ __device__ __forceinline__ void attend(const PagedAttentionParams& p, Shared<T, 
   for (int i = tid; i < kMaxHeads * HEAD_DIM; i += kThreads) {
     const int h = i / HEAD_DIM, d = i % HEAD_DIM;
     float v = 0.f;
-    if (h < num_h) v = Elem<T>::to_float(q[tok * p.stride_qt + (head0 + h) * p.stride_qh + d]) * q_scale;
+    if (h < num_h) v = Elem<T>::to_float(q[tok * p.q_stride_token + (head0 + h) * p.q_stride_head + d]) * q_scale;
     s.q[h][d] = v;
   }
   if (tid < kMaxHeads) {
@@ -168,9 +168,9 @@ __device__ __forceinline__ void attend(const PagedAttentionParams& p, Shared<T, 
     for (int e = 0; e < L::kVecsPerLane * kVec; ++e) acc[h][e] = 0.f;
   __syncthreads();
 
-  const T* kbase = static_cast<const T*>(p.k_cache) + kvh * p.stride_kh;
-  const T* vbase = static_cast<const T*>(p.v_cache) + kvh * p.stride_vh;
-  const int32_t* bt = p.block_tables + seq * p.stride_bt;
+  const T* kbase = static_cast<const T*>(p.k_cache) + kvh * p.k_stride_head;
+  const T* vbase = static_cast<const T*>(p.v_cache) + kvh * p.v_stride_head;
+  const int32_t* bt = p.block_tables + seq * p.block_table_stride;
   const int shift = __ffs(static_cast<int>(p.block_size)) - 1;
   const int bmask = static_cast<int>(p.block_size) - 1;
 
@@ -179,7 +179,7 @@ __device__ __forceinline__ void attend(const PagedAttentionParams& p, Shared<T, 
     // Scores: kUnroll rows per group in flight, then the dot products and a lane reduction.
     for (int u0 = 0; u0 < L::kTokensPerGroup; u0 += L::kUnroll) {
       uint4 raw[L::kUnroll][L::kVecsPerLane];
-      load_rows<L>(raw, kbase, bt, c0, n, u0, grp, glane, shift, bmask, p.stride_kb, p.stride_kt);
+      load_rows<L>(raw, kbase, bt, c0, n, u0, grp, glane, shift, bmask, p.k_stride_block, p.k_stride_token);
 #pragma unroll
       for (int u = 0; u < L::kUnroll; ++u) {
         float sc[kMaxHeads];
@@ -249,7 +249,7 @@ __device__ __forceinline__ void attend(const PagedAttentionParams& p, Shared<T, 
     }
     for (int u0 = 0; u0 < L::kTokensPerGroup; u0 += L::kUnroll) {
       uint4 raw[L::kUnroll][L::kVecsPerLane];
-      load_rows<L>(raw, vbase, bt, c0, n, u0, grp, glane, shift, bmask, p.stride_vb, p.stride_vt);
+      load_rows<L>(raw, vbase, bt, c0, n, u0, grp, glane, shift, bmask, p.v_stride_block, p.v_stride_token);
 #pragma unroll
       for (int u = 0; u < L::kUnroll; ++u) {
         const int c = grp + (u0 + u) * L::kGroups;
@@ -299,7 +299,7 @@ __device__ __forceinline__ void attend(const PagedAttentionParams& p, Shared<T, 
       }
     } else {
       const float l = s.l[h];
-      out[tok * p.stride_ot + head * p.stride_oh + d] = Elem<T>::from_float(l > 0.f ? sum / l : 0.f);
+      out[tok * p.out_stride_token + head * p.out_stride_head + d] = Elem<T>::from_float(l > 0.f ? sum / l : 0.f);
     }
   }
   __syncthreads();
@@ -373,7 +373,7 @@ __global__ void __launch_bounds__(kThreads) reduce_kernel(const PagedAttentionPa
     float sum = 0.f;
     for (int i = 0; i < num_splits; ++i)
       sum += exp2f(p.part_ml[(base + i) * 2] - m_max) * p.part_out[(base + i) * p.head_dim + d];
-    out[q_start * p.stride_ot + head * p.stride_oh + d] =
+    out[q_start * p.out_stride_token + head * p.out_stride_head + d] =
         Elem<T>::from_float(denom > 0.f ? sum / denom : 0.f);
   }
 }
@@ -426,7 +426,7 @@ Status paged_attention_decode(const PagedAttentionParams& p, void* stream) {
   if (p.num_seqs > 0x7fffffff || p.num_kv_heads * head_groups > 65535 || p.num_heads > 65535)
     return Status::Error("paged_attention_decode: too many sequences or heads for one launch");
   const int64_t es = dtype_size(p.dtype);
-  const int64_t strides[] = {p.stride_kb, p.stride_kt, p.stride_kh, p.stride_vb, p.stride_vt, p.stride_vh};
+  const int64_t strides[] = {p.k_stride_block, p.k_stride_token, p.k_stride_head, p.v_stride_block, p.v_stride_token, p.v_stride_head};
   bool ok = aligned16(p.k_cache) && aligned16(p.v_cache);
   for (int64_t st : strides) ok = ok && (st * es) % 16 == 0;
   if (!ok)

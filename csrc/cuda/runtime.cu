@@ -1,3 +1,5 @@
+// CUDA device queries behind cb_kernels/runtime.h: every call returns an error string instead of
+// aborting, so a machine without a driver or GPU imports cb_kernels and gets a reason.
 #include <cuda_runtime.h>
 
 #include <string>

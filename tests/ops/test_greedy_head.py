@@ -5,10 +5,11 @@ dimensions, odd shapes and weight updates."""
 import pytest
 import torch
 
+from cb_kernels import _C
 from cb_kernels.ops import GreedyHead
 from cb_kernels.ops.reference import ref_greedy_head
 
-BODIES = [True, False]       # use_simd; without VNNI both run the portable body
+BODIES = [isa for isa in _C.cpu_isas() if isa in ("portable", "avx512_vnni")]
 
 
 def _random(vocab, hidden, rows, seed, scale=0.05):
@@ -17,7 +18,7 @@ def _random(vocab, hidden, rows, seed, scale=0.05):
             torch.randn(vocab, hidden, generator=g) * scale)
 
 
-@pytest.mark.parametrize("use_simd", BODIES)
+@pytest.mark.parametrize("isa", BODIES)
 @pytest.mark.parametrize("vocab, hidden, rows", [
     (32000, 256, 32),      # the tiny Llama's decode step
     (1000, 13, 7),         # hidden not a multiple of 4, vocab not of 64
@@ -26,10 +27,10 @@ def _random(vocab, hidden, rows, seed, scale=0.05):
     (1, 8, 3),             # a one-token vocab
     (3000, 64, 150),       # three passes of up to 64 rows
 ])
-def test_matches_reference(vocab, hidden, rows, use_simd):
+def test_matches_reference(vocab, hidden, rows, isa):
     h, w = _random(vocab, hidden, rows, seed=vocab + hidden + rows)
     head = GreedyHead(w)
-    got = head(h, use_simd=use_simd)
+    got = head(h, isa=isa)
     assert got.dtype == torch.int64 and got.shape == (rows,)
     assert torch.equal(got, ref_greedy_head(h, w))
     assert torch.equal(got, (h @ w.t()).argmax(-1))        # no near-tie in these: fp32 agrees
@@ -37,8 +38,8 @@ def test_matches_reference(vocab, hidden, rows, use_simd):
     assert rows <= head.num_rescored <= max(rows * 64, rows * vocab // 20)
 
 
-@pytest.mark.parametrize("use_simd", BODIES)
-def test_near_ties_below_int8_resolution(use_simd):
+@pytest.mark.parametrize("isa", BODIES)
+def test_near_ties_below_int8_resolution(isa):
     """Pairs of vocab rows that differ by ~1e-6 of the logit: int8 scores are equal, the exact
     rescoring must still pick the larger (and on exact equality, the lower index)."""
     vocab, hidden, rows = 3000, 128, 6
@@ -52,27 +53,27 @@ def test_near_ties_below_int8_resolution(use_simd):
         k = int(h[r].abs().argmax())               # nudge along the row's largest dimension
         w[twin, k] += 1e-6 * torch.sign(h[r, k]) * w[a].abs().max()
     want = ref_greedy_head(h, w)
-    got = GreedyHead(w)(h, use_simd=use_simd)
+    got = GreedyHead(w)(h, isa=isa)
     assert torch.equal(got, want)
     assert got.tolist() == twins          # each row's nudged twin, a hair above its original
 
 
-@pytest.mark.parametrize("use_simd", BODIES)
-def test_exact_ties_take_the_lowest_index(use_simd):
+@pytest.mark.parametrize("isa", BODIES)
+def test_exact_ties_take_the_lowest_index(isa):
     h, w = _random(500, 40, 5, seed=2)
     w[:] = w[123]                          # every row the same: every logit equal
-    assert GreedyHead(w)(h, use_simd=use_simd).tolist() == [0] * 5
+    assert GreedyHead(w)(h, isa=isa).tolist() == [0] * 5
     w2 = torch.randn(500, 40)
     zero = torch.zeros(3, 40)              # a zero hidden state: all logits 0
-    assert GreedyHead(w2)(zero, use_simd=use_simd).tolist() == [0] * 3
+    assert GreedyHead(w2)(zero, isa=isa).tolist() == [0] * 3
     w3 = w2.clone()
     w3[400] = w3[77] = w3[300] * 50        # three equal large rows: the lowest index wins
     h3 = w3[77:78].clone()
-    assert GreedyHead(w3)(h3, use_simd=use_simd).tolist() == [77]
+    assert GreedyHead(w3)(h3, isa=isa).tolist() == [77]
 
 
-@pytest.mark.parametrize("use_simd", BODIES)
-def test_outlier_dimensions(use_simd):
+@pytest.mark.parametrize("isa", BODIES)
+def test_outlier_dimensions(isa):
     """Real LLM hidden states carry a few huge dimensions, which coarsen the int8 scale of the
     row: the bound widens, the answer must not change."""
     h, w = _random(8000, 192, 9, seed=3)
@@ -80,31 +81,31 @@ def test_outlier_dimensions(use_simd):
     h[:, 77] *= -80.0
     w[:, 5] *= 0.01
     head, plain = GreedyHead(w), GreedyHead(w, max_exact_dims=0)
-    got = head(h, use_simd=use_simd)      # finds the two dims: exact from the next call on
+    got = head(h, isa=isa)      # finds the two dims: exact from the next call on
     assert torch.equal(got, ref_greedy_head(h, w))
     assert sorted(head.exact_dims[:head.num_exact].tolist()) == [5, 77]
-    assert torch.equal(head(h, use_simd=use_simd), got)
-    assert torch.equal(plain(h, use_simd=use_simd), got) and plain.num_exact == 0
+    assert torch.equal(head(h, isa=isa), got)
+    assert torch.equal(plain(h, isa=isa), got) and plain.num_exact == 0
     # Scored exactly, the two dims no longer coarsen every row's int8 scale.
     assert head.num_rescored * 4 < plain.num_rescored
 
 
-@pytest.mark.parametrize("use_simd", BODIES)
-def test_tiny_magnitudes_whose_int8_scale_would_be_subnormal(use_simd):
+@pytest.mark.parametrize("isa", BODIES)
+def test_tiny_magnitudes_whose_int8_scale_would_be_subnormal(isa):
     """max|h| or max|w_j| below 127 x FLT_MIN: 127 / max overflows fp32, so a plain h * (127 /
     max) quantises 0 to -127 and every value to +-127, far past the half-step the bound assumes."""
     w = torch.tensor([[1e10, 0.0], [0.0, 1.1e10]])
     h = torch.tensor([[3e-37, 1e-37]])               # logits 3e-27 and 1.1e-27
-    assert GreedyHead(w, max_exact_dims=0)(h, use_simd=use_simd).tolist() == [0]
+    assert GreedyHead(w, max_exact_dims=0)(h, isa=isa).tolist() == [0]
     w = torch.tensor([[3e-37, 0.0], [1e-37, 1e-37]])
     h = torch.tensor([[1e10, 1e10]])                 # logits 3e-27 and 2e-27
-    assert GreedyHead(w, max_exact_dims=0)(h, use_simd=use_simd).tolist() == [0]
+    assert GreedyHead(w, max_exact_dims=0)(h, isa=isa).tolist() == [0]
     g = torch.Generator().manual_seed(12)
     for hs, ws in ((1e-38, 1e12), (1e-40, 1e14), (1e12, 1e-39)):
         h = torch.randn(5, 24, generator=g) * hs
         w = torch.randn(300, 24, generator=g) * ws
         w[::7] *= 1e-3                               # some rows far smaller than the rest
-        assert torch.equal(GreedyHead(w, max_exact_dims=0)(h, use_simd=use_simd),
+        assert torch.equal(GreedyHead(w, max_exact_dims=0)(h, isa=isa),
                            ref_greedy_head(h, w))
 
 

@@ -31,7 +31,7 @@ def run(backend: str, case: Case, device: str = "cpu") -> torch.Tensor:
         return ops.paged_attention(*args, **kwargs(case), backend=backend)
     out = torch.empty_like(args[0])
     scale, window, cap = check_args(*args, case.scale, case.sliding_window, case.softcap, None)
-    _run_cpu(*args, out, scale, window, cap, portable=True)
+    _run_cpu(*args, out, scale, window, cap, isa="portable")
     return out
 
 

@@ -29,22 +29,24 @@ LAUNCHES = {
         "emu_launch(reduce_kernel<T>, reduce_grid, kThreads, p);",
 }
 ENTRY = """
-extern "C" const char* emu_paged_attention_decode(const cbk::cuda::PagedAttentionParams* p) {
+extern "C" const char* emu_paged_attention_decode(const cbk::PagedAttentionParams* p) {
   return cbk::cuda::paged_attention_decode(*p, nullptr).message;
 }
 """
 
 
-class Params(ctypes.Structure):  # mirrors cbk::cuda::PagedAttentionParams
+class Params(ctypes.Structure):  # mirrors cbk::PagedAttentionParams
     _fields_ = (
         [(n, ctypes.c_void_p) for n in ("q", "k_cache", "v_cache", "out", "block_tables",
                                         "seq_lens", "cu_seqlens_q", "part_out", "part_ml")]
         + [(n, ctypes.c_int64) for n in (
-            "num_seqs", "num_heads", "num_kv_heads", "head_dim", "block_size", "stride_qt",
-            "stride_qh", "stride_ot", "stride_oh", "stride_kb", "stride_kt", "stride_kh",
-            "stride_vb", "stride_vt", "stride_vh", "stride_bt", "max_splits")]
+            "num_seqs", "num_heads", "num_kv_heads", "head_dim", "block_size", "q_stride_token",
+            "q_stride_head", "out_stride_token", "out_stride_head", "k_stride_block",
+            "k_stride_token", "k_stride_head", "v_stride_block", "v_stride_token",
+            "v_stride_head", "block_table_stride", "max_splits")]
         + [("dtype", ctypes.c_int32), ("scale", ctypes.c_float), ("sliding_window", ctypes.c_int32),
-           ("softcap", ctypes.c_float), ("all_decode", ctypes.c_bool)])
+           ("softcap", ctypes.c_float), ("all_decode", ctypes.c_bool)]
+        + [(n, ctypes.c_int64) for n in ("num_tokens", "num_blocks", "max_blocks_per_seq")])
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +72,8 @@ def emulated(tmp_path_factory):
 
 
 def run_emulated(dll, c: Case) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """(out, reference, rows the kernel owns: q_len == 1 ones, or every row at num_tokens ==
-    num_seqs)."""
+    """(out, reference, rows the kernel owns: q_len == 1 ones, or every row at num_tokens <=
+    num_seqs, where the launcher starts no prefill kernel)."""
     q, k_cache, v_cache, bt, seq_lens, cu = build(c)
     num_tokens, num_heads, head_dim = q.shape
     num_seqs, max_blocks = bt.shape
@@ -86,13 +88,13 @@ def run_emulated(dll, c: Case) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
                num_seqs, num_heads, k_cache.shape[2], head_dim, c.block_size, q.stride(0),
                q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3],
                *v_cache.stride()[:3], bt.stride(0), max_splits, DTYPE_CODES[c.dtype],
-               head_dim ** -0.5, c.sliding_window or 0, c.softcap or 0.0, num_tokens == num_seqs)
+               head_dim ** -0.5, c.sliding_window or 0, c.softcap or 0.0, num_tokens <= num_seqs)
     err = dll.emu_paged_attention_decode(ctypes.byref(p))
     assert err is None, err.decode()
     ref = ref_paged_attention(q, k_cache, v_cache, bt, seq_lens, cu,
                               sliding_window=c.sliding_window, softcap=c.softcap)
     q_lens = (cu[1:] - cu[:-1]).tolist()
-    rows = (list(range(num_tokens)) if num_tokens == num_seqs
+    rows = (list(range(num_tokens)) if num_tokens <= num_seqs
             else [int(cu[i]) for i, n in enumerate(q_lens) if n == 1])
     return out, ref, rows
 
@@ -115,6 +117,8 @@ CASES = [
          kv_layout="kv-per-token"),
     Case("mixed-decode-rows", seq_lens=(63, 17, 400), q_lens=(1, 5, 1), num_heads=4),
     Case("qlen0-all-decode", seq_lens=(5, 30, 40), q_lens=(0, 2, 1), num_heads=4),
+    Case("qlen0-fewer-tokens-than-seqs", seq_lens=(5, 7, 9, 12, 20), q_lens=(0, 0, 0, 1, 3),
+         num_heads=4),
     Case("qlen0-window", seq_lens=(600, 0), q_lens=(2, 0), num_heads=4, sliding_window=100),
 ]
 

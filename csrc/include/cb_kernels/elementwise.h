@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "cb_kernels/common.h"
+#include "cb_kernels/isa.h"
 
 namespace cbk {
 
@@ -39,9 +40,10 @@ struct RopeParams {
 };
 
 namespace cpu {
-Status rms_norm(const RmsNormParams& p);
-Status silu_mul(const SiluMulParams& p);
-Status rope(const RopeParams& p);
+// Bodies: portable, avx2 (see cb_kernels/isa.h).
+Status rms_norm(const RmsNormParams& p, Isa isa = Isa::kAuto);
+Status silu_mul(const SiluMulParams& p, Isa isa = Isa::kAuto);
+Status rope(const RopeParams& p, Isa isa = Isa::kAuto);
 }  // namespace cpu
 
 }  // namespace cbk

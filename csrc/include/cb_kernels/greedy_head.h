@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "cb_kernels/common.h"
+#include "cb_kernels/isa.h"
 
 namespace cbk {
 
@@ -65,15 +66,15 @@ struct GreedyHeadParams {
   // (the caller computes it in fp32: cheaper than that many exact rescorings); 0: no cap.
   int64_t max_rescored_per_row = 0;
   int64_t* num_rescored = nullptr;   // optional: how many logits were computed exactly, in all
-  bool use_simd = true;              // false: the portable path (same results, for tests)
 };
 
 namespace cpu {
 Status greedy_head_pack(const GreedyHeadPackParams& p);
 // Fails (Status) on a non-finite hidden state: the caller then takes the fp32 path, whose argmax
 // has torch's NaN rule.
-Status greedy_head(const GreedyHeadParams& p);
-bool greedy_head_has_simd();  // AVX-512 VNNI on this machine: the fast path exists
+// Bodies: portable, avx512_vnni (see cb_kernels/isa.h); both give the same tokens.
+Status greedy_head(const GreedyHeadParams& p, Isa isa = Isa::kAuto);
+Isa greedy_head_isa(Isa isa = Isa::kAuto);  // the body greedy_head(p, isa) runs on this machine
 }  // namespace cpu
 
 }  // namespace cbk

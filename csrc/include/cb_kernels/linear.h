@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "cb_kernels/common.h"
+#include "cb_kernels/isa.h"
 
 namespace cbk {
 
@@ -36,16 +37,13 @@ struct LinearParams {
   const float* bias = nullptr;    // optional [n]
   float* y = nullptr;             // [m, n], rows y_stride apart
   int64_t y_stride = 0;
-  // Highest body to use: -1 the best this CPU has, 0 generic, 1 AVX2, 2 AVX-512 (tests check
-  // that every body gives the same bits).
-  int isa = -1;
 };
 
 namespace cpu {
 Status linear_pack(const LinearPackParams& p);
-Status linear(const LinearParams& p);
-// "avx512", "avx2" or "generic": the body linear() runs on this machine.
-const char* linear_isa();
+// Bodies: portable, avx2, avx512 (see cb_kernels/isa.h); all give the same bits.
+Status linear(const LinearParams& p, Isa isa = Isa::kAuto);
+Isa linear_isa(Isa isa = Isa::kAuto);  // the body linear(p, isa) runs on this machine
 }  // namespace cpu
 
 }  // namespace cbk

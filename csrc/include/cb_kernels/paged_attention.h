@@ -7,33 +7,45 @@
 #include <string>
 
 #include "cb_kernels/common.h"
+#include "cb_kernels/isa.h"
 
 namespace cbk {
 
+// The parameters of both paged attention kernels: cbk::cpu::paged_attention (every q_len) and
+// cbk::cuda::paged_attention_decode (q_len == 1 rows, see paged_attention_cuda.h). Sizes and
+// element strides use the vocabulary of cb_kernels.ops.paged_attention; the innermost head_dim
+// axis has stride 1 everywhere.
 struct PagedAttentionParams {
-  const void* q;                // [num_tokens, num_heads, head_dim], dtype
-  const void* k_cache;          // [num_blocks, block_size, num_kv_heads, head_dim], dtype
-  const void* v_cache;          // same shape as k_cache (own strides)
-  const int32_t* block_tables;  // [num_seqs, max_blocks_per_seq], row stride block_table_stride
-  const int32_t* seq_lens;      // [num_seqs], KV length including the new tokens
-  const int32_t* cu_seqlens_q;  // [num_seqs + 1]; q tokens of seq i are its last positions
-  void* out;                    // [num_tokens, num_heads, head_dim], dtype
+  const void* q = nullptr;                // [num_tokens, num_heads, head_dim], dtype
+  const void* k_cache = nullptr;          // [num_blocks, block_size, num_kv_heads, head_dim], dtype
+  const void* v_cache = nullptr;          // same shape as k_cache (own strides)
+  void* out = nullptr;                    // [num_tokens, num_heads, head_dim], dtype
+  const int32_t* block_tables = nullptr;  // [num_seqs, max_blocks_per_seq], rows block_table_stride apart
+  const int32_t* seq_lens = nullptr;      // [num_seqs], KV length including the new tokens
+  const int32_t* cu_seqlens_q = nullptr;  // [num_seqs + 1]; q tokens of seq i are its last positions
+  // CUDA only: fp32 workspace of the split partials, unused when max_splits == 1.
+  float* part_out = nullptr;  // [num_seqs, num_heads, max_splits, head_dim]
+  float* part_ml = nullptr;   // [num_seqs, num_heads, max_splits, 2]: running max and sum
 
-  int64_t num_tokens = 0, num_heads = 0, head_dim = 0;
-  int64_t num_seqs = 0, max_blocks_per_seq = 0;
-  int64_t num_blocks = 0, block_size = 0, num_kv_heads = 0;
+  int64_t num_seqs = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0, block_size = 0;
 
-  // Element strides (the innermost head_dim axis has stride 1 everywhere).
   int64_t q_stride_token = 0, q_stride_head = 0;
   int64_t out_stride_token = 0, out_stride_head = 0;
   int64_t k_stride_block = 0, k_stride_token = 0, k_stride_head = 0;
   int64_t v_stride_block = 0, v_stride_token = 0, v_stride_head = 0;
   int64_t block_table_stride = 0;
 
+  int64_t max_splits = 1;      // CUDA only: grid bound, decode_max_splits(longest span possible)
   DType dtype = DType::kFloat32;
   float scale = 1.0f;          // applied to q.k before softcap
   int32_t sliding_window = 0;  // W > 0: a query at p sees p-W+1 .. p; 0: off
   float softcap = 0.0f;        // c > 0: scores become c * tanh(scores / c); 0: off
+  // CUDA only: num_tokens == num_seqs and no other launch covers q_len > 1 rows, so the decode
+  // kernel computes them too.
+  bool all_decode = false;
+
+  // Read by paged_attention_index_error and the CPU kernel; the CUDA kernel needs none of them.
+  int64_t num_tokens = 0, num_blocks = 0, max_blocks_per_seq = 0;
 };
 
 // Checks the index values a kernel trusts: cu_seqlens_q runs from 0 to num_tokens without going
@@ -73,13 +85,9 @@ inline std::string paged_attention_index_error(const PagedAttentionParams& p) {
 }
 
 namespace cpu {
-// Best variant for this machine (see csrc/cpu/isa.h).
-Status paged_attention(const PagedAttentionParams& p);
+// Bodies: portable, avx2 (see cb_kernels/isa.h).
+Status paged_attention(const PagedAttentionParams& p, Isa isa = Isa::kAuto);
+Isa paged_attention_isa(Isa isa = Isa::kAuto);  // the body paged_attention(p, isa) runs here
 }  // namespace cpu
-
-namespace cpu_generic {
-// The portable variant, callable directly so tests cover it on AVX2 machines too.
-Status paged_attention(const PagedAttentionParams& p);
-}  // namespace cpu_generic
 
 }  // namespace cbk

@@ -13,6 +13,7 @@
 #include <cstdint>
 
 #include "cb_kernels/common.h"
+#include "cb_kernels/paged_attention.h"
 
 #if defined(__CUDACC__)
 #define CBK_HOST_DEVICE __host__ __device__
@@ -53,31 +54,9 @@ CBK_HOST_DEVICE inline int64_t decode_num_splits(int64_t span) {
   return n < 1 ? 1 : n;
 }
 
-struct PagedAttentionParams {
-  const void* q;
-  const void* k_cache;
-  const void* v_cache;
-  void* out;
-  const int32_t* block_tables;
-  const int32_t* seq_lens;
-  const int32_t* cu_seqlens_q;
-  // fp32 workspace for split partials, unused when max_splits == 1:
-  // part_out [num_seqs, num_heads, max_splits, head_dim], part_ml [num_seqs, num_heads, max_splits, 2]
-  float* part_out;
-  float* part_ml;
-  int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size;
-  int64_t stride_qt, stride_qh, stride_ot, stride_oh;
-  int64_t stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt;
-  int64_t max_splits;      // grid bound: decode_max_splits(longest attended span possible)
-  DType dtype;
-  float scale;
-  int32_t sliding_window;  // 0: off
-  float softcap;           // 0: off
-  bool all_decode;
-};
-
-// Launches the decode kernel (and the split reduce when max_splits > 1) on `stream`
-// (a cudaStream_t). Never synchronises; returns an error for unsupported shapes or a failed launch.
+// Launches the decode kernel (and the split reduce when max_splits > 1) on `stream` (a
+// cudaStream_t); of `p` (cb_kernels/paged_attention.h) it reads neither num_tokens, num_blocks
+// nor max_blocks_per_seq. Never synchronises; returns an error for unsupported shapes or a failed launch.
 Status paged_attention_decode(const PagedAttentionParams& p, void* stream);
 
 }  // namespace cuda

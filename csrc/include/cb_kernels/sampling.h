@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "cb_kernels/common.h"
+#include "cb_kernels/isa.h"
 
 namespace cbk {
 
@@ -18,7 +19,8 @@ struct ArgmaxParams {
 };
 
 namespace cpu {
-Status argmax_rows(const ArgmaxParams& p);
+// Bodies: portable, avx2 (see cb_kernels/isa.h).
+Status argmax_rows(const ArgmaxParams& p, Isa isa = Isa::kAuto);
 }  // namespace cpu
 
 }  // namespace cbk

@@ -1,0 +1,142 @@
+// The run-time ISA choice of every CPU kernel with an ISA-specific path (see cb_kernels/isa.h).
+// Each dispatcher lists the bodies its kernel is built with (CMakeLists.txt, CBK_ISA_SOURCES_*);
+// CBK_X86_BODIES is 0 where only the portable bodies are built (not x86-64).
+#include <cstring>
+
+#include "cb_kernels/elementwise.h"
+#include "cb_kernels/greedy_head.h"
+#include "cb_kernels/isa.h"
+#include "cb_kernels/linear.h"
+#include "cb_kernels/paged_attention.h"
+#include "cb_kernels/sampling.h"
+
+// Each kernel file defines its body in namespace cbk::CBK_CPU_NS; these are the bodies built.
+#define CBK_DECLARE_BODIES(ns)                        \
+  namespace cbk {                                     \
+  namespace ns {                                      \
+  Status paged_attention(const PagedAttentionParams&); \
+  Status rms_norm(const RmsNormParams&);              \
+  Status silu_mul(const SiluMulParams&);              \
+  Status rope(const RopeParams&);                     \
+  Status argmax_rows(const ArgmaxParams&);            \
+  Status linear(const LinearParams&);                 \
+  Status greedy_head(const GreedyHeadParams&);        \
+  }                                                   \
+  }
+CBK_DECLARE_BODIES(cpu_portable)
+#if CBK_X86_BODIES
+CBK_DECLARE_BODIES(cpu_avx2)
+CBK_DECLARE_BODIES(cpu_avx512)
+CBK_DECLARE_BODIES(cpu_avx512_vnni)
+#endif
+
+namespace cbk {
+namespace cpu {
+
+namespace {
+constexpr const char* kNames[kNumIsas] = {"portable", "avx2", "avx512", "avx512_vnni"};
+
+bool detect(Isa isa) {
+#if CBK_X86_BODIES
+  switch (isa) {
+    case Isa::kAvx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+             __builtin_cpu_supports("f16c");
+    case Isa::kAvx512:
+      return detect(Isa::kAvx2) && __builtin_cpu_supports("avx512f") &&
+             __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+             __builtin_cpu_supports("avx512dq");
+    case Isa::kAvx512Vnni:
+      return detect(Isa::kAvx512) && __builtin_cpu_supports("avx512vnni");
+    default:
+      return true;
+  }
+#else
+  return isa == Isa::kPortable;
+#endif
+}
+
+// The highest ISA at or below `cap` (kAuto: no cap) that this CPU runs, among `bodies`
+// (ascending, starting with kPortable).
+template <int N>
+Isa pick(Isa cap, const Isa (&bodies)[N]) {
+  const Isa top = cap == Isa::kAuto || cap > best_isa() ? best_isa() : cap;
+  Isa chosen = Isa::kPortable;
+  for (Isa b : bodies)
+    if (b <= top) chosen = b;
+  return chosen;
+}
+
+constexpr Isa kAvx2Bodies[] = {Isa::kPortable, Isa::kAvx2};
+}  // namespace
+
+const char* isa_name(Isa isa) {
+  return isa == Isa::kAuto ? "auto" : kNames[static_cast<int>(isa)];
+}
+
+bool parse_isa(const char* name, Isa* isa) {
+  if (std::strcmp(name, "auto") == 0) {
+    *isa = Isa::kAuto;
+    return true;
+  }
+  for (int i = 0; i < kNumIsas; ++i) {
+    if (std::strcmp(name, kNames[i]) == 0) {
+      *isa = static_cast<Isa>(i);
+      return true;
+    }
+  }
+  return false;
+}
+
+bool isa_supported(Isa isa) { return isa == Isa::kAuto || isa <= best_isa(); }
+
+Isa best_isa() {
+  static const Isa best = [] {
+    Isa b = Isa::kPortable;
+    for (int i = 1; i < kNumIsas && detect(static_cast<Isa>(i)); ++i) b = static_cast<Isa>(i);
+    return b;
+  }();
+  return best;
+}
+
+Isa paged_attention_isa(Isa isa) { return pick(isa, kAvx2Bodies); }
+Isa linear_isa(Isa isa) { return pick(isa, {Isa::kPortable, Isa::kAvx2, Isa::kAvx512}); }
+Isa greedy_head_isa(Isa isa) { return pick(isa, {Isa::kPortable, Isa::kAvx512Vnni}); }
+
+#if CBK_X86_BODIES
+#define CBK_RUN_AVX2_OR_PORTABLE(name, p, isa) \
+  return pick(isa, kAvx2Bodies) == Isa::kAvx2 ? cpu_avx2::name(p) : cpu_portable::name(p)
+#else
+#define CBK_RUN_AVX2_OR_PORTABLE(name, p, isa) return cpu_portable::name(p)
+#endif
+
+Status paged_attention(const PagedAttentionParams& p, Isa isa) {
+  CBK_RUN_AVX2_OR_PORTABLE(paged_attention, p, isa);
+}
+Status rms_norm(const RmsNormParams& p, Isa isa) { CBK_RUN_AVX2_OR_PORTABLE(rms_norm, p, isa); }
+Status silu_mul(const SiluMulParams& p, Isa isa) { CBK_RUN_AVX2_OR_PORTABLE(silu_mul, p, isa); }
+Status rope(const RopeParams& p, Isa isa) { CBK_RUN_AVX2_OR_PORTABLE(rope, p, isa); }
+Status argmax_rows(const ArgmaxParams& p, Isa isa) {
+  CBK_RUN_AVX2_OR_PORTABLE(argmax_rows, p, isa);
+}
+
+Status linear(const LinearParams& p, Isa isa) {
+#if CBK_X86_BODIES
+  switch (linear_isa(isa)) {
+    case Isa::kAvx512: return cpu_avx512::linear(p);
+    case Isa::kAvx2: return cpu_avx2::linear(p);
+    default: break;
+  }
+#endif
+  return cpu_portable::linear(p);
+}
+
+Status greedy_head(const GreedyHeadParams& p, Isa isa) {
+#if CBK_X86_BODIES
+  if (greedy_head_isa(isa) == Isa::kAvx512Vnni) return cpu_avx512_vnni::greedy_head(p);
+#endif
+  return cpu_portable::greedy_head(p);
+}
+
+}  // namespace cpu
+}  // namespace cbk

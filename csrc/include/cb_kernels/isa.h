@@ -1,0 +1,33 @@
+// CPU instruction sets the kernels have bodies for, and the one run-time choice among them.
+//
+// Every kernel with an ISA-specific path is built once per ISA it has a body for: the same source
+// compiled with that ISA's flags into namespace cbk::cpu_<isa> (CMakeLists.txt lists which file
+// gets which ISAs), always including a portable body. cbk::cpu::<kernel>(params, isa)
+// (csrc/cpu/dispatch.cpp) runs the highest body that is neither above `isa` nor above what this
+// CPU reports, so one wheel runs on any x86-64 and tests can force every body the machine runs.
+// Compiling whole files, not target-attributed functions, lets GCC vectorise the GCC-vector code
+// of attention_vec.h for the ISA, inlined helpers included.
+#pragma once
+
+#include <cstdint>
+
+namespace cbk {
+
+// Ordered: each ISA implies the ones before it (true of every x86-64 CPU that has it).
+enum class Isa : int32_t {
+  kAuto = -1,       // the best this CPU runs
+  kPortable = 0,    // plain C++ (SSE2 on x86-64)
+  kAvx2 = 1,        // AVX2 + FMA + F16C
+  kAvx512 = 2,      // AVX-512 F/BW/VL/DQ
+  kAvx512Vnni = 3,  // AVX-512 VNNI (int8 dot products)
+};
+constexpr int kNumIsas = 4;
+
+namespace cpu {
+const char* isa_name(Isa isa);                  // "auto", "portable", "avx2", "avx512", "avx512_vnni"
+bool parse_isa(const char* name, Isa* isa);     // false: not one of isa_name()'s names
+bool isa_supported(Isa isa);                    // this CPU runs it (kAuto: true)
+Isa best_isa();                                 // the highest ISA this CPU runs
+}  // namespace cpu
+
+}  // namespace cbk
