@@ -104,6 +104,13 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// tanh for the softcap. --use_fast_math turns tanhf into tanh.approx.f32 (relative error
+// ~2^-11), too coarse for fp32 scores; 1 - 2 / (2^(2x log2 e) + 1) keeps the error near one fp32
+// ulp of 1 through ex2.approx (2^-22) and is exact at both infinities, as the Triton kernel does.
+__device__ __forceinline__ float softcap_tanh(float x) {
+  return 1.0f - 2.0f / (exp2f(x * (2.0f * 1.4426950408889634f)) + 1.0f);
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -210,7 +217,7 @@ __device__ __forceinline__ void attend(const PagedAttentionParams& p, Shared<T, 
 #pragma unroll
           for (int h = 0; h < kMaxHeads; ++h) {
             float x = sc[h];
-            if (capped) x = p.softcap * tanhf(x / p.softcap) * kLog2e;
+            if (capped) x = p.softcap * softcap_tanh(x / p.softcap) * kLog2e;
             s.p[h][c] = c < n ? x : kNegInf;
           }
         }
