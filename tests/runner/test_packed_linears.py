@@ -5,10 +5,9 @@ import pytest
 import torch
 
 from cb_kernels import Engine, EngineConfig, SamplingParams
-from cb_kernels.runner.packed_linears import PackedLinears, supported
+from cb_kernels.runner.packed_linears import PackedLinears
 from tests.helpers import make_model, random_prompts, reference_tokens
 
-pytestmark = pytest.mark.skipif(not supported(), reason="neither packed backend runs here")
 
 
 @pytest.fixture(autouse=True, params=["cbk", "onednn"])
