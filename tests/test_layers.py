@@ -79,3 +79,19 @@ def test_the_rule_catches_an_upward_import(tmp_path):
     fake.write_text("from cb_kernels import _C, ops\nimport cb_kernels.hf.dropin\n")
     assert [t for _, t in _imports(fake)] == ["cb_kernels._C", "cb_kernels.ops",
                                              "cb_kernels.hf.dropin"]
+
+
+def test_csrc_includes_no_torch_or_python_header():
+    """The kernels take raw pointers: one build serves every torch version (DESIGN.md, Build)."""
+    import re
+
+    csrc = PACKAGE.parent / "csrc"
+    bad = []
+    for path in sorted(csrc.rglob("*")):
+        if path.suffix not in (".h", ".cpp", ".cu", ".cuh"):
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            m = re.match(r'\s*#\s*include\s*[<"]([^>"]+)[>"]', line)
+            if m and re.match(r"(torch|ATen|c10|caffe2|pybind11)/|Python\.h$", m.group(1)):
+                bad.append(f"{path.relative_to(csrc)}:{n}: {m.group(1)}")
+    assert not bad, "\n".join(bad)
