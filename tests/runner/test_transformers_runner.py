@@ -53,7 +53,7 @@ def test_no_dense_mask_and_no_cache_object_reach_attention():
 
     model = make_model("llama", seed=3)
     # pack_weights=False: transformers' forward (the Llama family's own path is in
-    # tests/hf/test_fast_llama.py).
+    # tests/runner/test_fused_forward.py).
     engine = Engine(model, EngineConfig(block_size=8, num_blocks=16, pack_weights=False,
                                         attention_backend=ATTN_BACKEND))
     calls = []
