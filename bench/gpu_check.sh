@@ -12,16 +12,16 @@
 # and proves the JSON outputs, the summary and the plots. .ci/run runs it on every CI run.
 #
 # Stages, estimate on the H200 machine (16 cores) / limit (SIGINT at the limit, SIGKILL 5 s later):
-#   preflight      versions, tools, nvcc compiles a kernel     10 s /  20 s
-#   build          pip install -e . (sm_90 only)               90 s / 125 s
+#   preflight      versions, tools, nvcc compiles a kernel     10 s /  30 s (python 15 + nvcc 15)
+#   build          pip install -e . (sm_90 only)               90 s / 120 s
 #   correctness    pytest -m gpu, one case per kernel+engine   35 s /  60 s
 #   attention      cb-kernels bench attention --quick          30 s /  45 s
 #   cache          cb-kernels bench cache                      20 s /  30 s
 #   engine         bench_engine.py llama-1b bf16, 128 req      60 s /  75 s
 #   overlap        bench_overlap.py --quick                    25 s /  35 s
-#   gpu_tests      pytest -m gpu, the rest                     60 s /  95 s
+#   gpu_tests      pytest -m gpu, the rest                     60 s /  90 s
 #   summary        summarize.py + plot_results.py               5 s /  10 s
-#   total                                                     335 s / 495 s (+45 s kill-after = 540)
+#   total                                                     335 s / 495 s (+42 s kill-after = 537 s)
 # Benchmarks run before the full test set so that a session cut short still leaves numbers. No
 # stage stops the others (no `set -e`); the exit code is 0 only when every stage passed.
 #
@@ -79,7 +79,7 @@ fi
 stamp preflight
 need() { echo "preflight: MISSING $1: $2"; }   # a requirement of the GPU run
 {
-"$PY" - "$MODE" <<'PYEOF' || need python-packages "see the lines above"
+timeout -k 2 15 "$PY" - "$MODE" <<'PYEOF' || need python-packages "see the lines above (or the imports took over 15 s)"
 import importlib, platform, sys
 mode = sys.argv[1]
 print(f"python {platform.python_version()} ({sys.executable})")
@@ -205,7 +205,7 @@ print('available backends:', ' '.join(o.available_backends()))"
 }
 export PY DEVICE SIZES DIR
 export -f pytest_ build cpu_only_fallback
-run_stage build 125 build
+run_stage build 120 build
 if [ "$DEVICE" = cuda ] && ! grep -q "available backends:.* cuda" "$DIR/build.txt"; then
   note backends "no 'cuda' backend after the build (see build.txt): a CPU-only build"
 fi
@@ -235,7 +235,7 @@ run_stage engine 75 "$PY" bench/bench_engine.py --device "$DEVICE" --dtype "$ENG
   "${ENGINE_SIZES[@]}" --skip hf_tuned --json "$DIR/engine.json"
 run_stage overlap 35 "$PY" bench/bench_overlap.py --device "$DEVICE" --dtype "$ENGINE_DTYPE" \
   "${OVERLAP_SIZES[@]}" --json "$DIR/overlap.json"
-run_stage gpu_tests 95 pytest_ -m gpu --durations=15 "${DESELECT[@]}" tests
+run_stage gpu_tests 90 pytest_ -m gpu --durations=15 "${DESELECT[@]}" tests
 
 # ---- summary and plots ---------------------------------------------------------------------
 summary() {
