@@ -4,7 +4,8 @@
     python bench/bench_engine.py --overlap [--quick] [--device cuda]      (the same run)
 
 One workload (greedy, no EOS, decode-heavy: prompts 16..128 tokens, 64..128 new tokens) through the
-Engine with overlap off and on (and on CUDA with decode graphs off and on), after a warm-up run.
+Engine with overlap off and on (and on CUDA with decode graphs off and on), after a warm-up run
+(bench_engine.warmup_params: on a GPU it captures every graph bucket the run uses).
 Per step it reports, from Engine.stats() (StepClock):
   wall       wall time of the run / steps
   launch     host time issuing a step (packing + kernel launches; on a CPU the whole forward)
@@ -44,12 +45,15 @@ def workload(num_requests: int, vocab_size: int, seed: int = 0):
 
 
 def run_one(model, prompts, new, overlap: str, graphs: bool) -> dict:
+    from bench_engine import warmup_params
     from cb_kernels import Engine, EngineConfig, SamplingParams
 
     on_cuda = next(model.parameters()).is_cuda
+    # No swap pool: this workload never runs out of blocks, and pinning the auto-sized one costs
+    # seconds per Engine. The warm-up reaches every graph bucket and Triton variant of the run.
     engine = Engine(model, EngineConfig(overlap=overlap, cuda_graphs=graphs,
-                                        max_num_seqs=len(prompts)))
-    engine.generate(prompts[:8], [SamplingParams(max_new_tokens=8)] * 8)     # warm-up
+                                        max_num_seqs=len(prompts), cpu_offload_gib=0))
+    engine.generate(*warmup_params(prompts, new, on_cuda))
     engine.clock.device_events = on_cuda
     before = engine.stats()
     if on_cuda:

@@ -1,17 +1,8 @@
-"""swap_blocks bandwidth (offload to a HostPool and restore), in GB/s of bytes moved, against two
-baselines measured in the same run (bench/_kernel_bench.py says how):
+"""Entry point of the swap_blocks benchmark; the benchmark itself ships with the package
+(cb_kernels/benchmarks/swap_blocks.py, also `cb-kernels bench swap_blocks`). Same flags and outputs.
 
-- memcpy: one contiguous copy of the same number of bytes between the same kinds of memory
-  (host<->host on CPU; device->pinned and pinned->device on CUDA), the ceiling;
-- transformers: its offload way, per tensor index_select -> copy -> index_copy_.
-
-On CUDA every copy method is timed too: [batch] cuMemcpyBatchAsync, [kernel] the copy kernel over
-mapped pinned memory, [memcpy] one cudaMemcpyAsync per run of blocks.
-
-    python bench/bench_swap_blocks.py [--device cpu|cuda] [--quick] [--json PATH]
+    python bench/bench_swap_blocks.py --help
 """
-from __future__ import annotations
-
 import os
 import sys
 
@@ -19,55 +10,8 @@ import sys
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if os.path.isdir(os.path.join(_ROOT, "cb_kernels")) and _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # _kernel_bench
 
-import torch  # noqa: E402
-
-from _kernel_bench import Timer, block_pool, measure, parse, parser, report, row, transformers_way  # noqa: E402
-from cb_kernels import _C, ops  # noqa: E402
-from cb_kernels.ops.swap_blocks import _swap_blocks  # noqa: E402
-
-
-def bench(args, block_tokens: int, timer: Timer, stream) -> list[dict]:
-    dev = args.device
-    pool, pairs, block_bytes, g = block_pool(args, block_tokens)
-    host = ops.HostPool(pool, pairs + 1)
-    for t in host.caches:  # touch every page now, not inside the first timed call
-        t.zero_()
-    dev_ids = torch.randperm(pool[0].shape[0], generator=g)[:pairs]
-    host_ids = torch.randperm(pairs + 1, generator=g)[:pairs]
-    out_map, in_map = torch.stack([dev_ids, host_ids], 1), torch.stack([host_ids, dev_ids], 1)
-    nbytes = pairs * len(pool) * block_bytes
-    flat_dev = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
-    flat_host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=host.pinned)
-    dev_idx, host_idx = dev_ids.to(dev), host_ids
-    methods = ["auto"] + (["batch", "kernel", "memcpy"] if dev == "cuda" else [])
-    rows = []
-    for method in methods:
-        if method == "batch" and _C.cuda_batch_memcpy_error():
-            continue
-        swap_out = lambda: _swap_blocks(pool, host.caches, out_map, backend=None,  # noqa: E731
-                                        cuda_method=method, stream=stream)
-        swap_in = lambda: _swap_blocks(host.caches, pool, in_map, backend=None,  # noqa: E731
-                                       cuda_method=method, stream=stream)
-        name = "" if method == "auto" else f"[{method}]"
-        t = measure(timer, {"op": swap_out, "memcpy": lambda: flat_host.copy_(flat_dev, non_blocking=True),
-                            "transformers": transformers_way(pool, host.caches, dev_idx, host_idx)}, args.repeats)
-        rows.append(row("swap_out" + name, block_tokens, block_bytes, pairs, nbytes, t, {"pinned": host.pinned}))
-        t = measure(timer, {"op": swap_in, "memcpy": lambda: flat_dev.copy_(flat_host, non_blocking=True),
-                            "transformers": transformers_way(host.caches, pool, host_idx, dev_idx)}, args.repeats)
-        rows.append(row("swap_in" + name, block_tokens, block_bytes, pairs, nbytes, t, {"pinned": host.pinned}))
-    return rows
-
-
-def main(argv=None) -> None:
-    args = parse(parser(__doc__, block_ops=True), argv)
-    stream = torch.cuda.Stream() if args.device == "cuda" else None
-    timer = Timer(args.device, stream)
-    rows = [r for bt in args.block_tokens for r in bench(args, bt, timer, stream)]
-    report(args, rows, ["op", "block_tokens", "block_kib", "pairs", "gbps", "memcpy_gbps", "vs_memcpy",
-                        "vs_transformers"])
-
+from cb_kernels.benchmarks.swap_blocks import main  # noqa: E402
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(sys.argv[1:]))

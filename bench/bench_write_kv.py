@@ -1,61 +1,17 @@
-"""write_kv bandwidth (each new token's K and V scattered into shuffled cache slots), in GB/s of
-bytes moved, against two baselines measured in the same run (bench/_kernel_bench.py says how):
+"""Entry point of the write_kv benchmark; the benchmark itself ships with the package
+(cb_kernels/benchmarks/write_kv.py, also `cb-kernels bench write_kv`). Same flags and outputs.
 
-- memcpy: one contiguous device copy of the same number of bytes, the ceiling;
-- the torch reference (backend="torch": one indexed store per cache).
-
-    python bench/bench_write_kv.py [--device cpu|cuda] [--quick] [--json PATH]
+    python bench/bench_write_kv.py --help
 """
-from __future__ import annotations
-
 import os
-import statistics
 import sys
 
 # Run from a checkout, the checkout's cb_kernels wins over an installed one.
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if os.path.isdir(os.path.join(_ROOT, "cb_kernels")) and _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # _kernel_bench
 
-import torch  # noqa: E402
-
-from _kernel_bench import DTYPES, Timer, measure, parse, parser, report, row  # noqa: E402
-from cb_kernels import ops  # noqa: E402
-
-
-def bench(args, num_tokens: int, timer: Timer) -> dict:
-    dev, dtype = args.device, DTYPES[args.dtype]
-    block_size, H, D = 16, args.num_kv_heads, args.head_dim
-    num_blocks = 2 * (num_tokens // block_size + 1)
-    g = torch.Generator().manual_seed(0)
-    k_cache = torch.zeros(num_blocks, block_size, H, D, dtype=dtype, device=dev)
-    v_cache = torch.zeros_like(k_cache)
-    key = torch.randn(num_tokens, H, D, generator=g).to(dev, dtype)
-    value = torch.randn(num_tokens, H, D, generator=g).to(dev, dtype)
-    slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens].to(dev)
-    nbytes = 2 * key.numel() * key.element_size()
-    a, b = torch.zeros(nbytes, dtype=torch.uint8, device=dev), torch.zeros(nbytes, dtype=torch.uint8, device=dev)
-    t = measure(timer, {"op": lambda: ops.write_kv(key, value, k_cache, v_cache, slots),
-                        "memcpy": lambda: b.copy_(a),
-                        "torch_ref": lambda: ops.write_kv(key, value, k_cache, v_cache, slots, backend="torch")},
-                args.repeats)
-    r = row("write_kv", block_size, block_size * H * D * dtype.itemsize, num_tokens, nbytes, t)
-    r["torch_ref_gbps"] = nbytes / min(t["torch_ref"]) / 1e9
-    r["vs_torch_ref"] = statistics.median(b / o for b, o in zip(t["torch_ref"], t["op"]))
-    return r
-
-
-def main(argv=None) -> None:
-    p = parser(__doc__, block_ops=False)
-    p.add_argument("--num-tokens", type=int, nargs="+", default=None, help="tokens per call (default 64 2048, "
-                   "2048 with --quick)")
-    args = parse(p, argv)
-    num_tokens = args.num_tokens or ([2048] if args.quick else [64, 2048])
-    timer = Timer(args.device, torch.cuda.Stream() if args.device == "cuda" else None)
-    rows = [bench(args, n, timer) for n in num_tokens]
-    report(args, rows, ["op", "block_tokens", "pairs", "gbps", "memcpy_gbps", "vs_memcpy", "vs_torch_ref"])
-
+from cb_kernels.benchmarks.write_kv import main  # noqa: E402
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(sys.argv[1:]))

@@ -3,11 +3,15 @@
     cb-kernels info                     versions, backends, GPU
     cb-kernels demo                     the real-model demo (see README)
     cb-kernels generate --model M ...   batch generation over a jsonl file
-    cb-kernels bench paged_attention|write_kv|copy_blocks|swap_blocks|greedy_head|engine|dropin|
-                     offload|overlap [args]        bench/bench_<name>.py
+    cb-kernels bench paged_attention|write_kv|copy_blocks|swap_blocks|greedy_head [args]
+                                        kernel benchmarks, shipped in the package
+                                        (cb_kernels/benchmarks/<name>.py): work from a wheel
     cb-kernels bench attention [args]   = bench paged_attention
     cb-kernels bench cache [args]       swap_blocks, copy_blocks and write_kv in turn (their common
                                         options only; --json PATH writes PATH.<op>.json per bench)
+    cb-kernels bench engine|dropin|offload|overlap [args]
+                                        engine benchmarks: source tree only (bench/bench_<name>.py
+                                        of a checkout or an editable install)
 """
 from __future__ import annotations
 
@@ -16,8 +20,11 @@ import runpy
 import sys
 from pathlib import Path
 
-BENCHES = ("paged_attention", "write_kv", "copy_blocks", "swap_blocks", "greedy_head", "engine", "dropin",
-           "offload", "overlap")
+from cb_kernels.benchmarks import KERNEL_BENCHES
+
+# Kernel benchmarks ship in cb_kernels/benchmarks; the engine ones need the source tree's bench/.
+SOURCE_BENCHES = ("engine", "dropin", "offload", "overlap")
+BENCHES = KERNEL_BENCHES + SOURCE_BENCHES
 # Group names: `attention` runs paged_attention, `cache` the three cache-op benches.
 BENCH_ALIASES = {"attention": ("paged_attention",), "cache": ("swap_blocks", "copy_blocks", "write_kv")}
 
@@ -26,8 +33,10 @@ def _bench_dir() -> Path:
     # Benchmarks live in the source tree's bench/ folder (an editable install or a checkout).
     here = Path(__file__).resolve().parent.parent / "bench"
     if not here.is_dir():
-        raise SystemExit("cb-kernels bench needs the source tree: the benchmarks live in its bench/ "
-                         "folder (clone the repository and `pip install -e .`)")
+        raise SystemExit("cb-kernels bench engine|dropin|offload|overlap needs the source tree: "
+                         "these benchmarks live in its bench/ folder (clone the repository and "
+                         "`pip install -e .`); the kernel benchmarks (" + ", ".join(KERNEL_BENCHES)
+                         + ") ship with the package")
     return here
 
 
@@ -41,17 +50,32 @@ def _cmd_info(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     names = BENCH_ALIASES.get(args.which, (args.which,))
     for name in names:
-        script = _bench_dir() / f"bench_{name}.py"
-        if not script.exists():
-            raise SystemExit(f"benchmark {script} does not exist yet")
         rest = list(args.rest)
         if len(names) > 1 and "--json" in rest[:-1]:    # one JSON file per bench of an alias
             i = rest.index("--json") + 1
             rest[i] = f"{rest[i]}.{name}.json"
-        sys.argv = [str(script), *rest]
-        if str(script.parent) not in sys.path:
-            sys.path.insert(0, str(script.parent))
+        if name in KERNEL_BENCHES:
+            from cb_kernels.benchmarks import run
+
+            rc = run(name, rest)
+        else:
+            rc = _run_source_bench(name, rest)
+        if rc:
+            return rc
+    return 0
+
+
+def _run_source_bench(name: str, argv: list[str]) -> int:
+    script = _bench_dir() / f"bench_{name}.py"
+    if not script.exists():
+        raise SystemExit(f"benchmark {script} does not exist yet")
+    sys.argv = [str(script), *argv]
+    if str(script.parent) not in sys.path:
+        sys.path.insert(0, str(script.parent))
+    try:
         runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as e:     # the scripts end with sys.exit(main())
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     return 0
 
 
@@ -73,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, backends and GPU").set_defaults(fn=_cmd_info)
 
-    b = sub.add_parser("bench", help="run a benchmark from bench/")
+    b = sub.add_parser("bench", help="run a benchmark (kernel ones ship with the package; "
+                       "engine, dropin, offload, overlap need the source tree's bench/)")
     b.add_argument("which", choices=BENCHES + tuple(BENCH_ALIASES))
     b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     b.set_defaults(fn=_cmd_bench)

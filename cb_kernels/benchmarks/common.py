@@ -1,5 +1,4 @@
-"""What the cache-op benchmarks share (bench_write_kv.py, bench_copy_blocks.py,
-bench_swap_blocks.py): timing, interleaved runs against baselines measured in the same run, the
+"""What the cache-op benchmarks share (write_kv.py, copy_blocks.py, swap_blocks.py beside this): timing, interleaved runs against baselines measured in the same run, the
 command-line options every one takes, and the printed table.
 
 Each op runs interleaved with its baselines (op, memcpy, transformers, op, ...); GB/s come from
