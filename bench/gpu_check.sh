@@ -13,15 +13,16 @@
 #
 # Stages, estimate on the H200 machine (16 cores) / limit (SIGINT at the limit, SIGKILL 5 s later):
 #   preflight      versions, tools, nvcc compiles a kernel     10 s /  30 s (python 15 + nvcc 15)
-#   build          pip install -e . (sm_90 only)               90 s / 120 s
+#   build          pip install -e . (sm_90 only)               90 s / 110 s
 #   correctness    pytest -m gpu, one case per kernel+engine   35 s /  60 s
-#   attention      cb-kernels bench attention --quick          30 s /  45 s
-#   cache          cb-kernels bench cache                      20 s /  30 s
+#   attention      cb-kernels bench attention --quick          30 s /  40 s
+#   cache          cb-kernels bench cache                      15 s /  25 s
 #   engine         bench_engine.py llama-1b bf16, 128 req      60 s /  75 s
-#   overlap        bench_overlap.py --quick                    25 s /  35 s
-#   gpu_tests      pytest -m gpu, the rest                     60 s /  90 s
+#   overlap        bench_overlap.py --quick                    20 s /  30 s
+#   gpu_tests      pytest -m "gpu and not slow", the rest      60 s /  90 s
+#   sanitizer      compute-sanitizer memcheck + racecheck      30 s /  60 s (tests marked slow)
 #   summary        summarize.py + plot_results.py               5 s /  10 s
-#   total                                                     335 s / 495 s (+42 s kill-after = 537 s)
+#   total                                                     355 s / 530 s (SIGKILL 5 s after a limit)
 # Benchmarks run before the full test set so that a session cut short still leaves numbers. No
 # stage stops the others (no `set -e`); the exit code is 0 only when every stage passed.
 #
@@ -205,7 +206,7 @@ print('available backends:', ' '.join(o.available_backends()))"
 }
 export PY DEVICE SIZES DIR
 export -f pytest_ build cpu_only_fallback
-run_stage build 120 build
+run_stage build 110 build
 if [ "$DEVICE" = cuda ] && ! grep -q "available backends:.* cuda" "$DIR/build.txt"; then
   note backends "no 'cuda' backend after the build (see build.txt): a CPU-only build"
 fi
@@ -227,15 +228,17 @@ DESELECT=()
 for t in "${SUBSET[@]}"; do DESELECT+=(--deselect "$t"); done
 
 run_stage correctness 60 pytest_ -m gpu --durations=5 "${SUBSET[@]}"
-run_stage attention 45 "$PY" -m cb_kernels bench attention --device "$DEVICE" --dtype "$DTYPE" \
+run_stage attention 40 "$PY" -m cb_kernels bench attention --device "$DEVICE" --dtype "$DTYPE" \
   "${ATTN_SIZES[@]}" --json "$DIR/attention.json"
-run_stage cache 30 "$PY" -m cb_kernels bench cache --device "$DEVICE" --dtype "$DTYPE" \
+run_stage cache 25 "$PY" -m cb_kernels bench cache --device "$DEVICE" --dtype "$DTYPE" \
   "${CACHE_SIZES[@]}" --json "$DIR/cache"
 run_stage engine 75 "$PY" bench/bench_engine.py --device "$DEVICE" --dtype "$ENGINE_DTYPE" \
   "${ENGINE_SIZES[@]}" --skip hf_tuned --json "$DIR/engine.json"
-run_stage overlap 35 "$PY" bench/bench_overlap.py --device "$DEVICE" --dtype "$ENGINE_DTYPE" \
+run_stage overlap 30 "$PY" bench/bench_overlap.py --device "$DEVICE" --dtype "$ENGINE_DTYPE" \
   "${OVERLAP_SIZES[@]}" --json "$DIR/overlap.json"
-run_stage gpu_tests 90 pytest_ -m gpu --durations=15 "${DESELECT[@]}" tests
+run_stage gpu_tests 90 pytest_ -m "gpu and not slow" --durations=15 "${DESELECT[@]}" tests
+# compute-sanitizer runs each tool in a fresh process (torch's start-up under the tool dominates).
+run_stage sanitizer 60 pytest_ -m "gpu and slow" --durations=5 tests/ops/test_cuda_sanitizer.py
 
 # ---- summary and plots ---------------------------------------------------------------------
 summary() {
