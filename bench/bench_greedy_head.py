@@ -1,17 +1,9 @@
-"""Entry point of the greedy_head benchmark; the benchmark itself ships with the package
-(cb_kernels/benchmarks/greedy_head.py, also `cb-kernels bench greedy_head`). Same flags and outputs.
+"""Entry point of the greedy_head benchmark, which ships with the package
+(cb_kernels/benchmarks/greedy_head.py, also `cb-kernels bench greedy_head`); same flags and outputs.
 
     python bench/bench_greedy_head.py --help
 """
-import os
-import sys
-
-# Run from a checkout, the checkout's cb_kernels wins over an installed one.
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if os.path.isdir(os.path.join(_ROOT, "cb_kernels")) and _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-
-from cb_kernels.benchmarks.greedy_head import main  # noqa: E402
+from _entry import run
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    run("greedy_head")

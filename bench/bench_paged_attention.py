@@ -1,17 +1,9 @@
-"""Entry point of the paged_attention benchmark; the benchmark itself ships with the package
-(cb_kernels/benchmarks/paged_attention.py, also `cb-kernels bench paged_attention`). Same flags and outputs.
+"""Entry point of the paged_attention benchmark, which ships with the package
+(cb_kernels/benchmarks/paged_attention.py, also `cb-kernels bench paged_attention`); same flags and outputs.
 
     python bench/bench_paged_attention.py --help
 """
-import os
-import sys
-
-# Run from a checkout, the checkout's cb_kernels wins over an installed one.
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if os.path.isdir(os.path.join(_ROOT, "cb_kernels")) and _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-
-from cb_kernels.benchmarks.paged_attention import main  # noqa: E402
+from _entry import run
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    run("paged_attention")

@@ -1,17 +1,9 @@
-"""Entry point of the swap_blocks benchmark; the benchmark itself ships with the package
-(cb_kernels/benchmarks/swap_blocks.py, also `cb-kernels bench swap_blocks`). Same flags and outputs.
+"""Entry point of the swap_blocks benchmark, which ships with the package
+(cb_kernels/benchmarks/swap_blocks.py, also `cb-kernels bench swap_blocks`); same flags and outputs.
 
     python bench/bench_swap_blocks.py --help
 """
-import os
-import sys
-
-# Run from a checkout, the checkout's cb_kernels wins over an installed one.
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if os.path.isdir(os.path.join(_ROOT, "cb_kernels")) and _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-
-from cb_kernels.benchmarks.swap_blocks import main  # noqa: E402
+from _entry import run
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    run("swap_blocks")
