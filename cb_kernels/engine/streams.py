@@ -9,8 +9,9 @@ one method:
 - `_copy_stream`: a copy waits for the compute issued so far (it reads or overwrites blocks the
   forward may still touch) and for the other copy stream (a swap-out may reuse a host block a
   swap-in is still reading, and the reverse);
-- `begin_compute`: compute waits for every copy issued since the last step (swap-ins it will read,
-  swap-outs whose device blocks it may overwrite);
+- `begin_compute`: compute waits for every swap issued since the last step (swap-ins it will read,
+  swap-outs whose device blocks it may overwrite), never for the token copy, which nothing on the
+  device reads;
 - `PendingTokens.result`: the host waits for the token copy's event.
 
 Without CUDA, or with overlap="off", the same calls run synchronously on the current stream and

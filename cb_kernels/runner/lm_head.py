@@ -10,7 +10,8 @@ packed oneDNN head and argmax, 2-core Zen 4).
 
 The head runs through the module (`run` calls it, so its hooks and packed forward apply); the
 greedy head steps aside (None) whenever it would compute something else than that module: a
-hook on it, a bias, a weight replaced by one of another shape or dtype.
+hook or an instance forward on it, a bias, a weight replaced by one of another shape or dtype.
+The runner rebuilds the head when the model's output embedding is replaced.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from typing import Callable, Optional
 import torch
 
 from cb_kernels import ops
+from cb_kernels.runner.packed_linears import is_packed_forward
 
 logger = logging.getLogger("cb_kernels")
 
@@ -30,14 +32,18 @@ def _plain_weight(module) -> bool:
 
 
 def _hooked(module) -> bool:
-    return bool(module._forward_hooks or module._forward_pre_hooks)
+    """A hook, or an instance forward that is not a packed linear's, on `module`."""
+    forward = module.__dict__.get("forward")
+    return bool(module._forward_hooks or module._forward_pre_hooks) or \
+        (forward is not None and not is_packed_forward(forward))
 
 
 class LogitsHead:
-    """Full logits: `run(rows [S, hidden]) -> [S, vocab]`, returned as fp32."""
+    """Full logits of `module` (the model's output embedding): `run(rows [S, hidden]) -> [S,
+    vocab]`, returned as fp32."""
 
-    def __init__(self, run: Callable[[torch.Tensor], torch.Tensor]):
-        self.run = run
+    def __init__(self, run: Callable[[torch.Tensor], torch.Tensor], module: torch.nn.Module):
+        self.run, self.module = run, module
 
     def logits(self, rows: torch.Tensor) -> torch.Tensor:
         return self.run(rows).float()
@@ -50,8 +56,8 @@ class GreedyTokensHead(LogitsHead):
     """Full logits through `run`, and greedy tokens from an int8 copy of `module`'s weight."""
 
     def __init__(self, run, module: torch.nn.Module, greedy: "ops.GreedyHead"):
-        super().__init__(run)
-        self.module, self.greedy = module, greedy
+        super().__init__(run, module)
+        self.greedy = greedy
 
     def tokens(self, rows: torch.Tensor) -> Optional[torch.Tensor]:
         """int64 [S], or None: the fp32 head then decides (a non-finite hidden state, whose
@@ -94,8 +100,7 @@ def wants_greedy_head(mode) -> bool:
 def choose_lm_head(module: torch.nn.Module, run: Callable, mode) -> LogitsHead:
     """The head for a runner whose final hidden rows are exactly what `module` (the model's
     output embedding, computed by `run`) projects to logits."""
-    if wants_greedy_head(mode):
-        greedy = _build_greedy(module)
-        if greedy is not None:
-            return GreedyTokensHead(run, module, greedy)
-    return LogitsHead(run)
+    greedy = _build_greedy(module) if wants_greedy_head(mode) else None
+    if greedy is not None:
+        return GreedyTokensHead(run, module, greedy)
+    return LogitsHead(run, module)

@@ -8,9 +8,11 @@ cheapest first:
      hooked it since;
   3. transformers' own forward with our attention (attention.py) and, on CPU fp32, the linears
      on packed weights (packed_linears.py).
-The LM head is chosen once (lm_head.py): the greedy head where it pays and the model's logits are
-provably `lm_head(final hidden state)`, else full logits. Paths 1 and 3 run the model's own head
-unless the greedy head is on.
+The LM head is chosen once (lm_head.py; rebuilt if the model's output embedding is replaced): the
+greedy head where it pays and the model's logits are `lm_head(final hidden state)` (the family's
+own classes on path 2, a 5-token probe on path 3), else full logits. Path 3 runs the model's own
+forward, head included, except on all-greedy steps with the greedy head on and nothing hooked on
+the CausalLM module: those run its decoder and then the greedy head.
 """
 from __future__ import annotations
 
@@ -23,12 +25,13 @@ import torch
 
 from cb_kernels import ops
 from cb_kernels.runner import step_inputs
-from cb_kernels.runner.attention import AttentionSwitch
+from cb_kernels.runner.attention import AttentionSwitch, model_lock
 from cb_kernels.runner.base import StepOutput
 from cb_kernels.runner.cuda_graphs import decode_graph_runner, graphs_enabled
 from cb_kernels.runner.fused import FusedForward
+from cb_kernels.runner.fused.forward import has_hooks
 from cb_kernels.runner.kv_cache import allocate_kv_cache
-from cb_kernels.runner.lm_head import LogitsHead, choose_lm_head, wants_greedy_head
+from cb_kernels.runner.lm_head import GreedyTokensHead, LogitsHead, choose_lm_head, wants_greedy_head
 from cb_kernels.runner.packed_linears import PackedLinears
 
 logger = logging.getLogger("cb_kernels")
@@ -51,10 +54,11 @@ def eos_ids_of(model) -> frozenset:
 
 def _head_is_plain(model, decoder, head) -> bool:
     """Whether model(x).logits is exactly head(decoder(x).last_hidden_state): no softcap, scale or
-    other step after the head. One 5-token forward with the model's own attention proves it."""
+    other step after the head. One 5-token forward with the model's own attention proves it (under
+    the model's lock: another engine's step must not switch its attention meanwhile)."""
     probe = torch.arange(5, device=head.weight.device)[None] % head.weight.shape[0]
     try:
-        with torch.inference_mode():
+        with model_lock(model), torch.inference_mode():
             logits = model(input_ids=probe, use_cache=False).logits
             hidden = decoder(input_ids=probe, use_cache=False).last_hidden_state
             return torch.equal(logits, head(hidden))
@@ -100,9 +104,8 @@ class TransformersRunner:
         self.packed = PackedLinears.build(model, pack_weights, available_host_bytes)
         self.fused = FusedForward.build(model, self.packed, self.num_layers, self.num_heads,
                                         self.num_kv_heads)
+        self._greedy_mode = greedy_head
         self.head, self._decoder = self._choose_head(greedy_head)
-        if self.head is None:        # an output embedding that is no nn.Linear: its own forward
-            self.fused = None
         self.graphs = None
         self.k_caches: list = []
         self.v_caches: list = []
@@ -121,20 +124,28 @@ class TransformersRunner:
                             f"{self.num_layers}")
 
     def _choose_head(self, mode):
-        """(head, decoder): decoder is the base model transformers' path then runs up to the final
-        hidden state (the head is ours), or None (the model's forward gives the logits)."""
+        """(head, decoder). head: None when the output embedding is no nn.Linear (the model's
+        forward then gives every logit). decoder: the base model that all-greedy steps on
+        transformers' path run up to the final hidden state before the greedy head, or None."""
         module = self.model.get_output_embeddings()
         if not isinstance(module, torch.nn.Linear):
             return None, None
         run = self.packed.runner_for(module) if self.packed is not None else module
         if not wants_greedy_head(mode):
-            return LogitsHead(run), None
+            return LogitsHead(run, module), None
         decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else None
         if self.fused is None and (decoder is None or decoder is self.model
                                    or not _head_is_plain(self.model, decoder, module)):
             logger.info("greedy_head: off (the model's logits are not its LM head's output)")
-            return LogitsHead(run), None
-        return choose_lm_head(module, run, mode), decoder
+            return LogitsHead(run, module), None
+        head = choose_lm_head(module, run, mode)
+        return head, decoder if isinstance(head, GreedyTokensHead) else None
+
+    def _head_now(self):
+        """The head, rebuilt when the model's output embedding was replaced since."""
+        if self.head is None or self.model.get_output_embeddings() is not self.head.module:
+            self.head, self._decoder = self._choose_head(self._greedy_mode)
+        return self.head
 
     # -- the cache ------------------------------------------------------------------------------
     def allocate_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype,
@@ -171,20 +182,23 @@ class TransformersRunner:
                 "input_ids": inputs.input_ids, "positions": inputs.positions,
                 "slot_mapping": attn.slot_mapping, "seq_lens": attn.seq_lens,
                 "block_tables": attn.block_tables, "cu_seqlens_q": attn.cu_seqlens_q}), None)
-        if self.fused is not None and self.fused.usable():
+        head = self._head_now()
+        if head is not None and self.fused is not None and self.fused.usable():
             # Switches no attention or forward of the model: needs no lock.
             self.packed.refresh()
             rows = self.fused(inputs.input_ids, inputs.positions, inputs.logits_indices, attn)
-        elif greedy and self._decoder is not None:
+        elif greedy and self._decoder is not None and not has_hooks([self.model]):
+            # The CausalLM's own forward would be lm_head(decoder(...)) (probed); a hook or an
+            # instance forward on it sends the step to the model's forward below.
             rows = self._hidden_rows(inputs.input_ids, inputs.positions, inputs.logits_indices,
                                      attn)
         else:
             return StepOutput(self.forward_logits(inputs.input_ids, inputs.positions,
                                                   inputs.logits_indices, attn), None)
-        tokens = self.head.tokens(rows) if greedy else None
+        tokens = head.tokens(rows) if greedy else None
         if tokens is not None:
             return StepOutput(None, tokens)
-        return StepOutput(self.head.logits(rows), None)
+        return StepOutput(head.logits(rows), None)
 
     def _hidden_rows(self, input_ids, positions, logits_indices, attn) -> torch.Tensor:
         """transformers' decoder up to the final hidden state: [num_sampled, hidden]."""
@@ -197,8 +211,6 @@ class TransformersRunner:
     def forward_logits(self, input_ids, positions, logits_indices, attn) -> torch.Tensor:
         """transformers' forward with our attention: fp32 logits [num_sampled, vocab_size].
         input_ids, positions: int64 [num_tokens]; logits_indices: int64 [num_sampled]."""
-        if self._decoder is not None:
-            return self.head.logits(self._hidden_rows(input_ids, positions, logits_indices, attn))
         ids, pos = input_ids[None], positions[None]
         with self._switch, self.packed if self.packed is not None else contextlib.nullcontext():
             if self._keeps_logits:

@@ -127,3 +127,48 @@ def test_bias_added_to_the_head_mid_run_is_honoured():
     outs = engine.generate(prompts, [SamplingParams(max_new_tokens=3)] * 2)
     assert [o.token_ids for o in outs] == reference_tokens(model, prompts, [3, 3]) \
         == [[17] * 3] * 2
+
+
+def _bump_token_7(module, args, output):
+    output[..., 7] += 1e4
+    return output
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma"])
+@pytest.mark.parametrize("where", ["hook-on-model", "forward-on-model", "forward-on-head"])
+def test_the_model_and_its_head_keep_their_hooks_and_instance_forwards(kind, where):
+    """With the greedy head on, a hook or an instance forward on the CausalLM or on its LM head
+    still runs (the engine takes the model's forward, or the head module's full logits)."""
+    model = make_model(kind, seed=2)
+    prompts = random_prompts([5, 9], seed=4)
+    engine = Engine(model, EngineConfig(attention_backend=ATTN_BACKEND, greedy_head=True))
+    if where == "hook-on-model":
+        model.register_forward_hook(lambda m, a, out: out.logits.__setitem__(
+            (Ellipsis, 7), out.logits[..., 7] + 1e4))
+    elif where == "forward-on-model":
+        stock = model.forward
+
+        def forward(*a, **k):
+            out = stock(*a, **k)
+            out.logits[..., 7] += 1e4
+            return out
+        model.forward = forward
+    else:
+        stock_head = model.lm_head.forward
+        model.lm_head.forward = lambda x: _bump_token_7(None, None, stock_head(x))
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=4))
+    assert [o.token_ids for o in outs] == reference_tokens(model, prompts, [4, 4]) == [[7] * 4] * 2
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma"])
+def test_a_replaced_head_module_is_used(kind):
+    model = make_model(kind, seed=2)
+    prompts = random_prompts([5, 9], seed=4)
+    engine = Engine(model, EngineConfig(attention_backend=ATTN_BACKEND, greedy_head=True))
+    engine.generate(prompts, SamplingParams(max_new_tokens=2))
+    torch.manual_seed(9)
+    model.lm_head = torch.nn.Linear(model.lm_head.in_features, model.lm_head.out_features,
+                                    bias=False)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=4))
+    assert [o.token_ids for o in outs] == reference_tokens(model, prompts, [4, 4])
+    assert engine.runner.head.module is model.lm_head
