@@ -162,7 +162,7 @@ class Engine:
         self.streams.begin_compute()
         r.copy_blocks(batch.blocks_to_copy)
         inputs = r.prepare(batch.seqs, batch.num_new_tokens)
-        late_commits = self.pipeline.fill(batch, prev, inputs.input_ids) if prev else []
+        late_commits = [] if prev is None else self.pipeline.fill(batch, prev, inputs.input_ids)
         sampled, event = inputs.sampled, self.clock.start()
         greedy = bool(sampled) and all(seq.params.greedy for seq in sampled)
         out = r.execute(inputs, greedy)
@@ -255,7 +255,7 @@ class Engine:
 
     # -- front end and introspection ------------------------------------------------------------
     def generate(self, prompts, params=None) -> list:
-        """Run `prompts` to completion; their RequestOutputs in prompt order (engine/frontend.py)."""
+        """Run `prompts` to completion; RequestOutputs in prompt order (engine/frontend.py)."""
         return self.frontend.generate(prompts, params)
 
     def stream(self, prompts, params=None) -> Iterator[RequestOutput]:
@@ -293,8 +293,7 @@ class Engine:
         host_wait_s, launch_s and (CUDA, clock.device_events on) device_busy_s, device_idle_s,
         timed_steps; greedy_head_steps: steps whose tokens came from the greedy head."""
         bm, s = self.block_manager, self.scheduler
-        pipeline = self.pipeline.stats() if self.pipeline is not None else \
-            {"overlapped_steps": 0, "placeholder_fills": 0, "discarded_tokens": 0}
+        pipeline = (self.pipeline or OverlapPipeline(self)).stats()
         offload = self.swapper.offload.stats() if self.swapper is not None else \
             {"host_used_blocks": 0, "host_total_blocks": 0, "host_occupancy": 0.0,
              "swaps_out": 0, "swaps_in": 0, "swap_blocks_out": 0, "swap_blocks_in": 0,

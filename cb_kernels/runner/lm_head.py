@@ -21,7 +21,7 @@ from typing import Callable, Optional
 import torch
 
 from cb_kernels import ops
-from cb_kernels.runner.packed_linears import is_packed_forward
+from cb_kernels.runner.packed_linears import has_hooks
 
 logger = logging.getLogger("cb_kernels")
 
@@ -29,13 +29,6 @@ logger = logging.getLogger("cb_kernels")
 def _plain_weight(module) -> bool:
     return getattr(module, "bias", None) is None and \
         ops.GreedyHead.accepts(getattr(module, "weight", None))
-
-
-def _hooked(module) -> bool:
-    """A hook, or an instance forward that is not a packed linear's, on `module`."""
-    forward = module.__dict__.get("forward")
-    return bool(module._forward_hooks or module._forward_pre_hooks) or \
-        (forward is not None and not is_packed_forward(forward))
 
 
 class LogitsHead:
@@ -63,7 +56,7 @@ class GreedyTokensHead(LogitsHead):
         """int64 [S], or None: the fp32 head then decides (a non-finite hidden state, whose
         argmax follows torch's NaN rule, or a head the greedy copy no longer matches)."""
         m, g = self.module, self.greedy
-        if _hooked(m):
+        if has_hooks([m]):
             return None
         if g is None or g.weight is not m.weight or tuple(m.weight.shape) != (g.vocab, g.hidden) \
                 or not _plain_weight(m):

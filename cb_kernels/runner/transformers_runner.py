@@ -29,10 +29,9 @@ from cb_kernels.runner.attention import AttentionSwitch, model_lock
 from cb_kernels.runner.base import StepOutput
 from cb_kernels.runner.cuda_graphs import decode_graph_runner, graphs_enabled
 from cb_kernels.runner.fused import FusedForward
-from cb_kernels.runner.fused.forward import has_hooks
 from cb_kernels.runner.kv_cache import allocate_kv_cache
 from cb_kernels.runner.lm_head import GreedyTokensHead, LogitsHead, choose_lm_head, wants_greedy_head
-from cb_kernels.runner.packed_linears import PackedLinears
+from cb_kernels.runner.packed_linears import PackedLinears, has_hooks
 
 logger = logging.getLogger("cb_kernels")
 

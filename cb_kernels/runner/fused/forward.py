@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from cb_kernels import ops
 from cb_kernels.runner.fused.families import spec_for
 from cb_kernels.runner.fused.spec import FamilySpec
-from cb_kernels.runner.packed_linears import is_packed_forward
+from cb_kernels.runner.packed_linears import has_hooks
 
 
 class _Norm:
@@ -64,28 +64,6 @@ def _is_silu(act) -> bool:
     probe = torch.randn(64, generator=torch.Generator().manual_seed(0)) * 4
     with torch.no_grad():
         return callable(act) and torch.equal(act(probe), F.silu(probe))
-
-
-def has_hooks(modules: list) -> bool:
-    """A forward hook, or an instance `forward` not installed by PackedLinears (another engine's
-    step may be running on the model in another thread), on any of `modules`. Reads each
-    module's __dict__: 37 us a step for the 397 modules of a 30-layer Llama (SmolLM2-135M's
-    layout) on the dev box."""
-    from torch.nn.modules import module as nn_module
-
-    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
-        return True
-    try:
-        for m in modules:
-            d = m.__dict__
-            if d["_forward_hooks"] or d["_forward_pre_hooks"]:
-                return True
-            forward = d.get("forward")
-            if forward is not None and not is_packed_forward(forward):
-                return True
-    except KeyError:            # a module without hook dicts: not one this path knows
-        return True
-    return False
 
 
 def _own_classes(spec: FamilySpec, model, decoder) -> bool:
