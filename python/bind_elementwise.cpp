@@ -12,62 +12,65 @@ void bind_elementwise(py::module_& m) {
       "rms_norm",
       [](uintptr_t x, uintptr_t residual, uintptr_t weight, uintptr_t out, int64_t rows, int64_t dim,
          int64_t x_stride, int64_t residual_stride, int64_t out_stride, float eps,
-         const std::string& isa) {
+         const std::string& isa, int dtype) {
         cbk::RmsNormParams p;
-        p.x = cbk::as_ptr<float>(x);
-        p.residual = cbk::as_ptr<const float>(residual);
-        p.weight = cbk::as_ptr<const float>(weight);
-        p.out = cbk::as_ptr<float>(out);
+        p.x = cbk::as_ptr<void>(x);
+        p.residual = cbk::as_ptr<const void>(residual);
+        p.weight = cbk::as_ptr<const void>(weight);
+        p.out = cbk::as_ptr<void>(out);
         p.rows = rows;
         p.dim = dim;
         p.x_stride = x_stride;
         p.residual_stride = residual_stride;
         p.out_stride = out_stride;
         p.eps = eps;
+        p.dtype = cbk::as_dtype(dtype);
         const cbk::Isa body = cbk::as_isa(isa);
         py::gil_scoped_release nogil;
         cbk::throw_if_error(cbk::cpu::rms_norm(p, body));
       },
       py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("out"), py::arg("rows"),
       py::arg("dim"), py::arg("x_stride"), py::arg("residual_stride"), py::arg("out_stride"),
-      py::arg("eps"), py::arg("isa") = "auto",
-      "x += residual (when not 0), then out = weight * x / sqrt(mean(x^2) + eps), per row.");
+      py::arg("eps"), py::arg("isa") = "auto", py::arg("dtype") = 0,
+      "x += residual (when not 0), then out = weight * x / sqrt(mean(x^2) + eps), per row; dtype 0 fp32, 2 bf16.");
   m.def(
       "silu_mul",
       [](uintptr_t gate_up, uintptr_t out, int64_t rows, int64_t dim, int64_t in_stride, int64_t out_stride,
-         const std::string& isa) {
+         const std::string& isa, int dtype) {
         cbk::SiluMulParams p;
-        p.gate_up = cbk::as_ptr<const float>(gate_up);
-        p.out = cbk::as_ptr<float>(out);
+        p.gate_up = cbk::as_ptr<const void>(gate_up);
+        p.out = cbk::as_ptr<void>(out);
         p.rows = rows;
         p.dim = dim;
         p.in_stride = in_stride;
         p.out_stride = out_stride;
+        p.dtype = cbk::as_dtype(dtype);
         const cbk::Isa body = cbk::as_isa(isa);
         py::gil_scoped_release nogil;
         cbk::throw_if_error(cbk::cpu::silu_mul(p, body));
       },
       py::arg("gate_up"), py::arg("out"), py::arg("rows"), py::arg("dim"), py::arg("in_stride"),
-      py::arg("out_stride"), py::arg("isa") = "auto",
+      py::arg("out_stride"), py::arg("isa") = "auto", py::arg("dtype") = 0,
       "out = silu(gate_up[:, :dim]) * gate_up[:, dim:].");
   m.def(
       "rope",
       [](uintptr_t x, uintptr_t cos, uintptr_t sin, int64_t tokens, int64_t heads, int64_t head_dim,
-         int64_t token_stride, int64_t head_stride, const std::string& isa) {
+         int64_t token_stride, int64_t head_stride, const std::string& isa, int dtype) {
         cbk::RopeParams p;
-        p.x = cbk::as_ptr<float>(x);
-        p.cos = cbk::as_ptr<const float>(cos);
-        p.sin = cbk::as_ptr<const float>(sin);
+        p.x = cbk::as_ptr<void>(x);
+        p.cos = cbk::as_ptr<const void>(cos);
+        p.sin = cbk::as_ptr<const void>(sin);
         p.tokens = tokens;
         p.heads = heads;
         p.head_dim = head_dim;
         p.token_stride = token_stride;
         p.head_stride = head_stride;
+        p.dtype = cbk::as_dtype(dtype);
         const cbk::Isa body = cbk::as_isa(isa);
         py::gil_scoped_release nogil;
         cbk::throw_if_error(cbk::cpu::rope(p, body));
       },
       py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("tokens"), py::arg("heads"),
-      py::arg("head_dim"), py::arg("token_stride"), py::arg("head_stride"), py::arg("isa") = "auto",
+      py::arg("head_dim"), py::arg("token_stride"), py::arg("head_stride"), py::arg("isa") = "auto", py::arg("dtype") = 0,
       "Rotary embedding in place: x = x * cos + rotate_half(x) * sin.");
 }

@@ -1,5 +1,5 @@
-"""Row views of the fused CPU passes' fp32 tensors (rms_norm, silu_mul): [..., dim] as [rows, dim]
-with strided rows and packed elements, checked; errors name the argument."""
+"""Row views of the fused CPU passes' tensors (rms_norm, silu_mul; float32 or bfloat16): [..., dim]
+as [rows, dim] with strided rows and packed elements, checked; errors name the argument."""
 from __future__ import annotations
 
 from typing import Optional
@@ -7,12 +7,19 @@ from typing import Optional
 import torch
 
 
-def as_rows(name: str, t, dim: Optional[int] = None) -> torch.Tensor:
-    """t as [rows, dim] (a view) with a unit last stride; checks fp32 CPU."""
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def as_rows(name: str, t, dim: Optional[int] = None, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """t as [rows, dim] (a view) with a unit last stride; checks a float32 or bfloat16 CPU
+    tensor, of `dtype` when given (the call's other tensors)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu" or t.dtype != torch.float32:
-        raise TypeError(f"{name} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
+    if t.device.type != "cpu" or t.dtype not in DTYPES:
+        raise TypeError(f"{name} must be a float32 or bfloat16 CPU tensor, got {t.dtype} on "
+                        f"{t.device}")
+    if dtype is not None and t.dtype != dtype:
+        raise TypeError(f"{name} must have the input's dtype {dtype}, got {t.dtype}")
     if t.dim() < 1 or (dim is not None and t.shape[-1] != dim):
         raise ValueError(f"{name} must end in {dim if dim is not None else 'a feature dim'}, got "
                          f"shape {tuple(t.shape)}")
@@ -26,6 +33,11 @@ def as_rows(name: str, t, dim: Optional[int] = None) -> torch.Tensor:
     if r.shape[-1] > 1 and r.stride(-1) != 1:
         raise ValueError(f"{name} must be packed along its last dim (strides {t.stride()})")
     return r
+
+
+def dtype_code(t: torch.Tensor) -> int:
+    """The kernels' DType code of a float32 (0) or bfloat16 (2) tensor."""
+    return 2 if t.dtype == torch.bfloat16 else 0
 
 
 def row_stride(r: torch.Tensor) -> int:

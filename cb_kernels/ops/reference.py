@@ -92,10 +92,12 @@ def ref_greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 def ref_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> torch.Tensor:
     """x: [..., dim] (x += residual in place first when residual, like x, is given); weight: [dim].
-    Returns weight * x / sqrt(mean(x^2, -1) + eps), a new tensor like x."""
+    Returns weight * x / sqrt(mean(x^2, -1) + eps), a new tensor like x: the norm in fp32, cast
+    to x's dtype before the weight multiplies it (transformers' LlamaRMSNorm)."""
     if residual is not None:
         x.add_(residual)
-    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    h = x.float()
+    return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def ref_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
-"""`rope_`: the rotary embedding of fp32 CPU q or k heads, in place, in one pass
+"""`rope_`: the rotary embedding of float32 or bfloat16 CPU q or k heads, in place, in one pass
 (csrc/cpu/elementwise.cpp says why and what it measured); matches transformers'
-apply_rotary_pos_emb to fp32 rounding.
+apply_rotary_pos_emb to fp32 rounding (bf16: each product and the sum rounded, as its bf16 ops).
 """
 from __future__ import annotations
 
@@ -10,14 +10,15 @@ from cb_kernels import _C
 from cb_kernels.ops._backend import sync_threads
 
 
-def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, isa: str = "auto") -> torch.Tensor:
     """``x = x * cos + rotate_half(x) * sin`` in place, as transformers' apply_rotary_pos_emb.
 
     Parameters
     ----------
-    x : float32 CPU ``[num_tokens, num_heads, head_dim]``, head_dim even and packed; tokens and
-        heads any stride (a view into a fused qkv output works). Rotated in place.
-    cos, sin : contiguous float32 CPU ``[num_tokens, head_dim]``.
+    x : float32 or bfloat16 CPU ``[num_tokens, num_heads, head_dim]``, head_dim even and packed;
+        tokens and heads any stride (a view into a fused qkv output works). Rotated in place.
+    cos, sin : contiguous CPU ``[num_tokens, head_dim]`` of x's dtype.
+    isa : caps the kernel's body ("auto" or one of ``_C.cpu_isas()``, for tests).
 
     Returns x.
     """
@@ -25,14 +26,17 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     if torch.compiler.is_compiling():   # traced: the registered op (x marked as mutated)
         torch.ops.cb_kernels.rope_(x, cos, sin)
     else:
-        _run(x, cos, sin)
+        _run(x, cos, sin, isa)
     return x
 
 
 def _check(x, cos, sin) -> None:
     for name, t in (("x", x), ("cos", cos), ("sin", sin)):
-        if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.dtype != torch.float32:
-            raise TypeError(f"{name} must be a float32 CPU tensor")
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu" \
+                or t.dtype not in (torch.float32, torch.bfloat16):
+            raise TypeError(f"{name} must be a float32 or bfloat16 CPU tensor")
+        if t.dtype != x.dtype:
+            raise TypeError(f"{name} must have x's dtype {x.dtype}, got {t.dtype}")
     if x.dim() != 3 or x.shape[-1] % 2 or x.stride(-1) != 1:
         raise ValueError(f"x must be [num_tokens, num_heads, even head_dim] with head_dim packed, "
                          f"got shape {tuple(x.shape)} strides {x.stride()}")
@@ -42,10 +46,10 @@ def _check(x, cos, sin) -> None:
             raise ValueError(f"{name} must be contiguous {list(want)}, got shape {tuple(t.shape)}")
 
 
-def _run(x, cos, sin) -> None:
+def _run(x, cos, sin, isa: str = "auto") -> None:
     sync_threads()
     _C.rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), x.shape[0], x.shape[1], x.shape[2],
-            x.stride(0), x.stride(1))
+            x.stride(0), x.stride(1), isa, 2 if x.dtype == torch.bfloat16 else 0)
 
 
 @torch.library.custom_op("cb_kernels::rope_", mutates_args=("x",))

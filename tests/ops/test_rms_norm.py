@@ -58,7 +58,7 @@ def test_traces_under_torch_compile():
 
 
 @pytest.mark.parametrize("call, error, match", [
-    (lambda: ops.rms_norm(_r(3, 8).double(), _r(8), 1e-5), TypeError, "x must be a float32 CPU"),
+    (lambda: ops.rms_norm(_r(3, 8).double(), _r(8), 1e-5), TypeError, "x must be a float32 or bfloat16 CPU"),
     (lambda: ops.rms_norm(_r(3, 8), _r(7), 1e-5), ValueError, "weight must end in 8"),
     (lambda: ops.rms_norm(_r(3, 8), _r(2, 8), 1e-5), ValueError, r"weight must be \[8\]"),
     (lambda: ops.rms_norm(_r(3, 8), _r(8), 1e-5, residual=_r(2, 8)), ValueError, "residual has 2 rows"),

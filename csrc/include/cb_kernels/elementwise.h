@@ -1,6 +1,8 @@
-// Fused per-row fp32 operations of a decoder layer on CPU (the engine's Llama-family forward):
+// Fused per-row operations of a decoder layer on CPU (the engine's Llama-family forward):
 // RMSNorm with an optional residual add, SiLU(gate) * up, and rotary embedding in place.
-// Torch-free; rows may be strided, elements within a row packed.
+// Torch-free; rows may be strided, elements within a row packed. Every tensor of one call has
+// the call's dtype: fp32, or bf16 (math in fp32, each of transformers' bf16 ops rounded where
+// transformers rounds it, see csrc/cpu/elementwise.cpp). fp16 is not taken.
 #pragma once
 
 #include <cstdint>
@@ -13,30 +15,33 @@ namespace cbk {
 // If residual: x[r] += residual[r] first (x written back). Then
 // out[r] = weight * (x[r] * 1 / sqrt(mean(x[r]^2) + eps)).
 struct RmsNormParams {
-  float* x = nullptr;               // [rows, dim], rows x_stride apart
-  const float* residual = nullptr;  // [rows, dim] (residual_stride) or nullptr
-  const float* weight = nullptr;    // [dim]
-  float* out = nullptr;             // [rows, dim], rows out_stride apart
+  void* x = nullptr;                // [rows, dim], rows x_stride apart
+  const void* residual = nullptr;   // [rows, dim] (residual_stride) or nullptr
+  const void* weight = nullptr;     // [dim]
+  void* out = nullptr;              // [rows, dim], rows out_stride apart
   int64_t rows = 0, dim = 0;
-  int64_t x_stride = 0, residual_stride = 0, out_stride = 0;
+  int64_t x_stride = 0, residual_stride = 0, out_stride = 0;  // elements
   float eps = 0.0f;
+  DType dtype = DType::kFloat32;
 };
 
 // out[r][i] = silu(gate_up[r][i]) * gate_up[r][dim + i].
 struct SiluMulParams {
-  const float* gate_up = nullptr;   // [rows, 2 * dim], rows in_stride apart
-  float* out = nullptr;             // [rows, dim], rows out_stride apart
+  const void* gate_up = nullptr;    // [rows, 2 * dim], rows in_stride apart
+  void* out = nullptr;              // [rows, dim], rows out_stride apart
   int64_t rows = 0, dim = 0, in_stride = 0, out_stride = 0;
+  DType dtype = DType::kFloat32;
 };
 
 // For each token t and head h of x [tokens, heads, head_dim] (in place):
 // x = x * cos[t] + rotate_half(x) * sin[t], rotate_half(x) = cat(-x[half:], x[:half]).
 struct RopeParams {
-  float* x = nullptr;
-  const float* cos = nullptr;       // [tokens, head_dim], packed
-  const float* sin = nullptr;       // [tokens, head_dim], packed
+  void* x = nullptr;
+  const void* cos = nullptr;        // [tokens, head_dim], packed
+  const void* sin = nullptr;        // [tokens, head_dim], packed
   int64_t tokens = 0, heads = 0, head_dim = 0;  // head_dim even
   int64_t token_stride = 0, head_stride = 0;    // elements
+  DType dtype = DType::kFloat32;
 };
 
 namespace cpu {
