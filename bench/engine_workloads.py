@@ -66,9 +66,11 @@ def checkpoint_dir(model, saved_dir, stack):
 def chat_prompts(tokenizer, n: int) -> list:
     questions = json.loads(resources.files("cb_kernels").joinpath("data/demo_prompts.json")
                            .read_text())
+    if n > len(questions):
+        raise ValueError(f"the chat workload has {len(questions)} distinct questions, asked for {n}")
     out = []
     for i in range(n):
-        messages = [{"role": "user", "content": questions[i % len(questions)]}]
+        messages = [{"role": "user", "content": questions[i]}]
         out.append(list(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                       tokenize=True, return_dict=False)))
     return out

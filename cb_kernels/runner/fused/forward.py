@@ -1,4 +1,4 @@
-"""The engine's own decoder forward on CPU fp32 for the families in families/ (a spec each).
+"""The engine's own decoder forward on CPU, fp32 or bf16, for the families in families/ (a spec each).
 
 Why: with the linears packed (runner/packed_linears.py), what remains of a decode step beyond the
 GEMMs is transformers' per-layer Python: module calls, kwarg decorators, views and transposes,
@@ -9,7 +9,10 @@ it as one C++ pass, SiLU(gate) * up as one, the rotary embedding in place as one
 formula, its own cos/sin module), the fused packed projections, and the attention kernels called
 directly after one check of the step's metadata on layer 0. Logits agree with transformers'
 forward to fp32 rounding (other summation order, fused multiply-adds), tested per family; the
-greedy tokens of the engine tests are transformers' generate's.
+greedy tokens of the engine tests are transformers' generate's. In bf16 every tensor between
+the passes is bf16 as in transformers' forward, and each pass rounds where transformers' op
+chain rounds (ops/rms_norm.py and the others say where), so the two differ by the GEMMs' and
+attention's summation order, not by a different formula.
 
 It applies only when the model is exactly what its spec describes: the family's own transformers
 classes, not subclasses (which may override forward: a silent divergence otherwise), RMSNorms and
@@ -31,14 +34,23 @@ from cb_kernels.runner.fused.spec import FamilySpec
 from cb_kernels.runner.packed_linears import has_hooks
 
 
+def _bf16_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm on a bf16 tensor: the norm in fp32, cast, times the weight."""
+    h = x.float()
+    return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 class _Norm:
-    """An RMSNorm module run as F.rms_norm (its weight read at each call: it may be replaced)."""
+    """An RMSNorm module run as F.rms_norm in fp32, as transformers' formula in bf16 (its weight
+    read at each call: it may be replaced)."""
 
     def __init__(self, module, eps: float):
         self.module, self.eps = module, eps
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w = self.module.weight
+        if w.dtype == torch.bfloat16:
+            return _bf16_rms_norm(x, w, self.eps)
         return F.rms_norm(x, (w.shape[0],), w, self.eps)
 
     def fused(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
@@ -48,14 +60,16 @@ class _Norm:
 
 
 def _rms_norm(norm) -> Optional[_Norm]:
-    """`norm` as a _Norm when it computes exactly F.rms_norm(x, weight, eps), else None."""
+    """`norm` as a _Norm when it computes exactly F.rms_norm(x, weight, eps) (fp32), or exactly
+    transformers' LlamaRMSNorm formula (bf16), else None."""
     w, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
     if not type(norm).__name__.endswith("RMSNorm") or not isinstance(w, torch.Tensor) \
-            or w.dim() != 1 or w.dtype != torch.float32 or not isinstance(eps, float):
+            or w.dim() != 1 or w.dtype not in (torch.float32, torch.bfloat16) \
+            or not isinstance(eps, float):
         return None
-    probe = torch.randn(3, w.shape[0], generator=torch.Generator().manual_seed(0))
+    probe = torch.randn(3, w.shape[0], generator=torch.Generator().manual_seed(0)).to(w.dtype)
     with torch.no_grad():
-        if not torch.equal(norm(probe), F.rms_norm(probe, (w.shape[0],), w, eps)):
+        if not torch.equal(norm(probe), _Norm(norm, eps)(probe)):
             return None
     return _Norm(norm, eps)
 
