@@ -30,7 +30,8 @@ def add_demo_args(parser: argparse.ArgumentParser) -> None:
                         help="skip the transformers generate_batch comparison")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
-                        help="default: float32 on CPU, bfloat16 on CUDA")
+                        help="default: the fastest here for the checkpoint (bfloat16 on CUDA "
+                             "and on CPUs with AVX512-BF16 or AMX, else float32)")
     parser.add_argument("--cache-dir", default=None, help="where built-in models are kept")
     parser.add_argument("--quiet", action="store_true", help="do not print the answers")
 
@@ -64,14 +65,17 @@ def _check_args(args) -> None:
 
 def run_demo(args: argparse.Namespace) -> int:
     from cb_kernels import Engine, EngineConfig, SamplingParams
-    from cb_kernels.models import load
+    from cb_kernels.models import fast_dtype, load
 
     _check_args(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
-    print(f"loading {args.model} ({dtype}, {device}) ...", flush=True)
+    print(f"loading {args.model} ({args.dtype or 'fastest dtype'}, {device}) ...", flush=True)
     start = time.perf_counter()
-    model, tokenizer = load(args.model, dtype=dtype, cache_dir=args.cache_dir)
+    model, tokenizer = load(args.model, dtype=args.dtype, cache_dir=args.cache_dir)
+    if args.dtype is None:
+        dtype, why = fast_dtype(model.dtype, device)
+        print(f"dtype: {str(dtype).replace('torch.', '')} ({why})", flush=True)
+        model = model.to(dtype)
     if tokenizer is None:
         raise SystemExit(f"--model {args.model}: the checkpoint has no tokenizer; the demo needs one")
     model.to(device)

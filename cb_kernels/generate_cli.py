@@ -29,7 +29,9 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to text prompts")
     p.add_argument("--device", default=None, choices=("cpu", "cuda"), help="default: cuda when available")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
-                   help="model dtype (default: float32 on CPU, bfloat16 on CUDA)")
+                   help="model dtype (default: the fastest here for the checkpoint, "
+                        "cb_kernels.models.fast_dtype: bfloat16 on CUDA and on CPUs with "
+                        "AVX512-BF16 or AMX, else float32)")
     p.add_argument("--trust-remote-code", action="store_true", help="let the checkpoint run its own code")
     e = p.add_argument_group("EngineConfig (default: auto)")
     e.add_argument("--block-size", type=int)
@@ -113,7 +115,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from cb_kernels import Engine
-    from cb_kernels.models import load
+    from cb_kernels.models import fast_dtype, load
 
     config, params = _configs(args)
     in_path, out_path = Path(args.input), Path(args.output)
@@ -125,8 +127,11 @@ def run_generate(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device")
-    model, tokenizer = load(args.model, dtype=args.dtype or ("bfloat16" if device == "cuda" else "float32"),
-                            trust_remote_code=args.trust_remote_code)
+    model, tokenizer = load(args.model, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+    if args.dtype is None:
+        dtype, why = fast_dtype(model.dtype, device)
+        print(f"dtype: {str(dtype).replace('torch.', '')} ({why})", file=sys.stderr)
+        model = model.to(dtype)
     engine = Engine(model.to(device), config, tokenizer=tokenizer)
 
     pending = {}   # engine request id -> (index, id)

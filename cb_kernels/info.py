@@ -18,6 +18,7 @@ def collect() -> dict:
     import cb_kernels
     from cb_kernels import _C
     from cb_kernels.ops._backend import available_backends, cuda_kernels_error
+    from cb_kernels.runner.packed_linears import bf16_path, gemm
 
     gpu = None
     if torch.cuda.is_available():
@@ -31,6 +32,9 @@ def collect() -> dict:
         "cpu_kernel_isa": _C.cpu_isa(),
         "cpu_linear_isa": _C.linear_isa(),
         "cpu_greedy_head": "avx512-vnni" if _C.greedy_head_has_simd() else "portable (off by default)",
+        "cpu_fp32_linears": gemm(torch.float32) or "transformers' (no packed GEMM here)",
+        "cpu_bf16_linears": bf16_path(),
+        "cpu_fp16": "transformers' forward (fp16 is not packed on CPU; load bfloat16 instead)",
         "cpu_threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "torch": torch.__version__,

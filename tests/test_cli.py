@@ -9,7 +9,8 @@ from cb_kernels.generate_cli import read_records
 
 
 def test_demo_runs_end_to_end(smollm2, capsys):
-    assert cli.main(["demo", "--num-prompts", "2", "--max-new-tokens", "6", "--device", "cpu"]) == 0
+    assert cli.main(["demo", "--num-prompts", "2", "--max-new-tokens", "6", "--device", "cpu",
+                     "--dtype", "float32"]) == 0
     out = capsys.readouterr().out
     assert "[1] What is the capital of France?" in out
     assert "cb_kernels Engine:" in out and "transformers generate_batch:" in out and "speedup:" in out
@@ -20,8 +21,30 @@ def test_demo_no_compare_and_bad_flags(smollm2, capsys):
     assert cli.main(["demo", "--num-prompts", "1", "--max-new-tokens", "2", "--no-compare", "--quiet"]) == 0
     out = capsys.readouterr().out
     assert "cb_kernels Engine:" in out and "generate_batch:" not in out
+    from cb_kernels.models import fast_dtype
+    dtype, why = fast_dtype(torch.bfloat16)         # the bundled checkpoint is bf16
+    assert f"dtype: {str(dtype).replace('torch.', '')} ({why})" in out
     with pytest.raises(SystemExit, match="--num-prompts must be >= 1"):
         cli.main(["demo", "--num-prompts", "0"])
+
+
+@pytest.mark.parametrize("avx512_bf16, amx, checkpoint, device, want", [
+    (True, False, torch.bfloat16, "cpu", torch.bfloat16),
+    (False, True, torch.bfloat16, "cpu", torch.bfloat16),
+    (False, False, torch.bfloat16, "cpu", torch.float32),
+    (True, False, torch.float16, "cpu", torch.bfloat16),
+    (False, False, torch.float16, "cpu", torch.float32),
+    (True, True, torch.float32, "cpu", torch.float32),
+    (False, False, torch.float32, "cuda", torch.bfloat16),
+    (False, False, torch.float16, "cuda", torch.float16),
+])
+def test_fast_dtype_follows_the_cpu_features(monkeypatch, avx512_bf16, amx, checkpoint, device, want):
+    from cb_kernels.models import fast_dtype
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    dtype, why = fast_dtype(checkpoint, device)
+    assert dtype == want and why
 
 
 def _write_jsonl(path, records):

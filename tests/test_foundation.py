@@ -40,9 +40,12 @@ def test_unknown_backend_is_a_value_error():
 def test_info_command_lists_versions():
     out = subprocess.run([sys.executable, "-m", "cb_kernels", "info"], capture_output=True, text=True,
                          check=True, cwd="/").stdout
-    for key in ("cb_kernels", "backends", "cuda_kernels_compiled", "torch", "triton", "transformers"):
+    for key in ("cb_kernels", "backends", "cuda_kernels_compiled", "torch", "triton", "transformers",
+                "cpu_fp32_linears", "cpu_bf16_linears", "cpu_fp16"):
         assert key in out
     assert cb_kernels.__version__ in out
+    from cb_kernels.runner.packed_linears import bf16_path
+    assert bf16_path() in out          # the bf16 path that runs here, in words
 
 
 @pytest.mark.slow

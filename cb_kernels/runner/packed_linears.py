@@ -75,6 +75,19 @@ def onednn_bf16_native() -> bool:
     return _onednn_ok() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def bf16_path() -> str:
+    """Which bf16 linear path runs here, for `cb-kernels info` and the logs."""
+    if gemm(torch.bfloat16) == "torch":
+        return "F.linear on the concatenated weights (portable: oneDNN has no native bf16 here)"
+    if torch.cpu._is_amx_tile_supported():
+        unit = "AMX tiles"
+    elif torch.cpu._is_avx512_bf16_supported():
+        unit = "AVX512-BF16 vdpbf16ps"
+    else:
+        unit = "AVX-512, bf16 converted to fp32"
+    return f"oneDNN bf16 matmul on packed weights ({unit})"
+
+
 def gemm(dtype: torch.dtype = torch.float32) -> Optional[str]:
     """The GEMM new groups of `dtype` weights use: "cbk", "onednn", "torch", or None (none runs
     here: fp32 without oneDNN, or a dtype not packed)."""
