@@ -27,10 +27,18 @@ PYBIND11_MODULE(_C, m) {
           return names;
         },
         "The values of a CPU kernel's `isa` argument this machine runs, besides 'auto' "
-        "(ascending: 'portable', then 'avx2', 'avx512', 'avx512_vnni' as far as the CPU goes).");
+        "(ascending: 'portable', then 'avx2', 'avx512', 'avx512_vnni', 'avx512_bf16' as far as "
+        "the CPU goes).");
   m.def("cpu_isa", []() { return std::string(cbk::cpu::isa_name(cbk::cpu::paged_attention_isa())); },
         "The body paged attention (and the elementwise and argmax kernels) run here: "
         "'avx2' or 'portable'.");
+  m.def("paged_attention_bf16_isa",
+        [](int64_t head_dim) {
+          return std::string(cbk::cpu::isa_name(cbk::cpu::paged_attention_bf16_isa(head_dim)));
+        },
+        py::arg("head_dim") = 64,
+        "The body bf16 paged attention of this head_dim runs here: 'avx512_bf16' (vdpbf16ps, "
+        "head_dim % 32 == 0), else 'avx2' or 'portable' (fp32 math on converted rows).");
 
   bind_runtime(m);
   bind_paged_attention(m);

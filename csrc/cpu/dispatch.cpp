@@ -28,13 +28,15 @@ CBK_DECLARE_BODIES(cpu_portable)
 CBK_DECLARE_BODIES(cpu_avx2)
 CBK_DECLARE_BODIES(cpu_avx512)
 CBK_DECLARE_BODIES(cpu_avx512_vnni)
+CBK_DECLARE_BODIES(cpu_avx512_bf16)
 #endif
 
 namespace cbk {
 namespace cpu {
 
 namespace {
-constexpr const char* kNames[kNumIsas] = {"portable", "avx2", "avx512", "avx512_vnni"};
+constexpr const char* kNames[kNumIsas] = {"portable", "avx2", "avx512", "avx512_vnni",
+                                           "avx512_bf16"};
 
 bool detect(Isa isa) {
 #if CBK_X86_BODIES
@@ -48,6 +50,8 @@ bool detect(Isa isa) {
              __builtin_cpu_supports("avx512dq");
     case Isa::kAvx512Vnni:
       return detect(Isa::kAvx512) && __builtin_cpu_supports("avx512vnni");
+    case Isa::kAvx512Bf16:
+      return detect(Isa::kAvx512Vnni) && __builtin_cpu_supports("avx512bf16");
     default:
       return true;
   }
@@ -68,6 +72,7 @@ Isa pick(Isa cap, const Isa (&bodies)[N]) {
 }
 
 constexpr Isa kAvx2Bodies[] = {Isa::kPortable, Isa::kAvx2};
+constexpr Isa kBf16AttentionBodies[] = {Isa::kPortable, Isa::kAvx2, Isa::kAvx512Bf16};
 }  // namespace
 
 const char* isa_name(Isa isa) {
@@ -100,6 +105,10 @@ Isa best_isa() {
 }
 
 Isa paged_attention_isa(Isa isa) { return pick(isa, kAvx2Bodies); }
+Isa paged_attention_bf16_isa(int64_t head_dim, Isa isa) {
+  const Isa b = pick(isa, kBf16AttentionBodies);
+  return b == Isa::kAvx512Bf16 && head_dim % 32 != 0 ? pick(isa, kAvx2Bodies) : b;
+}
 Isa linear_isa(Isa isa) { return pick(isa, {Isa::kPortable, Isa::kAvx2, Isa::kAvx512}); }
 Isa greedy_head_isa(Isa isa) { return pick(isa, {Isa::kPortable, Isa::kAvx512Vnni}); }
 
@@ -111,6 +120,13 @@ Isa greedy_head_isa(Isa isa) { return pick(isa, {Isa::kPortable, Isa::kAvx512Vnn
 #endif
 
 Status paged_attention(const PagedAttentionParams& p, Isa isa) {
+#if CBK_X86_BODIES
+  // bf16 K/V with head_dim % 32 == 0: the vdpbf16ps kernel where the CPU has AVX512-BF16 (the
+  // fp32 math of the avx2 body otherwise: its AVX-512 compile was slower, see the kernel).
+  if (p.dtype == DType::kBFloat16 &&
+      paged_attention_bf16_isa(p.head_dim, isa) == Isa::kAvx512Bf16)
+    return cpu_avx512_bf16::paged_attention(p);
+#endif
   CBK_RUN_AVX2_OR_PORTABLE(paged_attention, p, isa);
 }
 Status rms_norm(const RmsNormParams& p, Isa isa) { CBK_RUN_AVX2_OR_PORTABLE(rms_norm, p, isa); }

@@ -50,11 +50,11 @@ struct BF16 {
   static v8f load(const T* p) {
     v8u w;
     for (int i = 0; i < 8; ++i) w[i] = static_cast<uint32_t>(p[i]) << 16;
-    return reinterpret_cast<v8f&>(w);
+    return (v8f)w;
   }
   // Round to nearest even into the high 16 bits; NaN stays NaN (quiet), as float_to_bf16.
   static v8u rne(v8f v) {
-    const v8u b = reinterpret_cast<v8u&>(v);
+    const v8u b = (v8u)v;
     const v8u r = b + 0x7fffu + ((b >> 16) & 1u);
     const v8u nan = (b & 0x7fffffffu) > 0x7f800000u;
     return (nan & (b | 0x400000u)) | (~nan & r);
@@ -67,7 +67,7 @@ struct BF16 {
   static void put(T* p, float x) { *p = float_to_bf16(x); }
   static v8f round(v8f v) {
     const v8u r = rne(v) & 0xffff0000u;
-    return reinterpret_cast<const v8f&>(r);
+    return (v8f)r;
   }
   static float round(float x) { return bf16_to_float(float_to_bf16(x)); }
 };

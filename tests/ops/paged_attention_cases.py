@@ -151,4 +151,17 @@ CASES = [
          head_dim=32),
     Case("d32-fp16-window-softcap", seq_lens=(700, 300), q_lens=(1, 70), head_dim=32,
          dtype=torch.float16, sliding_window=100, softcap=10.0),
+    # bf16 with head_dim % 32 == 0 takes the vdpbf16ps kernel where the CPU has AVX512-BF16:
+    # odd key counts (key pairs), row blocks of 4 plus remainders, partitions, d 32/128/256,
+    # per-token views, windows.
+    Case("bf16-partition-edges", seq_lens=(256, 257, 513, 255, 33), q_lens=(17, 1, 1, 255, 2),
+         dtype=torch.bfloat16),
+    Case("bf16-gqa16-rows", seq_lens=(300, 65), q_lens=(9, 1), num_heads=16, num_kv_heads=1,
+         dtype=torch.bfloat16),
+    Case("bf16-gqa8-d128-bs32", seq_lens=(1030, 300, 17), q_lens=(1, 37, 17), num_heads=16,
+         num_kv_heads=2, head_dim=128, block_size=32, dtype=torch.bfloat16),
+    Case("bf16-d32-edges-window", seq_lens=(512, 513, 64, 65, 600), q_lens=(17, 1, 64, 3, 200),
+         head_dim=32, dtype=torch.bfloat16, sliding_window=70),
+    Case("bf16-mqa-d256-per-token", seq_lens=(100, 31), q_lens=(1, 7), num_heads=5,
+         num_kv_heads=1, head_dim=256, dtype=torch.bfloat16, kv_layout="kv-per-token"),
 ]

@@ -15,7 +15,9 @@ from cb_kernels.ops.paged_attention import _run_cpu
 from cb_kernels.ops.reference import ref_paged_attention
 from paged_attention_cases import CASES, Case, build, kwargs, tolerance
 
-BACKENDS = ["cpu", "cpu-portable", "triton", "cuda"]
+# "cpu" is the CPU kernel's best body here (avx512_bf16 for bf16 with AVX512-BF16, else avx2);
+# "cpu-avx2" and "cpu-portable" force the lower bodies this CPU runs.
+BACKENDS = ["cpu", "cpu-avx2", "cpu-portable", "triton", "cuda"]
 CUDA_HEAD_DIMS = (64, 80, 96, 128, 256)  # the compiled CUDA kernel's head dims
 BY_ID = {c.id: c for c in CASES}
 
@@ -27,17 +29,21 @@ def reference(case: Case) -> torch.Tensor:
 
 def run(backend: str, case: Case, device: str = "cpu") -> torch.Tensor:
     args = build(case, device=device)
-    if backend != "cpu-portable":
+    if not backend.startswith("cpu-"):
         return ops.paged_attention(*args, **kwargs(case), backend=backend)
     out = torch.empty_like(args[0])
     scale, window, cap = check_args(*args, case.scale, case.sliding_window, case.softcap, None)
-    _run_cpu(*args, out, scale, window, cap, isa="portable")
+    _run_cpu(*args, out, scale, window, cap, isa=backend[4:])
     return out
 
 
 def require(backend: str) -> str:
     """Device for the backend, or skip with the reason it cannot run here."""
-    name = "cpu" if backend == "cpu-portable" else backend
+    from cb_kernels import _C
+
+    if backend.startswith("cpu-") and backend[4:] not in _C.cpu_isas():
+        pytest.fail(f"{backend}: this CPU runs only {_C.cpu_isas()}; the CI machines run avx2")
+    name = "cpu" if backend.startswith("cpu-") else backend
     if name not in ops.available_backends():
         pytest.skip(f"backend {name!r} is not available here ({ops.available_backends()})")
     return "cuda" if name == "cuda" or (name == "triton" and torch.cuda.is_available()) else "cpu"
@@ -118,7 +124,13 @@ def test_reference_softcap_by_hand():
                                        num_heads=64, num_kv_heads=8),
                                   Case("d32-32q-8kv", seq_lens=(1100, 37, 600, 300),
                                        q_lens=(1, 1, 5, 300), num_heads=32, num_kv_heads=8,
-                                       head_dim=32)],
+                                       head_dim=32),
+                                  Case("bf16-decode-64q-8kv", seq_lens=(600, 37, 300),
+                                       q_lens=(1, 1, 5), num_heads=64, num_kv_heads=8,
+                                       dtype=torch.bfloat16),
+                                  Case("bf16-d32-32q-8kv", seq_lens=(1100, 37, 600, 300),
+                                       q_lens=(1, 1, 5, 300), num_heads=32, num_kv_heads=8,
+                                       head_dim=32, dtype=torch.bfloat16)],
                          ids=lambda c: c.id)
 def test_cpu_batch_and_threads_do_not_change_results(case):
     """A sequence's output is bit-identical alone, inside a batch, and on 1 or 2 threads."""
@@ -138,6 +150,20 @@ def test_cpu_batch_and_threads_do_not_change_results(case):
             assert torch.equal(again, full), f"{n} threads changed the result"
     finally:
         torch.set_num_threads(old)
+
+
+def test_bf16_body_choice_follows_the_cpu_and_head_dim():
+    """bf16 K/V with head_dim % 32 == 0 run the vdpbf16ps body exactly where the CPU has
+    AVX512-BF16; other head dims, and forced lower bodies, run the fp32-math bodies."""
+    from cb_kernels import _C
+
+    has = "avx512_bf16" in _C.cpu_isas()
+    assert _C.paged_attention_bf16_isa(64) == ("avx512_bf16" if has else _C.cpu_isa())
+    assert _C.paged_attention_bf16_isa(128) == _C.paged_attention_bf16_isa(64)
+    assert _C.paged_attention_bf16_isa(80) == _C.cpu_isa()
+    if has:      # the two bodies really differ: P.V rounds P to bf16 in one of them
+        case = BY_ID["bf16-partition-edges"]
+        assert not torch.equal(run("cpu", case), run("cpu-avx2", case))
 
 
 @pytest.mark.parametrize("backend", [pytest.param(b, marks=gpu_marks(b))

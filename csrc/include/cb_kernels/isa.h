@@ -20,11 +20,12 @@ enum class Isa : int32_t {
   kAvx2 = 1,        // AVX2 + FMA + F16C
   kAvx512 = 2,      // AVX-512 F/BW/VL/DQ
   kAvx512Vnni = 3,  // AVX-512 VNNI (int8 dot products)
+  kAvx512Bf16 = 4,  // AVX512-BF16 (bf16 pair dot products, vdpbf16ps) on top of VNNI
 };
-constexpr int kNumIsas = 4;
+constexpr int kNumIsas = 5;
 
 namespace cpu {
-const char* isa_name(Isa isa);                  // "auto", "portable", "avx2", "avx512", "avx512_vnni"
+const char* isa_name(Isa isa);  // "auto", "portable", "avx2", "avx512", "avx512_vnni", "avx512_bf16"
 bool parse_isa(const char* name, Isa* isa);     // false: not one of isa_name()'s names
 bool isa_supported(Isa isa);                    // this CPU runs it (kAuto: true)
 Isa best_isa();                                 // the highest ISA this CPU runs

@@ -88,6 +88,8 @@ namespace cpu {
 // Bodies: portable, avx2 (see cb_kernels/isa.h).
 Status paged_attention(const PagedAttentionParams& p, Isa isa = Isa::kAuto);
 Isa paged_attention_isa(Isa isa = Isa::kAuto);  // the body paged_attention(p, isa) runs here
+// The body bf16 K/V of this head_dim run on (avx512_bf16: vdpbf16ps, head_dim % 32 == 0).
+Isa paged_attention_bf16_isa(int64_t head_dim, Isa isa = Isa::kAuto);
 }  // namespace cpu
 
 }  // namespace cbk
