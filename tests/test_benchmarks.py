@@ -21,6 +21,10 @@ CASES = [
                          "--no-baselines", "--heads", "2", "--kv-heads", "1", "--head-dim", "16",
                          "--only", "decode b1 ctx512"],
      {"config", "rows", "dispatch_us"}, {"shape", "backend", "gbps", "copy_gbps", "of_copy"}),
+    ("paged_attention", ["--device", "cpu", "--quick", "--threads", "1", "--reps", "1", "--copy-mib", "1",
+                         "--no-baselines", "--heads", "2", "--kv-heads", "1", "--head-dim", "32",
+                         "--only", "decode b1 ctx512", "--dtype", "bf16", "--backends", "cpu"],
+     {"config", "rows", "dispatch_us"}, {"shape", "backend", "x_fp32"}),
     ("write_kv", CACHE_ARGS + ["--num-tokens", "32"], {"meta", "rows"}, {"op", "gbps", "vs_memcpy", "vs_torch_ref"}),
     ("copy_blocks", CACHE_ARGS + BLOCK_ARGS, {"meta", "rows"}, {"op", "gbps", "vs_memcpy", "vs_transformers"}),
     ("swap_blocks", CACHE_ARGS + BLOCK_ARGS, {"meta", "rows"}, {"op", "gbps", "vs_memcpy", "pinned"}),
@@ -52,7 +56,8 @@ def _rows(data):
     return data["rows"] if "rows" in data else data["results"]
 
 
-@pytest.mark.parametrize("name, args, keys, row_keys", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("name, args, keys, row_keys", CASES,
+                         ids=[c[0] + ("-bf16" if "bf16" in c[1] else "") for c in CASES])
 def test_kernel_bench_runs_from_the_installed_package(site, tmp_path, name, args, keys, row_keys):
     out = tmp_path / f"{name}.json"
     r = _cli(site, tmp_path, "bench", name, *args, "--json", str(out))

@@ -6,7 +6,9 @@ same run (a large tensor copy, read + write bytes, measured between the repetiti
 so load on a shared machine hits both alike), and the speedup over (a) the pure-torch reference
 and (b) transformers' way: gather every sequence's KV into one contiguous copy, repeat the KV
 heads, one SDPA over the packed batch with a dense block-diagonal causal float mask (the mask is
-built outside the timed region, as transformers builds it once per batch).
+built outside the timed region, as transformers builds it once per batch). With --dtype bf16 (or
+fp16) on the CPU, "x fp32" is the speedup of the CPU kernel's row over the same kernel and shape
+with fp32 K/V, timed alongside: half the bytes, and (bf16 with AVX512-BF16) vdpbf16ps products.
 
     cb-kernels bench paged_attention --quick
     cb-kernels bench paged_attention --device cuda --json results.json
@@ -148,6 +150,14 @@ def bench_rows(args, threads):
             base["hf"] = best_time(hf_way(*inputs, seqs), device, 3)[0]
         out = torch.empty_like(inputs[0])
         scale = args.head_dim ** -0.5
+        t_fp32 = None
+        if device == "cpu" and dtype != torch.float32 and "cpu" in backends:
+            fp32 = make_batch(seqs, args.heads, args.kv_heads, args.head_dim, args.block_size,
+                              torch.float32, device)
+            out32 = torch.empty_like(fp32[0])
+            t_fp32 = best_time(lambda: run_backend("cpu", *fp32, out32, scale, 0, 0.0), device,
+                               args.reps)[0]
+            del fp32
         for backend in backends:
             t, t_copy = best_time(lambda: run_backend(backend, *inputs, out, scale, 0, 0.0),
                                   device, args.reps, copy)
@@ -155,12 +165,13 @@ def bench_rows(args, threads):
             row = dict(shape=name, backend=backend, threads=threads, ms=t * 1e3, gbps=gbps,
                        copy_gbps=copy_gbps, of_copy=gbps / copy_gbps,
                        x_ref=base["ref"] / t if "ref" in base else None,
-                       x_hf=base["hf"] / t if "hf" in base else None)
+                       x_hf=base["hf"] / t if "hf" in base else None,
+                       x_fp32=t_fp32 / t if t_fp32 is not None and backend == "cpu" else None)
             results.append(row)
-            fmt = lambda x: "-" if x is None else f"{x:.1f}x"  # noqa: E731
+            fmt = lambda x: "-" if x is None else f"{x:.2f}x"  # noqa: E731
             print(f"{name:44s} {backend:7s} {threads or '':>3} {row['ms']:9.3f} {gbps:7.1f} "
                   f"{copy_gbps:7.1f} {row['of_copy']:6.0%} {fmt(row['x_ref']):>8s} "
-                  f"{fmt(row['x_hf']):>8s}", flush=True)
+                  f"{fmt(row['x_hf']):>8s} {fmt(row['x_fp32']):>8s}", flush=True)
     return results
 
 
@@ -211,7 +222,7 @@ def main(argv=None) -> int:
     print(f"paged_attention: {args.dtype}, {args.heads} q heads, {args.kv_heads} kv heads, "
           f"head_dim {args.head_dim}, block {args.block_size}, device {args.device}")
     print(f"{'shape':44s} {'backend':7s} {'thr':>3} {'ms':>9s} {'GB/s':>7s} {'copy':>7s} "
-          f"{'%copy':>6s} {'x ref':>8s} {'x hf':>8s}")
+          f"{'%copy':>6s} {'x ref':>8s} {'x hf':>8s} {'x fp32':>8s}")
     rows = []
     thread_counts = [int(t) for t in args.threads.split(",")] if not gpu else [None]
     for n in thread_counts:
