@@ -49,7 +49,10 @@ class EngineConfig:
     overlap: "auto", "on" or "off": schedule and launch step N+1 before step N's tokens reach the
         host (pipeline.py). auto = on for CUDA; "on" on a CPU runs the same pipeline with no gain.
     attention_backend: backend of the paged-attention op (None = the op's default).
-    dtype: KV-cache dtype name (None = the model's dtype).
+    dtype: the dtype the engine computes and caches K/V in: None = the model's; a name
+        ("float32", "bfloat16", "float16") must be the model's (Engine() refuses another: convert
+        the model first, e.g. cb_kernels.models.load(..., dtype=...)). On CPU, bfloat16 is the
+        fastest where the CPU has AVX512-BF16 or AMX (models.fast_dtype), float32 elsewhere.
     cuda_graphs: "auto", True or False (replay decode steps as CUDA graphs; "auto" = on CUDA).
     pack_weights: "auto", True or False (CPU fp32: run the model's linears on weights packed
         once, ops.PackedLinear or oneDNN's format on CPUs without AVX-512, one extra copy of them;

@@ -76,6 +76,15 @@ def resolve(config: EngineConfig, shape: ModelShape) -> ResolvedConfig:
     dtype = getattr(torch, config.dtype) if config.dtype else shape.dtype
     if config.dtype is None:
         chosen["dtype"] = f"{dtype} (the model's)"
+    elif dtype != shape.dtype:
+        # The KV cache holds what the layers compute: a cache of another dtype would fail the
+        # first step's K/V write (the kernels never cast), so refuse it here.
+        name = str(dtype).replace("torch.", "")
+        raise ValueError(
+            f"EngineConfig.dtype={config.dtype!r} but the model computes in {shape.dtype}: the "
+            f"engine runs in the model's dtype. Load the model in {name} "
+            f"(cb_kernels.models.load(..., dtype={name!r}), or model.to(torch.{name}), which "
+            "converts it in place) or leave dtype=None")
     max_batch_tokens = config.max_batch_tokens
     if max_batch_tokens is None:
         max_batch_tokens = CUDA_MAX_BATCH_TOKENS if on_cuda else CPU_MAX_BATCH_TOKENS

@@ -137,3 +137,12 @@ def test_fp16_model_keeps_transformers_forward_and_says_why(caplog):
     assert "float16 weights are not packed" in caplog.text
     outs = engine.generate(random_prompts([6, 9], seed=1), SamplingParams(max_new_tokens=4))
     assert all(len(o.token_ids) == 4 for o in outs)
+
+
+def test_engine_dtype_must_be_the_models():
+    """EngineConfig(dtype=...) names the dtype the engine runs in; a model of another dtype is
+    refused at construction (its first K/V write would fail inside a step otherwise)."""
+    with pytest.raises(ValueError, match=r"dtype='bfloat16' but the model computes in torch.float32"):
+        _engine(make_model(), dtype="bfloat16")
+    engine = _engine(make_model().to(torch.bfloat16), dtype="bfloat16")
+    assert engine.runner.k_caches[0].dtype == torch.bfloat16 and engine.runner.fused is not None
