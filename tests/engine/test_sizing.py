@@ -1,4 +1,5 @@
 """Auto sizing: every None in EngineConfig is resolved from memory and logged."""
+import dataclasses
 import logging
 
 import pytest
@@ -40,7 +41,7 @@ def test_num_blocks_follows_available_memory(monkeypatch):
 
 def test_explicit_values_are_kept_and_checked_together():
     r = sizing.resolve(EngineConfig(block_size=8, num_blocks=7, max_num_seqs=600,
-                                    dtype="bfloat16"), SHAPE)
+                                    dtype="bfloat16"), dataclasses.replace(SHAPE, dtype=torch.bfloat16))
     assert (r.block_size, r.num_blocks, r.max_num_seqs, r.dtype) == (8, 7, 600, torch.bfloat16)
     assert r.max_batch_tokens == 600           # raised to fit one decode token per request
 
