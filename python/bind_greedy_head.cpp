@@ -19,9 +19,10 @@ void bind_greedy_head(py::module_& m) {
   m.def(
       "greedy_head_pack",
       [](uintptr_t weight, int64_t vocab, int64_t hidden, int64_t weight_stride, uintptr_t packed,
-         uintptr_t row_stats) {
+         uintptr_t row_stats, int weight_dtype) {
         cbk::GreedyHeadPackParams p;
-        p.weight = cbk::as_ptr<const float>(weight);
+        p.weight = cbk::as_ptr<const void>(weight);
+        p.weight_dtype = cbk::as_dtype(weight_dtype);
         p.vocab = vocab;
         p.hidden = hidden;
         p.weight_stride = weight_stride;
@@ -31,22 +32,24 @@ void bind_greedy_head(py::module_& m) {
         cbk::throw_if_error(cbk::cpu::greedy_head_pack(p));
       },
       py::arg("weight"), py::arg("vocab"), py::arg("hidden"), py::arg("weight_stride"),
-      py::arg("packed"), py::arg("row_stats"),
-      "Quantise an fp32 [vocab, hidden] head into the greedy head's int8 layout.");
+      py::arg("packed"), py::arg("row_stats"), py::arg("weight_dtype") = 0,
+      "Quantise an fp32 (weight_dtype 0) or bf16 (2) [vocab, hidden] head into the greedy head's "
+      "int8 layout.");
   m.def(
       "greedy_head",
       [](uintptr_t hidden_states, int64_t num_rows, int64_t hidden_stride, uintptr_t packed,
          uintptr_t row_stats, uintptr_t weight, int64_t vocab, int64_t hidden,
          int64_t weight_stride, uintptr_t exact_dims, uintptr_t exact_cols, int64_t num_exact,
          uintptr_t out, int64_t max_rescored_per_row, float outlier_ratio, uintptr_t outliers,
-         int64_t max_outliers, const std::string& isa) {
+         int64_t max_outliers, const std::string& isa, int weight_dtype) {
         cbk::GreedyHeadParams p;
         p.hidden_states = cbk::as_ptr<const float>(hidden_states);
         p.num_rows = num_rows;
         p.hidden_stride = hidden_stride;
         p.packed = cbk::as_ptr<const uint8_t>(packed);
         p.row_stats = cbk::as_ptr<const float>(row_stats);
-        p.weight = cbk::as_ptr<const float>(weight);
+        p.weight = cbk::as_ptr<const void>(weight);
+        p.weight_dtype = cbk::as_dtype(weight_dtype);
         p.vocab = vocab;
         p.hidden = hidden;
         p.weight_stride = weight_stride;
@@ -73,8 +76,10 @@ void bind_greedy_head(py::module_& m) {
       py::arg("weight_stride"), py::arg("exact_dims"), py::arg("exact_cols"), py::arg("num_exact"),
       py::arg("out"), py::arg("max_rescored_per_row") = 0, py::arg("outlier_ratio") = 0.0f,
       py::arg("outliers") = 0, py::arg("max_outliers") = 0, py::arg("isa") = "auto",
+      py::arg("weight_dtype") = 0,
       "out[r] = argmax_j <h_r, w_j> (exact; lowest index on a tie), or -1 for a row that would "
       "rescore more than max_rescored_per_row logits. Returns (logits rescored, dims written to "
       "outliers: |h| > outlier_ratio x the row's RMS, not exact yet). `isa` caps the body "
-      "('portable' or 'avx512_vnni'; both give the same tokens).");
+      "('portable' or 'avx512_vnni'; both give the same tokens). A bf16 weight (weight_dtype 2): "
+      "the argmax of the exact logits rounded to bf16.");
 }

@@ -58,7 +58,7 @@ class EngineConfig:
         once, ops.PackedLinear or oneDNN's format on CPUs without AVX-512, one extra copy of them;
         "auto" = when that copy takes under a quarter of the available host memory; see
         cb_kernels/runner/packed_linears.py).
-    greedy_head: "auto", True or False (CPU fp32, any model whose logits are its LM head's
+    greedy_head: "auto", True or False (CPU fp32 or bf16, any model whose logits are its LM head's
         output: an all-greedy step picks its tokens with cb_kernels.ops.GreedyHead, int8 scores with a
         proven error bound and exact rescoring of the few rows that can win, instead of every
         fp32 logit; same tokens. "auto" = where the CPU has AVX-512 VNNI, which makes it ~4x

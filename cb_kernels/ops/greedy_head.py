@@ -1,4 +1,5 @@
-"""Greedy LM head on CPU: the argmax token of `hidden @ weight.T` without every fp32 logit.
+"""Greedy LM head on CPU: the argmax token of `hidden @ weight.T` without every fp32 logit (fp32
+or bf16 weights).
 
     head = GreedyHead(model.lm_head.weight)      # packs an int8 copy (a quarter of the fp32 size)
     tokens = head(hidden_states)                  # int64 [rows], == (hidden @ W.T).argmax(-1)
@@ -12,6 +13,12 @@ slack as between any two fp32 GEMMs.
 
 The engine uses it on all-greedy CPU steps where `GreedyHead.fast()` (the CPU has VNNI); without
 VNNI the portable body gives the same tokens, slower than oneDNN's fp32 head.
+
+A bf16 weight is read as its exact fp32 values and the token is the argmax of the exact logits
+rounded to bf16, lowest index on a tie: the rule of argmax over a bf16 GEMM's logits (which the
+engine's other steps take), so a greedy request gets the same token whether its step is
+all-greedy or not, up to the GEMM's fp32 rounding at a bf16 rounding edge. The exact maximum
+would differ: bf16 logits tie often (8 significant bits).
 """
 from __future__ import annotations
 
@@ -28,7 +35,7 @@ MAX_EXACT_DIMS = 8
 
 
 class GreedyHead:
-    """An int8 copy of an fp32 CPU head weight [vocab, hidden] and the argmax over it.
+    """An int8 copy of an fp32 or bf16 CPU head weight [vocab, hidden] and the argmax over it.
 
     It keeps a reference to `weight` (the exact rescoring reads it) and repacks when the weight
     changes through torch (in-place writes, a new tensor); `refresh(force=True)` repacks after
@@ -79,8 +86,9 @@ class GreedyHead:
         if weight.dim() != 2 or weight.shape[0] == 0 or weight.shape[1] == 0:
             raise ValueError(f"weight must be a non-empty 2-D [vocab, hidden] tensor, got shape "
                              f"{tuple(weight.shape)}")
-        if weight.device.type != "cpu" or weight.dtype != torch.float32:
-            raise ValueError(f"weight must be fp32 on the CPU, got {weight.dtype} on {weight.device}")
+        if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"weight must be fp32 or bf16 on the CPU, got {weight.dtype} on "
+                             f"{weight.device}")
         if weight.stride(1) != 1:
             raise ValueError("weight rows must be contiguous (stride(1) == 1)")
 
@@ -95,7 +103,7 @@ class GreedyHead:
             raise ValueError(f"weight changed shape: packed as [{self.vocab}, {self.hidden}], "
                              f"now {list(w.shape)}; build a new GreedyHead")
         _C.greedy_head_pack(w.data_ptr(), self.vocab, self.hidden, w.stride(0),
-                            self.packed.data_ptr(), self.row_stats.data_ptr())
+                            self.packed.data_ptr(), self.row_stats.data_ptr(), _dtype_code(w))
         for e in range(self.num_exact):
             self._gather_column(e)
         # Holding the storage packed from keeps its address from being reused by a later
@@ -121,15 +129,21 @@ class GreedyHead:
             self.num_exact += 1
 
     def __call__(self, hidden_states: torch.Tensor, *, isa: str = "auto") -> torch.Tensor:
-        """hidden_states: fp32 CPU [rows, hidden]. Returns int64 [rows]. Raises RuntimeError on a
-        non-finite hidden state (the caller's fp32 path then applies torch's NaN rule). `isa`
-        caps the body (tests): "auto" or one of _C.cpu_isas(); ValueError otherwise."""
+        """hidden_states: CPU [rows, hidden], fp32 (or bf16, read exactly as fp32). Returns int64
+        [rows]. With a bf16 weight the token is the argmax of the exact logits rounded to bf16
+        (lowest index on a tie): what argmax of a bf16 GEMM's logits gives, up to the GEMM's fp32
+        rounding. Raises RuntimeError on a non-finite hidden state (the caller's fp32 path then
+        applies torch's NaN rule). `isa` caps the body (tests): "auto" or one of _C.cpu_isas();
+        ValueError otherwise."""
         h = hidden_states
         if not isinstance(h, torch.Tensor) or h.dim() != 2 or h.shape[1] != self.hidden:
             raise ValueError(f"hidden_states must be a 2-D [rows, {self.hidden}] tensor, got "
                              f"{tuple(h.shape) if isinstance(h, torch.Tensor) else type(h).__name__}")
-        if h.device.type != "cpu" or h.dtype != torch.float32:
-            raise ValueError(f"hidden_states must be fp32 on the CPU, got {h.dtype} on {h.device}")
+        if h.device.type != "cpu" or h.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"hidden_states must be fp32 or bf16 on the CPU, got {h.dtype} on "
+                             f"{h.device}")
+        if h.dtype == torch.bfloat16:
+            h = h.float()
         if h.stride(1) != 1 or (h.shape[0] > 1 and h.stride(0) < h.shape[1]):
             h = h.contiguous()
         self.refresh()
@@ -142,7 +156,7 @@ class GreedyHead:
             w.data_ptr(), self.vocab, self.hidden, w.stride(0), self.exact_dims.data_ptr(),
             self.exact_cols.data_ptr(), self.num_exact, out.data_ptr(),
             self.max_rescored_per_row, OUTLIER_RATIO if room else 0.0,
-            self._outliers.data_ptr(), room, isa)
+            self._outliers.data_ptr(), room, isa, _dtype_code(w))
         if found:           # exact from the next call on (this one's result is exact anyway)
             self._add_exact_dims(self._outliers[:found].tolist())
         wide = (out < 0).nonzero().flatten()
@@ -151,9 +165,13 @@ class GreedyHead:
             # Rows whose bound admits too many candidates (flat logits, huge outliers): one fp32
             # product is cheaper than that many exact rescorings; argmax keeps the first max.
             with torch.inference_mode(False), torch.no_grad():
-                logits = h.index_select(0, wide) @ w.detach().t()
+                logits = h.index_select(0, wide).to(w.dtype) @ w.detach().t()
             out[wide] = logits.argmax(dim=-1)
         return out
+
+
+def _dtype_code(w: torch.Tensor) -> int:
+    return 2 if w.dtype == torch.bfloat16 else 0
 
 
 def greedy_head_tokens(hidden_states: torch.Tensor, weight: torch.Tensor,

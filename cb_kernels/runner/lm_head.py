@@ -6,7 +6,8 @@ the logits (then the engine takes their argmax). `GreedyTokensHead` answers with
 `ops.GreedyHead`: every vocab row scored with int8 VNNI dot products and a proven error bound,
 the few rows that can still win rescored exactly, so the token is the exact-logit argmax at about
 a quarter of the fp32 head's cost (SmolLM2-135M head, 16 rows: 1.5-1.9 ms against 7 ms for the
-packed oneDNN head and argmax, 2-core Zen 4).
+packed oneDNN head and argmax, 2-core Zen 4). For a bf16 head it gives the argmax of the bf16
+logits (ops/greedy_head.py says how), against oneDNN's bf16 head and argmax.
 
 The head runs through the module (`run` calls it, so its hooks and packed forward apply); the
 greedy head steps aside (None) whenever it would compute something else than that module: a
@@ -72,7 +73,7 @@ class GreedyTokensHead(LogitsHead):
 def _build_greedy(module, announce: bool = True) -> Optional["ops.GreedyHead"]:
     if not _plain_weight(module):
         if announce:
-            logger.info("greedy_head: off (the LM head has a bias or is not a plain fp32 weight)")
+            logger.info("greedy_head: off (the LM head has a bias or is not a plain fp32 or bf16 weight)")
         return None
     try:
         greedy = ops.GreedyHead(module.weight)

@@ -446,10 +446,26 @@ void collect_candidates(const Work& w, int64_t r, float floor_lo, int64_t cap,
 
 // Pass 2 for hidden row r: the exact logit of every candidate, the largest wins (the lowest
 // index on a tie); past `cap` candidates the row is left to the caller.
+// The lowest value whose bf16 rounding is at least that of x (the midpoint between x's bf16 value
+// and the bf16 value below it), less 2^-20 of |x| for the float arithmetic: a logit below it
+// cannot round to x's bf16 value or above.
+inline float bf16_bucket_floor(float x) {
+  if (!std::isfinite(x)) return x;
+  const uint16_t h = float_to_bf16(x);
+  const float b = bf16_to_float(h);
+  const uint16_t below = b > 0.0f ? static_cast<uint16_t>(h - 1)
+                                  : (b < 0.0f ? static_cast<uint16_t>(h + 1) : uint16_t{0x8001});
+  return 0.5f * (b + bf16_to_float(below)) - std::fabs(x) * (1.0f / 1048576.0f);
+}
+
 RowResult rescore_row(const Work& w, const std::vector<Slice>& slices, int64_t r, int64_t cap) {
   const GreedyHeadParams& p = w.p;
+  const bool bf16 = p.weight_dtype == DType::kBFloat16;
   float floor_lo = -INFINITY;
   for (const Slice& s : slices) floor_lo = std::max(floor_lo, s.best_lo[r]);
+  // bf16: a row whose exact logit is below the best one may still round to the same bf16 value
+  // (and win by a lower index): take every candidate that reaches the best one's bf16 bucket.
+  if (bf16) floor_lo = std::min(floor_lo, bf16_bucket_floor(floor_lo));
   std::vector<int32_t> picked;
   collect_candidates(w, r, floor_lo, cap, picked);
   RowResult res;
@@ -459,8 +475,17 @@ RowResult rescore_row(const Work& w, const std::vector<Slice>& slices, int64_t r
   for (int64_t k = 0; k < p.hidden; ++k) hd[k] = h[k];
   float best = -INFINITY;
   bool any = false;
+  std::vector<float> row(bf16 ? p.hidden : 0);
   for (const int32_t j : picked) {      // increasing j
-    const float e = exact_logit_of(hd.data(), p.weight + j * p.weight_stride, p.hidden);
+    float e;
+    if (bf16) {
+      const uint16_t* wj = static_cast<const uint16_t*>(p.weight) + j * p.weight_stride;
+      for (int64_t k = 0; k < p.hidden; ++k) row[k] = bf16_to_float(wj[k]);
+      e = bf16_to_float(float_to_bf16(exact_logit_of(hd.data(), row.data(), p.hidden)));
+    } else {
+      e = exact_logit_of(hd.data(), static_cast<const float*>(p.weight) + j * p.weight_stride,
+                         p.hidden);
+    }
     if (!any || e > best) {             // strict: the lowest index keeps a tie
       best = e, res.token = j, any = true;
     }
@@ -515,6 +540,8 @@ Status greedy_head(const GreedyHeadParams& p) {
   if (p.num_rows == 0) return Status::Ok();
   if (!p.hidden_states || !p.packed || !p.row_stats || !p.weight || !p.out)
     return Status::Error("greedy_head: null pointer");
+  if (p.weight_dtype != DType::kFloat32 && p.weight_dtype != DType::kBFloat16)
+    return Status::Error("greedy_head: the weight must be float32 or bfloat16");
   // Up to kChunkRows hidden rows per pass over the weight (a decode step's rows fit one pass;
   // the per-call scratch stays small for any batch).
   int64_t rescored = 0, found = 0;
@@ -553,6 +580,9 @@ Status greedy_head_pack(const GreedyHeadPackParams& p) {
   if (p.vocab > INT32_MAX || p.hidden > kMaxHidden)
     return Status::Error("greedy_head_pack: vocab must fit int32 and hidden be <= 65536");
   if (!p.weight || !p.packed || !p.row_stats) return Status::Error("greedy_head_pack: null pointer");
+  if (p.weight_dtype != DType::kFloat32 && p.weight_dtype != DType::kBFloat16)
+    return Status::Error("greedy_head_pack: the weight must be float32 or bfloat16");
+  const bool bf16 = p.weight_dtype == DType::kBFloat16;
   const int64_t padded = greedy_head_padded_vocab(p.vocab);
   const int64_t groups = greedy_head_padded_hidden(p.hidden) / 4;
   float *scale = p.row_stats, *l1s = scale + padded, *l2s = l1s + padded, *errs = l2s + padded;
@@ -565,7 +595,16 @@ Status greedy_head_pack(const GreedyHeadPackParams& p) {
       scale[j] = l1s[j] = l2s[j] = errs[j] = 0.0f;
       continue;
     }
-    const float* w = p.weight + j * p.weight_stride;
+    thread_local std::vector<float> converted;
+    const float* w;
+    if (bf16) {
+      converted.resize(p.hidden);
+      const uint16_t* src = static_cast<const uint16_t*>(p.weight) + j * p.weight_stride;
+      for (int64_t k = 0; k < p.hidden; ++k) converted[k] = bf16_to_float(src[k]);
+      w = converted.data();
+    } else {
+      w = static_cast<const float*>(p.weight) + j * p.weight_stride;
+    }
     float mx = 0.0f;
     double l1 = 0.0, l2 = 0.0;
     for (int64_t k = 0; k < p.hidden; ++k) {

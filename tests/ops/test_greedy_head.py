@@ -214,3 +214,36 @@ def test_weight_data_swapped_for_another_shape_or_dtype_is_refused():
         head(h)
     w.data = torch.randn(3000, 64)                 # the same shape again: repacked
     assert torch.equal(head(h), ref_greedy_head(h, w.data))
+
+
+def _bf16_reference(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """argmax of the exact logits rounded to bf16, lowest index among equal bf16 values."""
+    return (h.double() @ w.double().t()).float().bfloat16().float().argmax(-1)
+
+
+@pytest.mark.parametrize("isa", BODIES)
+@pytest.mark.parametrize("vocab, hidden, rows", [(49152, 576, 16), (5000, 64, 40), (333, 20, 3)])
+def test_bf16_weight_gives_the_argmax_of_bf16_rounded_exact_logits(isa, vocab, hidden, rows):
+    g = torch.Generator().manual_seed(vocab)
+    w = (torch.randn(vocab, hidden, generator=g) * 0.05).bfloat16()
+    h = (torch.randn(rows, hidden, generator=g) * 2).bfloat16()
+    got = GreedyHead(w)(h, isa=isa)
+    assert torch.equal(got, _bf16_reference(h, w))
+    # a bf16 GEMM's logits (fp32 accumulation, rounded to bf16) give the same tokens here
+    assert torch.equal(got, torch.nn.functional.linear(h, w).float().argmax(-1))
+
+
+@pytest.mark.parametrize("isa", BODIES)
+def test_bf16_logits_in_one_bf16_value_take_the_lowest_index(isa):
+    """Row 900's exact logit (2 + 2^-12) is above row 300's (2) but both round to bf16 2.0: the
+    bf16 rule picks 300, where the exact maximum would be 900."""
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(2000, 32, generator=g) * 0.01).bfloat16()
+    h = torch.zeros(1, 32, dtype=torch.bfloat16)
+    h[0, 0], h[0, 1] = 1.0, 2 ** -6
+    w[300, :2] = torch.tensor([2.0, 0.0])
+    w[900, :2] = torch.tensor([2.0, 2 ** -6])
+    exact = h.double() @ w.double().t()
+    assert exact[0, 900] > exact[0, 300] == exact.max(-1).values[0] - 2 ** -12
+    assert exact[0, 900].float().bfloat16() == exact[0, 300].float().bfloat16()
+    assert GreedyHead(w)(h, isa=isa).tolist() == [300] == _bf16_reference(h, w).tolist()

@@ -146,3 +146,19 @@ def test_engine_dtype_must_be_the_models():
         _engine(make_model(), dtype="bfloat16")
     engine = _engine(make_model().to(torch.bfloat16), dtype="bfloat16")
     assert engine.runner.k_caches[0].dtype == torch.bfloat16 and engine.runner.fused is not None
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.one_thread
+def test_bf16_greedy_head_gives_the_bf16_logits_tokens(kind):
+    """On all-greedy steps the greedy head answers for bf16 heads too (the argmax of the exact
+    logits rounded to bf16, the rule of the bf16 logits' argmax): same tokens as the full head."""
+    model = make_model(kind, seed=4).to(torch.bfloat16)
+    prompts = random_prompts([14, 6, 27, 9], seed=3)
+    params = SamplingParams(max_new_tokens=12)
+    with_head = _engine(model, greedy_head=True)
+    assert with_head.runner.head.greedy is not None
+    got = [o.token_ids for o in with_head.generate(prompts, params)]
+    assert with_head.num_greedy_head_steps > 0
+    want = [o.token_ids for o in _engine(model, greedy_head=False).generate(prompts, params)]
+    assert got == want

@@ -6,6 +6,9 @@
 // logit. Only the rows whose score plus bound reaches the best score minus bound can hold the
 // maximum; those few are recomputed exactly (fp32 inputs, double sums) and the largest wins, the
 // lowest index on a tie. So the result is the argmax of exact logits, not of approximations.
+// A bf16 weight (weight_dtype kBFloat16) is read as its exact fp32 values, and the argmax is
+// then that of the exact logits rounded to bf16 (the lowest index among equal bf16 values), the
+// same rule as the argmax of a bf16 GEMM's logits, up to the GEMM's fp32 rounding.
 #pragma once
 
 #include <cstdint>
@@ -27,7 +30,8 @@ inline int64_t greedy_head_packed_bytes(int64_t vocab, int64_t hidden) {
 constexpr int64_t kGreedyHeadRowStats = 4;
 
 struct GreedyHeadPackParams {
-  const float* weight = nullptr;  // [vocab, hidden], rows `weight_stride` apart, finite
+  const void* weight = nullptr;   // [vocab, hidden], rows `weight_stride` apart, finite
+  DType weight_dtype = DType::kFloat32;   // kFloat32 or kBFloat16
   int64_t vocab = 0;
   int64_t hidden = 0;
   int64_t weight_stride = 0;
@@ -45,7 +49,8 @@ struct GreedyHeadParams {
   // The packed head and the fp32 weight it was packed from (read for the exact rescoring).
   const uint8_t* packed = nullptr;
   const float* row_stats = nullptr;
-  const float* weight = nullptr;
+  const void* weight = nullptr;
+  DType weight_dtype = DType::kFloat32;   // kBFloat16: the argmax of bf16-rounded exact logits
   int64_t vocab = 0;
   int64_t hidden = 0;
   int64_t weight_stride = 0;
