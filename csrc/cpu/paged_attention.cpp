@@ -343,6 +343,43 @@ CBK_ALWAYS_INLINE void write_item(const Ctx& c, const Item& it, int64_t rows, co
   std::memcpy(dst + rows * dim + rows, s.ls, rows * sizeof(float));
 }
 
+// Walks item `it`'s kTile-key tiles: per tile, body(t0, lo, hi, krow, vrow, pf, pf_quota) with
+// that tile's kv head h0 K/V row addresses (slot pos - t0; the item's keys are [lo, hi)), while
+// the next tile's rows (or, on the last tile, the first tile of `next`, the item this thread
+// runs next) are located and handed to the prefetcher, which the body steps pf_quota lines at a
+// time (pf_calls steps a tile) between pieces of its work.
+template <int kTile, class Body>
+CBK_ALWAYS_INLINE void walk_tiles(const Ctx& c, const Item& it, const Item* next, int64_t pf_calls,
+                                  Body body) {
+  const PagedAttentionParams& p = c.p;
+  const char* krow[2][kTile];  // this tile's and the next one's K/V row addresses
+  const char* vrow[2][kTile];
+  Prefetcher pf{nullptr, nullptr, 0, 0, 0, 0, 0};
+  auto locate = [&](const Item& at, int32_t t0, const char** kr, const char** vr) {
+    const int32_t lo = std::max(t0, at.kv_begin), hi = std::min(t0 + kTile, at.kv_end);
+    locate_rows(c, at, t0, lo, hi, kr, vr);
+    pf = Prefetcher{kr + (lo - t0), vr + (lo - t0), c.k_head, c.v_head, hi - lo, at.h1 - at.h0,
+                    p.head_dim * c.esize};
+    warm_pages(c, at, std::max(t0 + kTile, at.kv_begin), std::min(t0 + 2 * kTile, at.kv_end));
+  };
+  int cur = 0;
+  const int32_t first_tile = it.kv_begin / kTile * kTile;
+  locate(it, first_tile, krow[0], vrow[0]);
+  pf.step(pf.lines());
+  for (int32_t t0 = first_tile; t0 < it.kv_end; t0 += kTile, cur ^= 1) {
+    const int32_t lo = std::max(t0, it.kv_begin), hi = std::min(t0 + kTile, it.kv_end);
+    if (t0 + kTile < it.kv_end)
+      locate(it, t0 + kTile, krow[cur ^ 1], vrow[cur ^ 1]);
+    else if (next)
+      locate(*next, next->kv_begin / kTile * kTile, krow[cur ^ 1], vrow[cur ^ 1]);
+    else
+      pf.keys = 0;
+    const int64_t pf_quota = (pf.lines() + pf_calls - 1) / pf_calls;
+    body(t0, lo, hi, krow[cur], vrow[cur], pf, pf_quota);
+    pf.step(pf.lines());
+  }
+}
+
 // One item: per tile, gather the K/V rows, QK scores, online softmax, P.V; meanwhile the next
 // tile's rows (or, on the last tile, the first tile of `next`, the item this thread runs next)
 // are prefetched in memory order, a few lines per dot block. Blocks come in random order, which
@@ -363,36 +400,15 @@ void run_item(const Ctx& c, const Item& it, const Item* next, float* partials) {
   const int64_t step = kTile == kSmallTile ? heads : 1;
   const ItemScratch s = take_scratch<kTile>(rows, heads, step, dim8);
   load_queries(c, it, rows, s);
-
-  const char* krow[2][kTile];  // this tile's and the next one's K/V row addresses
-  const char* vrow[2][kTile];
-  Prefetcher pf{nullptr, nullptr, 0, 0, 0, 0, 0};
-  auto locate = [&](const Item& at, int32_t t0, const char** kr, const char** vr) {
-    const int32_t lo = std::max(t0, at.kv_begin), hi = std::min(t0 + kTile, at.kv_end);
-    locate_rows(c, at, t0, lo, hi, kr, vr);
-    pf = Prefetcher{kr + (lo - t0), vr + (lo - t0), c.k_head, c.v_head, hi - lo, at.h1 - at.h0,
-                    p.head_dim * c.esize};
-    warm_pages(c, at, std::max(t0 + kTile, at.kv_begin), std::min(t0 + 2 * kTile, at.kv_end));
-  };
   // Prefetch steps per tile: one per QK dot block and per PV row pair, for every head.
   const int64_t pf_calls = heads * ((per_head + 1) / 2) * (kTile / 4 + 1);
-  int cur = 0;
-  const int32_t first_tile = it.kv_begin / kTile * kTile;
-  locate(it, first_tile, krow[0], vrow[0]);
-  pf.step(pf.lines());
-  for (int32_t t0 = first_tile; t0 < it.kv_end; t0 += kTile, cur ^= 1) {
-    const int32_t lo = std::max(t0, it.kv_begin), hi = std::min(t0 + kTile, it.kv_end);
-    if (t0 + kTile < it.kv_end)
-      locate(it, t0 + kTile, krow[cur ^ 1], vrow[cur ^ 1]);
-    else if (next)
-      locate(*next, next->kv_begin / kTile * kTile, krow[cur ^ 1], vrow[cur ^ 1]);
-    else
-      pf.keys = 0;
-    const int64_t pf_quota = (pf.lines() + pf_calls - 1) / pf_calls;
+  walk_tiles<kTile>(c, it, next, pf_calls, [&](int32_t t0, int32_t lo, int32_t hi,
+                                               const char* const* krow, const char* const* vrow,
+                                               Prefetcher& pf, int64_t pf_quota) {
     const int jl = lo - t0, jh = hi - t0;  // the tile's keys inside this item's range
     for (int64_t hb = 0; hb < heads; hb += step) {
       const int64_t he = hb + step;
-      gather_tile<kTile>(c, krow[cur], vrow[cur], hb, he, jl, jh, s);
+      gather_tile<kTile>(c, krow, vrow, hb, he, jl, jh, s);
       for (int64_t h = hb; h < he; ++h)
         tile_scores<kTile>(s.qs + h * per_head * dim8, per_head, s.kps + h * kTile, jl / 4 * 4,
                            jh, dim8, s.ss + h * per_head * kTile, pf, pf_quota);
@@ -400,8 +416,7 @@ void run_item(const Ctx& c, const Item& it, const Item* next, float* partials) {
                           s.ss, s.ms, s.ls, s.alphas);
       for (int64_t h = hb; h < he; ++h) pv_head<kTile>(s, dim8, per_head, h, jl, jh, pf, pf_quota);
     }
-    pf.step(pf.lines());
-  }
+  });
   write_item(c, it, rows, s, partials);
 }
 
@@ -541,38 +556,18 @@ void run_item_bf16(const Ctx& c, const Item& it, const Item* next, float* partia
   std::fill(s.f.ms, s.f.ms + rows, kNegInf);
   std::fill(s.f.ls, s.f.ls + rows, 0.0f);
 
-  const char* krow[2][kTile];
-  const char* vrow[2][kTile];
-  Prefetcher pf{nullptr, nullptr, 0, 0, 0, 0, 0};
-  auto locate = [&](const Item& at, int32_t t0, const char** kr, const char** vr) {
-    const int32_t lo = std::max(t0, at.kv_begin), hi = std::min(t0 + kTile, at.kv_end);
-    locate_rows(c, at, t0, lo, hi, kr, vr);
-    pf = Prefetcher{kr + (lo - t0), vr + (lo - t0), c.k_head, c.v_head, hi - lo, at.h1 - at.h0,
-                    p.head_dim * c.esize};
-    warm_pages(c, at, std::max(t0 + kTile, at.kv_begin), std::min(t0 + 2 * kTile, at.kv_end));
-  };
   const int64_t pf_calls = heads * ((per_head + 1) / 2) * (kTile / 4 + 1);
-  int cur = 0;
-  const int32_t first_tile = it.kv_begin / kTile * kTile;
-  locate(it, first_tile, krow[0], vrow[0]);
-  pf.step(pf.lines());
-  for (int32_t t0 = first_tile; t0 < it.kv_end; t0 += kTile, cur ^= 1) {
-    const int32_t lo = std::max(t0, it.kv_begin), hi = std::min(t0 + kTile, it.kv_end);
-    if (t0 + kTile < it.kv_end)
-      locate(it, t0 + kTile, krow[cur ^ 1], vrow[cur ^ 1]);
-    else if (next)
-      locate(*next, next->kv_begin / kTile * kTile, krow[cur ^ 1], vrow[cur ^ 1]);
-    else
-      pf.keys = 0;
-    const int64_t pf_quota = (pf.lines() + pf_calls - 1) / pf_calls;
+  walk_tiles<kTile>(c, it, next, pf_calls, [&](int32_t t0, int32_t lo, int32_t hi,
+                                               const char* const* krow, const char* const* vrow,
+                                               Prefetcher& pf, int64_t pf_quota) {
     const int jl = lo - t0, jh = hi - t0;
     for (int64_t h = 0; h < heads; ++h) {
       const bf16_t** kp = s.kps + h * kTile;
       const bf16_t** vp = s.vps + h * kTile;
       for (int j = 0; j < kTile; ++j) {
         const bool in = j >= jl && j < jh;
-        kp[j] = in ? reinterpret_cast<const bf16_t*>(krow[cur][j] + h * c.k_head) : s.zero;
-        vp[j] = in ? reinterpret_cast<const bf16_t*>(vrow[cur][j] + h * c.v_head) : s.zero;
+        kp[j] = in ? reinterpret_cast<const bf16_t*>(krow[j] + h * c.k_head) : s.zero;
+        vp[j] = in ? reinterpret_cast<const bf16_t*>(vrow[j] + h * c.v_head) : s.zero;
       }
       const int64_t r0 = h * per_head, r1 = r0 + per_head;
       const bf16_t* q = s.qs + r0 * d;
@@ -602,8 +597,7 @@ void run_item_bf16(const Ctx& c, const Item& it, const Item* next, float* partia
         pv_rows_bf16<1>(s.f.os + rb * d, d, s.f.alphas + rb, s.pp + rb * (kTile / 2), kTile / 2,
                         vp, pj0, pj1, d);
     }
-    pf.step(pf.lines());
-  }
+  });
   write_item(c, it, rows, s.f, partials);
 }
 #endif  // __AVX512BF16__
