@@ -76,6 +76,7 @@ class Engine:
         self._seqs: dict = {}                 # request_id -> Sequence, while not ended
         self._ended: list = []                # outputs of requests that ended between steps
         self._next_id = 0
+        self._user_ids: set = set()           # ids of the automatic form the caller chose
         self.num_steps = self.num_failed_steps = 0
         self.num_generated_tokens = self.num_greedy_head_steps = 0
 
@@ -96,14 +97,16 @@ class Engine:
                     request_id: Optional[str] = None) -> str:
         """Queue one request; returns its id. Raises ValueError/TypeError (naming the argument)
         for a bad prompt, bad params or a duplicate id; nothing is queued then. An automatic id
-        ("req_N") skips every id in use, so it never collides with one the caller chose."""
+        ("req_N") skips every "req_..." id the caller ever chose, so the two never collide."""
         token_ids, params = self.check_request(prompt, params)
         if request_id is None:
-            while f"req_{self._next_id}" in self._seqs:
+            while f"req_{self._next_id}" in self._seqs or f"req_{self._next_id}" in self._user_ids:
                 self._next_id += 1
             request_id = f"req_{self._next_id}"
         elif not isinstance(request_id, str) or not request_id:
             raise TypeError(f"request_id must be a non-empty str or None, got {request_id!r}")
+        elif request_id.startswith("req_"):
+            self._user_ids.add(request_id)
         if request_id in self._seqs:
             raise ValueError(f"request_id {request_id!r} is already waiting or running")
         seq = Sequence(self._next_id, request_id, token_ids, params, time.perf_counter(),

@@ -161,6 +161,16 @@ def test_automatic_ids_skip_user_ids():
     rest = drain(engine)
     assert set(rest) == {a, b, "req_3"}
     assert [rest[a].token_ids, rest[b].token_ids] == reference_tokens(model, prompts[:2], 4)
+    # An ended user request's id stays out of the automatic ones too: its output may still be
+    # waiting for the next step() when generate() runs.
+    last = int(engine.add_request(prompts[3], SamplingParams(max_new_tokens=2))[4:])
+    drain(engine)
+    mine = f"req_{last + 1}"                         # the automatic id that would come next
+    engine.add_request(prompts[3], SamplingParams(max_new_tokens=2), request_id=mine)
+    engine.cancel(mine)
+    out = engine.generate(prompts[:1], SamplingParams(max_new_tokens=4))[0]
+    assert out.request_id != mine and out.token_ids == rest[a].token_ids
+    assert [o.request_id for o in engine.step()] == [mine]
 
 
 class _Unreadable:
