@@ -66,7 +66,7 @@ _NOT_IN_FINGERPRINT = frozenset({
 
 
 def _sha(value) -> str:
-    data = json.dumps(value, sort_keys=True, ensure_ascii=False).encode("utf-8")
+    data = json.dumps(value, sort_keys=True, ensure_ascii=False, default=str).encode("utf-8")
     return hashlib.sha256(data).hexdigest()[:16]
 
 
