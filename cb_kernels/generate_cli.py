@@ -70,11 +70,13 @@ def _sha(value) -> str:
     return hashlib.sha256(data).hexdigest()[:16]
 
 
-def settings_fingerprint(args: argparse.Namespace, dtype: str) -> str:
+def settings_fingerprint(args: argparse.Namespace, device: str) -> str:
+    """Of every option that can change a result (the --dtype option as given: auto follows the
+    device, which is in it too)."""
     settings = {k: v for k, v in vars(args).items() if k not in _NOT_IN_FINGERPRINT}
     model = Path(args.model).expanduser()
     settings.update(model=str(model.resolve()) if model.is_dir() else args.model.lower(),
-                    dtype=dtype)
+                    device=device)
     return _sha(settings)
 
 
@@ -190,16 +192,17 @@ def run_generate(args: argparse.Namespace) -> int:
     if not in_path.is_file():
         raise SystemExit(f"--input {in_path} does not exist")
     records = read_records(in_path)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: torch sees no CUDA device")
-    dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
-    settings = settings_fingerprint(args, dtype)
+    settings = settings_fingerprint(args, args.device or ("cuda" if torch.cuda.is_available()
+                                                          else "cpu"))
     inputs = {rid: (index, _sha(rec)) for index, rid, rec in records}
     done = _finished_ids(out_path, inputs, settings) if args.resume else set()
     _check_output(out_path)
     todo = [r for r in records if r[1] not in done]
-    model, tokenizer = load(args.model, dtype=dtype, trust_remote_code=args.trust_remote_code)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device")
+    model, tokenizer = load(args.model, dtype=args.dtype or ("bfloat16" if device == "cuda" else "float32"),
+                            trust_remote_code=args.trust_remote_code)
     engine = Engine(model.to(device), config, tokenizer=tokenizer)
 
     pending = {}   # engine request id -> (index, id)
