@@ -286,5 +286,6 @@ class BlockManager:
         assert sum(1 for h in self.block_hash if h != _NO_HASH) == len(self.hash_to_block), \
             "a block keeps a hash the map does not know"
         pending = [b for b in self.registered_this_step if self.block_hash[b] != _NO_HASH]
-        assert not (between_steps and pending), (f"blocks {pending[:8]} keep hashes of a step that never completed "
-                             "(their KV may never have been written)")
+        assert not (between_steps and pending), (
+            f"blocks {pending[:8]} keep hashes of a step that never completed (their KV may never "
+            "have been written)")
