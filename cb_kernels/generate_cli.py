@@ -2,16 +2,24 @@
 
     cb-kernels generate --model smollm2-135m --input prompts.jsonl --output out.jsonl --chat
 
-Input: one JSON value per line, either a string (the prompt) or an object with one of "prompt"
-(text), "messages" (a chat, [{"role": ..., "content": ...}]) or "prompt_token_ids" (ints), and
-optionally "id". Output: one object per request, written and flushed the moment it finishes (so
-an interrupted run keeps everything finished so far; `--resume` skips those ids next time):
-{"id", "index" (input line, from 0), "text", "token_ids", "finish_reason", "error",
-"num_prompt_tokens"}.
+Input: one JSON value per UTF-8 line, either a string (the prompt) or an object with one of
+"prompt" (text), "messages" (a chat, [{"role": ..., "content": ...}]) or "prompt_token_ids"
+(ints), and optionally "id". A file that is not UTF-8 JSON lines, has a line without a prompt or
+repeats an id is refused (naming the line) before the model loads; a line whose prompt is
+unusable (token ids that are not ints, messages the chat template cannot render, too long)
+becomes an error record and every other line runs.
+
+Output: one object per request, written and flushed the moment it finishes (so an interrupted
+run keeps everything finished so far; `--resume` skips those ids next time): {"id", "index"
+(input line, from 0), "text", "token_ids", "finish_reason", "error", "num_prompt_tokens",
+"input_fingerprint", "settings_fingerprint"}. The fingerprints (sha256 prefixes of the input
+record and of the options that change results: model, dtype, --chat, sampling) let `--resume`
+refuse an output made from another input or with other settings instead of mixing them.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -51,11 +59,39 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--ignore-eos", action="store_true")
 
 
+# Options that cannot change a result (how the engine schedules, where files go): left out of
+# the settings fingerprint. Every other option, including ones added later, is in it.
+_NOT_IN_FINGERPRINT = frozenset({
+    "fn", "command", "input", "output", "resume", "device", "trust_remote_code", "block_size",
+    "num_blocks", "max_batch_tokens", "max_num_seqs", "cpu_offload_gib", "preemption",
+    "no_prefix_caching", "attention_backend"})
+
+
+def _sha(value) -> str:
+    data = json.dumps(value, sort_keys=True, ensure_ascii=False, default=str).encode("utf-8")
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def settings_fingerprint(args: argparse.Namespace, device: str) -> str:
+    """Of every option that can change a result (the --dtype option as given: auto follows the
+    device, which is in it too)."""
+    settings = {k: v for k, v in vars(args).items() if k not in _NOT_IN_FINGERPRINT}
+    model = Path(args.model).expanduser()
+    settings.update(model=str(model.resolve()) if model.is_dir() else args.model.lower(),
+                    device=device)
+    return _sha(settings)
+
+
 def read_records(path: Path) -> list:
     """[(index, id, record)] of the input; SystemExit naming the line for anything malformed."""
     records = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f):
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise SystemExit(f"--input {path}, line {n + 1}: not UTF-8 ({e.reason} at byte "
+                                 f"{e.start} of the line)") from None
             if not line.strip():
                 continue
             try:
@@ -70,25 +106,61 @@ def read_records(path: Path) -> list:
                 raise SystemExit(f"--input {path}, line {n + 1}: expected a string or an object with exactly "
                                  f"one of 'prompt', 'messages', 'prompt_token_ids'")
             records.append((n, str(rec.get("id", n)), rec))
-    ids = [rid for _, rid, _ in records]
-    if len(set(ids)) != len(ids):
-        raise SystemExit(f"--input {path}: ids must be unique")
+    first_line = {}
+    for n, rid, _ in records:
+        if rid in first_line:
+            raise SystemExit(f"--input {path}: ids must be unique; id {rid!r} is on lines "
+                             f"{first_line[rid] + 1} and {n + 1}")
+        first_line[rid] = n
     return records
+
+
+def _render_chat(tokenizer, messages) -> list:
+    if not isinstance(messages, list) or not messages or \
+            not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+        raise ValueError("'messages' must be a non-empty list of objects with a 'role' and a "
+                         f"'content', got {json.dumps(messages)[:80]}")
+    try:
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                  tokenize=True, return_dict=False))
+    except Exception as e:   # jinja2's UndefinedError, TemplateError, ... from the template
+        raise ValueError(f"the chat template cannot render 'messages' ({type(e).__name__}: "
+                         f"{e})") from None
 
 
 def _prompt_of(rec: dict, tokenizer, chat: bool):
     if "prompt_token_ids" in rec:
-        return rec["prompt_token_ids"]
+        ids = rec["prompt_token_ids"]
+        if not isinstance(ids, list) or any(isinstance(t, bool) or not isinstance(t, int)
+                                            for t in ids):
+            raise ValueError("'prompt_token_ids' must be a list of ints, got "
+                             f"{json.dumps(ids)[:80]}")
+        return ids
     if tokenizer is None:
         raise ValueError("text prompts need a tokenizer, and the checkpoint has none")
     if "messages" in rec:
-        return list(tokenizer.apply_chat_template(rec["messages"], add_generation_prompt=True,
-                                                  tokenize=True, return_dict=False))
+        return _render_chat(tokenizer, rec["messages"])
+    if not isinstance(rec["prompt"], str):
+        raise ValueError(f"'prompt' must be a string, got {json.dumps(rec['prompt'])[:80]}")
     if chat:
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": rec["prompt"]}],
-                                                  add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False))
+        return _render_chat(tokenizer, [{"role": "user", "content": rec["prompt"]}])
     return rec["prompt"]
+
+
+def _check_output(path: Path) -> None:
+    """SystemExit unless `path` can be written (checked before the model loads)."""
+    if path.is_dir():
+        raise SystemExit(f"--output {path} is a directory; give the path of a file")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise SystemExit(f"--output {path} is under {parent}, which is a file")
+            break
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        open(path, "a", encoding="utf-8").close()
+    except OSError as e:
+        raise SystemExit(f"--output {path} cannot be written ({e.strerror or e})") from None
 
 
 def _configs(args):
@@ -122,7 +194,11 @@ def run_generate(args: argparse.Namespace) -> int:
     if not in_path.is_file():
         raise SystemExit(f"--input {in_path} does not exist")
     records = read_records(in_path)
-    done = _finished_ids(out_path) if args.resume else set()
+    settings = settings_fingerprint(args, args.device or ("cuda" if torch.cuda.is_available()
+                                                          else "cpu"))
+    inputs = {rid: (index, _sha(rec)) for index, rid, rec in records}
+    done = _finished_ids(out_path, inputs, settings) if args.resume else set()
+    _check_output(out_path)
     todo = [r for r in records if r[1] not in done]
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
@@ -141,7 +217,9 @@ def run_generate(args: argparse.Namespace) -> int:
             tqdm(total=len(todo), unit="req", desc="generate", file=sys.stderr) as bar:
         def emit(index, rid, result):
             nonlocal written
-            out.write(json.dumps({"id": rid, "index": index, **result}, ensure_ascii=False) + "\n")
+            out.write(json.dumps({"id": rid, "index": index, **result,
+                                  "input_fingerprint": inputs[rid][1],
+                                  "settings_fingerprint": settings}, ensure_ascii=False) + "\n")
             out.flush()
             written += 1
             bar.update(1)
@@ -155,7 +233,8 @@ def run_generate(args: argparse.Namespace) -> int:
                         pending[engine.add_request(_prompt_of(rec, tokenizer, args.chat), p)] = (index, rid)
                     except (ValueError, TypeError) as e:
                         emit(index, rid, {"text": None, "token_ids": [], "finish_reason": "error",
-                                          "error": str(e), "num_prompt_tokens": None})
+                                          "error": f"line {index + 1}: {e}",
+                                          "num_prompt_tokens": None})
                     if len(pending) >= MAX_QUEUED:
                         break
                 if not engine.has_unfinished():
@@ -174,8 +253,10 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _finished_ids(path: Path) -> set:
-    """Ids already in `path`; a last line cut by an interruption is dropped (that request reruns)."""
+def _finished_ids(path: Path, inputs: dict, settings: str) -> set:
+    """Ids already in `path`; a last line cut by an interruption is dropped (that request reruns).
+    `inputs`: id -> (index, input fingerprint) of the input now. SystemExit when `path` was made
+    from another input or with other settings."""
     if not path.is_file():
         return set()
     data = path.read_bytes()
@@ -183,10 +264,26 @@ def _finished_ids(path: Path) -> set:
         with open(path, "r+b") as f:
             f.truncate(data.rfind(b"\n") + 1)
     ids = set()
-    with open(path, encoding="utf-8") as f:
+    redo = "; rerun without --resume (or with another --output) to start over"
+    with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
             try:
-                ids.add(str(json.loads(line)["id"]))
+                rec = json.loads(line)
+                rid = str(rec["id"])
             except (ValueError, KeyError, TypeError):
                 continue
+            if "settings_fingerprint" not in rec:
+                raise SystemExit(f"--resume: {path} has results without fingerprints (written by "
+                                 f"an older cb-kernels), so they cannot be matched to --input{redo}")
+            if rec["settings_fingerprint"] != settings:
+                raise SystemExit(f"--resume: {path} was made with other settings (model, dtype, "
+                                 f"--chat or sampling options){redo}")
+            if rid not in inputs:
+                raise SystemExit(f"--resume: {path} holds id {rid!r}, which --input does not have:"
+                                 f" it was made from another input{redo}")
+            index, fingerprint = inputs[rid]
+            if rec.get("input_fingerprint") != fingerprint or rec.get("index") != index:
+                raise SystemExit(f"--resume: id {rid!r} (--input line {index + 1}) is not the "
+                                 f"prompt {path} has a result for (changed or moved since){redo}")
+            ids.add(rid)
     return ids

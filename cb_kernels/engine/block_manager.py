@@ -12,7 +12,16 @@ with the ids as little-endian int64. It is stable across processes (unlike Pytho
 hash()), and a 128-bit digest makes a collision negligible, so hits are not re-compared token by
 token. A block's hash is registered when the step that computes its last token is scheduled:
 write_kv of every layer runs for the whole batch before that layer's attention, so a request
-admitted in the same step may already read it.
+admitted in the same step may already read it. Until the engine says that step was issued
+(`end_step`) its hashes are pending: a step that fails or is interrupted, with any exception,
+drops them (`discard_step_hashes`, also done by the next `begin_step` if the engine never could),
+since their KV may never have been written; `check_invariants` refuses pending hashes between
+steps.
+
+Weights: KV depends on the weights that computed it. `reset_prefix_cache()` (the engine calls it
+when the model's weights change) forgets every hash, frees the cached blocks and starts a new
+`epoch`; a sequence whose KV is older than the epoch (`Sequence.kv_epoch`) never registers a
+block again until it is recomputed, so no request can reuse KV of the old weights.
 """
 from __future__ import annotations
 
@@ -47,9 +56,11 @@ class BlockManager:
         self.hash_to_block: dict = {}
         self.free_ids = deque(range(num_blocks))
         self.cached_lru: OrderedDict = OrderedDict()   # block id -> None, oldest first
-        self.registered_this_step: list = []
+        self.registered_this_step: list = []     # pending: KV not known to be written yet
+        self.epoch = 0
         self.num_hit_blocks = 0
         self.num_evicted_blocks = 0
+        self.num_prefix_resets = 0
 
     # -- counts ---------------------------------------------------------------------------------
     @property
@@ -94,7 +105,7 @@ class BlockManager:
         """Register the hashes of the full blocks among the first `num_tokens` tokens of `seq`
         (called when the step that computes them is scheduled). A block that holds a
         PLACEHOLDER token waits: the engine commits it again once the token is known."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.kv_epoch != self.epoch:
             return
         if seq.token_ids[-1] == PLACEHOLDER:
             num_tokens = min(num_tokens, len(seq.token_ids) - 1)
@@ -120,7 +131,24 @@ class BlockManager:
         self.registered_this_step.clear()
 
     def begin_step(self) -> None:
+        # Hashes still pending here belong to a step that neither ended nor was discarded (the
+        # engine was interrupted where it could not clean up): their KV may be missing.
+        self.discard_step_hashes()
+
+    def end_step(self) -> None:
+        """The step scheduled since begin_step() was issued: its KV writes are ordered before
+        any later read, so its hashes stop being pending."""
         self.registered_this_step.clear()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every registered hash (the weights changed): cached blocks become free, used
+        blocks keep their KV for their owners only, and sequences holding KV of the old epoch
+        register nothing more."""
+        for block in list(self.hash_to_block.values()):
+            self._unregister(block)
+        self.registered_this_step.clear()
+        self.epoch += 1
+        self.num_prefix_resets += 1
 
     def _unregister(self, block: int) -> None:
         del self.hash_to_block[self.block_hash[block]]
@@ -164,6 +192,7 @@ class BlockManager:
         seq.block_table = table
         seq.num_computed_tokens = len(hits) * self.block_size
         seq.num_registered_blocks = len(hits)
+        seq.kv_epoch = self.epoch
         seq.metrics.num_cached_tokens = seq.num_computed_tokens
         self.num_hit_blocks += len(hits)
 
@@ -211,6 +240,7 @@ class BlockManager:
         child.num_computed_tokens = parent.num_computed_tokens
         child.block_hashes = list(parent.block_hashes)
         child.num_registered_blocks = parent.num_registered_blocks
+        child.kv_epoch = parent.kv_epoch
 
     def free(self, seq: Sequence) -> None:
         """Return `seq`'s blocks. Last blocks first, so the LRU evicts a request's tail before
@@ -226,9 +256,10 @@ class BlockManager:
         seq.num_registered_blocks = 0
 
     # -- checks ---------------------------------------------------------------------------------
-    def check_invariants(self, seqs) -> None:
+    def check_invariants(self, seqs, between_steps: bool = False) -> None:
         """Raise AssertionError unless the counts and ref counts match the owners in `seqs`
-        (every sequence that holds device blocks)."""
+        (every sequence that holds device blocks); `between_steps` (the engine's check): no hash
+        is pending either."""
         owners = [0] * self.num_blocks
         for seq in seqs:
             assert len(set(seq.block_table)) == len(seq.block_table), f"{seq} repeats a block"
@@ -254,3 +285,7 @@ class BlockManager:
             assert self.block_hash[b] == h, f"hash map points at block {b} with another hash"
         assert sum(1 for h in self.block_hash if h != _NO_HASH) == len(self.hash_to_block), \
             "a block keeps a hash the map does not know"
+        pending = [b for b in self.registered_this_step if self.block_hash[b] != _NO_HASH]
+        assert not (between_steps and pending), (
+            f"blocks {pending[:8]} keep hashes of a step that never completed (their KV may never "
+            "have been written)")

@@ -99,6 +99,10 @@ class EngineConfig:
             if not math.isfinite(self.cpu_offload_gib) or self.cpu_offload_gib < 0:
                 raise ValueError(f"cpu_offload_gib must be >= 0, got {self.cpu_offload_gib}")
         _check_choice("preemption", self.preemption, PREEMPTION_MODES)
+        if self.preemption == "swap" and self.cpu_offload_gib == 0:
+            raise ValueError("preemption='swap' needs a host pool, but cpu_offload_gib=0 makes "
+                             "none; give cpu_offload_gib > 0 (or None: auto) or use "
+                             "preemption='recompute'")
         if not isinstance(self.prefix_caching, bool):
             raise TypeError(f"prefix_caching must be a bool, got {type(self.prefix_caching).__name__}")
         _check_choice("overlap", self.overlap, OVERLAP_MODES)

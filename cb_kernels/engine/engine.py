@@ -18,6 +18,7 @@ from cb_kernels.engine.sizing import ModelShape, resolve
 from cb_kernels.engine.step import LaunchedStep, StepClock
 from cb_kernels.engine.streams import StreamOrchestrator
 from cb_kernels.engine.swapper import make_swapper
+from cb_kernels.engine.weights import WeightWatch
 from cb_kernels.runner import ModelRunner, TransformersRunner
 
 logger = logging.getLogger("cb_kernels.engine")
@@ -58,23 +59,31 @@ class Engine:
         self.streams = StreamOrchestrator(r.device, c.overlap)
         self.swapper = make_swapper(self.block_manager, r.k_caches + r.v_caches,
                                     c.cpu_offload_gib, c.preemption, self.streams)
+        if self.swapper is None and c.preemption != "recompute":
+            if c.preemption == "swap":
+                raise ValueError(f"preemption='swap' needs a host pool, but cpu_offload_gib="
+                                 f"{c.cpu_offload_gib:.3g} holds no KV block; raise "
+                                 "cpu_offload_gib or use preemption='recompute'")
+            self.resolved = c = sizing.replace(c, preemption="recompute", cpu_offload_gib=0.0)
+            logger.info("EngineConfig.preemption auto -> recompute (no host pool)")
         self.scheduler = Scheduler(self.block_manager, c.max_batch_tokens, c.max_num_seqs,
                                    swapper=self.swapper)
         self.sampler = Sampler(seed)
         self.pipeline = OverlapPipeline(self) if c.overlap == "on" else None
         self.frontend = Frontend(self)
+        self.weights = WeightWatch(model)
         self.clock = StepClock(r.device.type == "cuda")
         self._seqs: dict = {}                 # request_id -> Sequence, while not ended
         self._ended: list = []                # outputs of requests that ended between steps
         self._next_id = 0
+        self._user_ids: set = set()           # ids of the automatic form the caller chose
         self.num_steps = self.num_failed_steps = 0
         self.num_generated_tokens = self.num_greedy_head_steps = 0
 
     # -- requests -------------------------------------------------------------------------------
-    def add_request(self, prompt, params: Optional[SamplingParams] = None,
-                    request_id: Optional[str] = None) -> str:
-        """Queue one request; returns its id. Raises ValueError/TypeError (naming the argument)
-        for a bad prompt, bad params or a duplicate id; nothing is queued then."""
+    def check_request(self, prompt, params: Optional[SamplingParams] = None) -> tuple:
+        """(token_ids, params) of a request add_request would accept; raises ValueError/TypeError
+        (naming the argument) as add_request does. Queues nothing."""
         if params is None:
             params = SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -82,10 +91,22 @@ class Engine:
         token_ids = requests.to_token_ids(prompt, self.tokenizer)
         requests.check_prompt(token_ids, params, self.runner.vocab_size,
                               self.runner.max_positions, self.block_manager)
+        return token_ids, params
+
+    def add_request(self, prompt, params: Optional[SamplingParams] = None,
+                    request_id: Optional[str] = None) -> str:
+        """Queue one request; returns its id. Raises ValueError/TypeError (naming the argument)
+        for a bad prompt, bad params or a duplicate id; nothing is queued then. An automatic id
+        ("req_N") skips every "req_..." id the caller ever chose, so the two never collide."""
+        token_ids, params = self.check_request(prompt, params)
         if request_id is None:
+            while f"req_{self._next_id}" in self._seqs or f"req_{self._next_id}" in self._user_ids:
+                self._next_id += 1
             request_id = f"req_{self._next_id}"
         elif not isinstance(request_id, str) or not request_id:
             raise TypeError(f"request_id must be a non-empty str or None, got {request_id!r}")
+        elif request_id.startswith("req_"):
+            self._user_ids.add(request_id)
         if request_id in self._seqs:
             raise ValueError(f"request_id {request_id!r} is already waiting or running")
         seq = Sequence(self._next_id, request_id, token_ids, params, time.perf_counter(),
@@ -112,7 +133,9 @@ class Engine:
         self.end(seq, "cancelled")
 
     def has_unfinished(self) -> bool:
-        return bool(self._seqs)
+        """True while a request is waiting, running or swapped, or an ended one's output has
+        not been returned by step() yet (so `while has_unfinished(): step()` gets them all)."""
+        return bool(self._seqs or self._ended)
 
     @property
     def eos_token_ids(self) -> frozenset:
@@ -134,7 +157,10 @@ class Engine:
     def step(self) -> list:
         """Run one batch; returns the RequestOutputs of the requests that ended (plus those
         cancelled since the last step). With overlap on, the batch stays in flight and the
-        outputs are those of the batch before (engine/pipeline.py)."""
+        outputs are those of the batch before (engine/pipeline.py). An exception that is not
+        an Exception (KeyboardInterrupt, SystemExit) fails the step's requests as any error
+        does, then propagates; their outputs come with the next step()."""
+        self.check_weights()
         if self.pipeline is not None:
             self.pipeline.step()
         else:
@@ -143,10 +169,12 @@ class Engine:
             if batch.seqs:
                 try:
                     launched = self.run(batch)
-                except Exception as e:  # one bad step fails its requests, never the engine
-                    self.fail_step(batch, e)
-                else:
+                    self.block_manager.end_step()
                     self.postprocess(launched)
+                except BaseException as e:  # one bad step fails its requests, never the engine
+                    self.fail_step(batch, e)
+                    if not isinstance(e, Exception):
+                        raise
             else:
                 self.check_progress()
         if not self._seqs:
@@ -235,7 +263,7 @@ class Engine:
             # raising beats spinning forever in generate() if that proof ever breaks.
             raise RuntimeError(f"the scheduler found nothing to run: {self.stats()}")
 
-    def fail_step(self, batch: ScheduledBatch, error: Exception) -> None:
+    def fail_step(self, batch: ScheduledBatch, error: BaseException) -> None:
         self.num_failed_steps += 1
         message = f"{type(error).__name__}: {error}"
         logger.error("step %d failed; failing its %d requests: %s", self.num_steps,
@@ -248,6 +276,8 @@ class Engine:
     def end(self, seq: Sequence, reason: str, error: Optional[str] = None) -> None:
         if seq.status is not SequenceStatus.FINISHED:
             self.scheduler.finish(seq)
+        if seq.has_placeholder:      # ended inside an overlapped step (interrupted)
+            seq.token_ids.pop()
         seq.finish_reason, seq.error = reason, error
         seq.metrics.finished_time = time.perf_counter()
         del self._seqs[seq.request_id]
@@ -262,15 +292,33 @@ class Engine:
         """Per step, one RequestOutput per request with new tokens (engine/frontend.py)."""
         return self.frontend.stream(prompts, params)
 
-    def refresh_weights(self) -> None:
-        """Rebuild the runner's copies of the weights now (after writes torch does not see, such
-        as through `.data`; changes through torch are seen at the next step anyway)."""
+    def check_weights(self, full: bool = False) -> None:
+        """Drop the prefix cache if a parameter was written through torch or replaced since the
+        last check (engine/weights.py; every step() does this, `full` (once per generate() and
+        stream()) also sees Parameter objects swapped for new ones)."""
+        if full:
+            self.weights.refresh_list()
+        if self.weights.changed():
+            self.block_manager.reset_prefix_cache()
+
+    def weights_updated(self) -> None:
+        """Say the model's weights changed in a way torch cannot see (`p.data.copy_(...)`,
+        writes to inference tensors, new Parameter objects): the runner rebuilds its copies of
+        them and the prefix cache forgets every block, so no request reads KV of the old weights.
+        Requests running now keep the KV they have (computed with the old weights)."""
         self.runner.refresh_weights()
+        self.weights.refresh_list()
+        self.weights.changed()
+        self.block_manager.reset_prefix_cache()
+
+    def refresh_weights(self) -> None:
+        """= weights_updated() (the older name)."""
+        self.weights_updated()
 
     def check_invariants(self) -> None:
         """Raise AssertionError if any block, ref count or queue is inconsistent."""
         s = self.scheduler
-        self.block_manager.check_invariants(s.seqs_holding_blocks())
+        self.block_manager.check_invariants(s.seqs_holding_blocks(), between_steps=True)
         for seq in s.running:
             assert seq.status is SequenceStatus.RUNNING, f"{seq} in running"
             assert self.is_live(seq), f"{seq} running but unknown"
@@ -303,6 +351,7 @@ class Engine:
             "cached_blocks": bm.num_cached_blocks, "num_blocks": bm.num_blocks, **offload,
             "recomputes": s.num_recomputes, "preemptions": s.num_preemptions,
             "prefix_hit_blocks": bm.num_hit_blocks, "evicted_blocks": bm.num_evicted_blocks,
+            "prefix_resets": bm.num_prefix_resets,
             "steps": self.num_steps, "failed_steps": self.num_failed_steps,
             "running": len(s.running), "waiting": len(s.waiting), "swapped": len(s.swapped),
             "generated_tokens": self.num_generated_tokens, **pipeline,

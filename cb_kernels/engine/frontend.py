@@ -17,7 +17,8 @@ class Frontend:
 
     def _add_all(self, prompts, params) -> list:
         """Add every prompt; a bad one becomes an "error" output instead of stopping the rest.
-        Returns one entry per prompt: a request id, or the finished error output."""
+        Returns one entry per prompt: a request id, or the finished error output. Every prompt
+        is checked before any is queued, so an exception out of here leaves nothing queued."""
         if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__iter__"):
             raise TypeError("prompts must be a list of prompts (token-id lists or strings), got "
                             f"{type(prompts).__name__}")
@@ -28,13 +29,14 @@ class Frontend:
             per_prompt = list(params)
         else:
             per_prompt = [params] * len(prompts)
-        entries = []
+        checked = []
         for prompt, p in zip(prompts, per_prompt):
             try:
-                entries.append(self.engine.add_request(prompt, p))
+                checked.append(self.engine.check_request(prompt, p))
             except (ValueError, TypeError) as e:
-                entries.append(self.engine.reject(prompt, e))
-        return entries
+                checked.append(self.engine.reject(prompt, e))
+        self.engine.check_weights(full=True)
+        return [self.engine.add_request(*c) if isinstance(c, tuple) else c for c in checked]
 
     def generate(self, prompts, params=None) -> list:
         """Run `prompts` to completion; returns their RequestOutputs in prompt order. A prompt

@@ -103,16 +103,33 @@ class OverlapPipeline:
     def __init__(self, engine):
         self.engine = engine
         self.in_flight: Optional[LaunchedStep] = None
+        self.scheduled: Optional[ScheduledBatch] = None    # the batch of the step() running
         self.overlapped_steps = 0
         self.placeholder_fills = 0
         self.discarded_tokens = 0
 
     def step(self) -> None:
-        """advance(N) -> schedule N+1 -> run N+1 -> resolve(N); N+1 stays in flight."""
+        """advance(N) -> schedule N+1 -> run N+1 -> resolve(N); N+1 stays in flight. An
+        exception that escapes (KeyboardInterrupt while waiting for N's tokens, say) fails the
+        requests of N and N+1 as a failed step does, then propagates: no placeholder, pending
+        hash or step in flight is left behind."""
+        prev, self.in_flight, self.scheduled = self.in_flight, None, None
+        try:
+            self._step(prev)
+        except BaseException as exc:
+            self.in_flight = None
+            seqs = (prev.batch.seqs if prev is not None else []) + \
+                (self.scheduled.seqs if self.scheduled is not None else [])
+            if self.scheduled is not None:
+                self.engine.end_failed(self.scheduled)
+            if seqs:
+                self.engine.fail_step(ScheduledBatch(seqs=seqs), exc)
+            raise
+
+    def _step(self, prev: Optional[LaunchedStep]) -> None:
         e = self.engine
-        prev, self.in_flight = self.in_flight, None
         retired = self._advance(prev, retire=True) if prev is not None else set()
-        batch = e.scheduler.schedule()
+        batch = self.scheduled = e.scheduler.schedule()
         launched = error = None
         if batch.seqs:
             self.overlapped_steps += prev is not None
@@ -127,6 +144,7 @@ class OverlapPipeline:
             e.fail_step(batch, error)
         elif launched is not None:
             self._commit_late(launched)
+            e.block_manager.end_step()
             if not any(e.is_live(seq) for seq in batch.seqs):
                 self.discarded_tokens += len(launched.sampled)   # all stopped in `prev`
             elif launched.pending:

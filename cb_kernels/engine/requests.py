@@ -21,7 +21,12 @@ def to_token_ids(prompt, tokenizer) -> list:
         if getattr(prompt, "is_floating_point", lambda: False)() or \
                 str(getattr(prompt, "dtype", "")).startswith(("float", "torch.float")):
             raise TypeError(f"prompt token ids must be integers, got dtype {prompt.dtype}")
-        prompt = prompt.tolist()
+        if getattr(getattr(prompt, "device", None), "type", None) == "meta":
+            raise TypeError("prompt is a tensor on the meta device, which holds no values")
+        try:
+            prompt = prompt.tolist()
+        except (RuntimeError, NotImplementedError) as e:
+            raise TypeError(f"prompt tensor cannot be read as token ids ({e})") from None
     if not isinstance(prompt, (list, tuple)):
         raise TypeError("prompt must be a list of token ids or a str, got "
                         f"{type(prompt).__name__}")
@@ -38,6 +43,9 @@ def check_prompt(token_ids: list, params, vocab_size: int, max_positions: int,
     for i, t in enumerate(token_ids):
         if not 0 <= t < vocab_size:
             raise ValueError(f"prompt[{i}] = {t} is outside the vocabulary [0, {vocab_size})")
+    for t in getattr(params, "stop_token_ids", ()):
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"stop_token_ids holds {t}, outside the vocabulary [0, {vocab_size})")
     n, new = len(token_ids), params.max_new_tokens
     if n > max_positions:
         raise ValueError(f"prompt has {n} tokens, more than the model's max_position_embeddings "

@@ -30,7 +30,7 @@ class Sequence:
     __slots__ = ("seq_id", "request_id", "token_ids", "num_prompt_tokens", "params",
                  "num_computed_tokens", "block_table", "block_hashes", "num_registered_blocks",
                  "status", "metrics", "eos_token_ids", "generator", "finish_reason", "error",
-                 "num_streamed_tokens", "streamed_text")
+                 "num_streamed_tokens", "streamed_text", "kv_epoch")
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list,
                  params: SamplingParams, arrival_time: float = 0.0,
@@ -44,6 +44,7 @@ class Sequence:
         self.block_table: list = []
         self.block_hashes: list = []
         self.num_registered_blocks = 0   # leading full blocks whose hash the block manager saw
+        self.kv_epoch = 0     # BlockManager.epoch (the weights) its KV was computed under
         self.status = SequenceStatus.WAITING
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.eos_token_ids = eos_token_ids

@@ -67,8 +67,10 @@ class Swapper:
         """
         bm = self.block_manager
         num_computed, num_cached = seq.num_computed_tokens, seq.metrics.num_cached_tokens
+        epoch = seq.kv_epoch                    # the KV coming back is as old as it was
         bm.allocate(seq, [])
         seq.num_computed_tokens, seq.metrics.num_cached_tokens = num_computed, num_cached
+        seq.kv_epoch = epoch
         n = len(self.offload.host_blocks(seq.seq_id))
         try:
             self.offload.swap_in(seq.seq_id, seq.block_table[:n])

@@ -160,3 +160,45 @@ def test_check_invariants_catches_a_leak():
     bm.ref_counts[a.block_table[0]] += 1
     with pytest.raises(AssertionError):
         bm.check_invariants([a])
+
+
+def test_pending_hashes_are_caught_and_dropped_by_the_next_step():
+    """Hashes of a step that neither ended nor was discarded (interrupted) are pending: the
+    between-steps check refuses them and the next begin_step() drops them."""
+    bm = BlockManager(num_blocks=8, block_size=2)
+    a = seq_of([1, 2, 3, 4, 5])
+    bm.begin_step()
+    admit(bm, a)
+    bm.check_invariants([a])                          # inside the step: fine
+    with pytest.raises(AssertionError, match="never completed"):
+        bm.check_invariants([a], between_steps=True)
+    bm.free(a)
+    bm.begin_step()
+    assert bm.hash_to_block == {} and bm.num_cached_blocks == 0
+    b = seq_of([1, 2, 3, 4, 5])
+    assert bm.match_prefix(b) == []
+    admit(bm, b)
+    bm.end_step()
+    bm.check_invariants([b], between_steps=True)
+    assert len(bm.hash_to_block) == 2
+
+
+def test_reset_prefix_cache_frees_cached_blocks_and_stops_old_sequences():
+    bm = BlockManager(num_blocks=12, block_size=2)
+    old, done = seq_of([1, 2, 3, 4, 5]), seq_of([7, 8, 9, 10, 11])
+    admit(bm, old)
+    admit(bm, done)
+    bm.free(done)
+    assert bm.num_cached_blocks == 2
+    bm.reset_prefix_cache()
+    assert bm.hash_to_block == {} and bm.num_cached_blocks == 0 and bm.epoch == 1
+    bm.check_invariants([old])
+    old.token_ids += [6, 7, 8]                       # it keeps running on its old KV ...
+    bm.append_slot(old)
+    bm.commit(old, 8)
+    assert bm.hash_to_block == {}                    # ... but never shares a block of it
+    new = seq_of([1, 2, 3, 4, 5])
+    assert bm.match_prefix(new) == []
+    admit(bm, new)
+    assert len(bm.hash_to_block) == 2 and new.kv_epoch == 1
+    bm.check_invariants([old, new])

@@ -66,7 +66,7 @@ def test_reference_matches_generate(model, reference):
     ("auto-swap", 200, "auto", "swap"),
     ("forced-recompute", 200, "recompute", "recompute"),
     ("host-exhausted", 8, "swap", "both"),
-    ("no-host-pool", 0, "swap", "recompute"),
+    ("no-host-pool", 0, "auto", "recompute"),
 ])
 def test_same_tokens_under_pressure(model, reference, name, host_blocks, preemption, expect):
     outs, st = run_checked(make_engine(model, host_blocks=host_blocks, preemption=preemption))
@@ -82,6 +82,17 @@ def test_same_tokens_under_pressure(model, reference, name, host_blocks, preempt
         assert st["recomputes"] > 0
     if expect == "recompute":
         assert st["swaps_out"] == 0
+
+
+def test_swap_without_a_host_pool_is_refused(model):
+    with pytest.raises(ValueError, match="preemption='swap' needs a host pool, but cpu_offload_gib=0"):
+        EngineConfig(cpu_offload_gib=0, preemption="swap")
+    # A pool too small for one block: refused for "swap", reported as recompute for "auto".
+    with pytest.raises(ValueError, match="preemption='swap' needs a host pool.*holds no KV block"):
+        make_engine(model, host_blocks=0.5, preemption="swap")
+    engine = make_engine(model, host_blocks=0.5)
+    assert engine.swapper is None and engine.resolved.preemption == "recompute"
+    assert engine.resolved.cpu_offload_gib == 0
 
 
 def test_injected_transfer_failure_leaks_nothing(model, reference):
