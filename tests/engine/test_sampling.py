@@ -134,7 +134,10 @@ def test_logprobs_zero_holds_the_chosen_token_only(llama):
     assert [list(e) for e in out.outputs[0].logprobs] == [[t] for t in out.token_ids]
 
 
-def test_prompt_logprobs_every_position_despite_prefix_cache_and_chunks(llama):
+@pytest.mark.parametrize("kind", ["llama", "gemma2"])   # the fused forward; transformers'
+def test_prompt_logprobs_every_position_despite_prefix_cache_and_chunks(llama, kind):
+    if kind != "llama":
+        llama = make_model(kind)
     prompt = random_prompts([37], seed=6)[0]
     ref = model_logprobs(llama, prompt)
     engine = engine_for(llama, max_batch_tokens=16)     # 37 tokens prefill in three chunks
@@ -371,9 +374,9 @@ def test_all_features_under_memory_pressure_same_tokens(llama):
             [o.outputs[0].logprobs for o in outs], outs[1].prompt_logprobs, st
 
     calm, calm_lp, calm_pl, _ = run(num_blocks=128)
-    for preemption in ("swap", "recompute"):
+    for preemption, overlap in (("swap", "off"), ("recompute", "off"), ("swap", "on")):
         got, lp, pl, st = run(block_size=4, num_blocks=20, max_batch_tokens=24, max_num_seqs=6,
-                              preemption=preemption, cpu_offload_gib=0.01)
+                              preemption=preemption, cpu_offload_gib=0.01, overlap=overlap)
         assert got == calm, preemption
         assert st["preemptions"] > 0
         assert (st["swaps_out"] > 0) == (preemption == "swap")
@@ -384,3 +387,19 @@ def test_all_features_under_memory_pressure_same_tokens(llama):
                 assert all(abs(x - y) < TOL for e, f in zip(a, b) for x, y in zip(e.values(), f.values()))
         assert [None if e is None else list(e) for e in pl] == \
             [None if e is None else list(e) for e in calm_pl]
+
+
+def test_all_greedy_steps_keep_the_greedy_head(llama):
+    tok = make_tokenizer()
+    prompts = ["w5 w17 w200 w3", "w42 w7"]
+    plain = [SamplingParams(max_new_tokens=5, stop=["zz"], stop_token_ids=[1]),
+             SamplingParams(max_new_tokens=5, include_stop_str_in_output=True)]
+    engine = engine_for(llama, tok, greedy_head=True)
+    engine.generate(prompts, plain)
+    st = engine.stats()
+    assert st["greedy_head_steps"] == st["steps"] > 0       # stop strings change no logits
+    for feature in ({"logprobs": 1}, {"repetition_penalty": 1.1}, {"min_new_tokens": 1},
+                    {"logit_bias": {3: 0.5}}, {"n": 2}, {"prompt_logprobs": 0}):
+        engine = engine_for(llama, tok, greedy_head=True)
+        engine.generate(prompts, [plain[0], SamplingParams(max_new_tokens=5, **feature)])
+        assert engine.stats()["greedy_head_steps"] == 0, feature
