@@ -64,35 +64,46 @@ def uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return (_shr(z, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
-def _ids(values, device) -> torch.Tensor:
-    return torch.frombuffer(values, dtype=torch.int64).to(device) if len(values) else \
-        torch.empty(0, dtype=torch.int64, device=device)
-
-
-def _token_counts(seqs: list, outputs_only: bool, vocab_size: int, device) -> torch.Tensor:
-    """How often each token occurs in each of `seqs` (prompt + output, or output only):
-    fp32 [len(seqs), vocab_size]."""
+def _flat_tokens(seqs: list, rows: list, outputs_only: bool, device):
+    """(row index, token id) int64 pairs [num_tokens] of the tokens of seqs[i] for i in `rows`
+    (prompt + output, or output only): one gather/scatter over them replaces a [rows, vocab]
+    pass."""
     flat, lengths = array("q"), []
-    for s in seqs:
-        tokens = s.output_token_ids if outputs_only else s.token_ids
+    for i in rows:
+        s = seqs[i]
+        tokens = s.token_ids[s.num_prompt_tokens:] if outputs_only else s.token_ids
         flat.extend(tokens)
         lengths.append(len(tokens))
-    counts = torch.zeros(len(seqs), vocab_size, dtype=torch.float32, device=device)
-    if len(flat):
-        rows = torch.repeat_interleave(torch.arange(len(seqs), device=device),
-                                       torch.tensor(lengths, device=device))
-        counts.index_put_((rows, _ids(flat, device)),
-                          torch.ones(len(flat), device=device), accumulate=True)
-    return counts
+    ids = torch.frombuffer(flat, dtype=torch.int64).to(device) if len(flat) else \
+        torch.empty(0, dtype=torch.int64, device=device)
+    row = torch.repeat_interleave(torch.tensor(rows, device=device),
+                                  torch.tensor(lengths, device=device))
+    return row, ids
+
+
+def _subset(x: torch.Tensor, rows: list) -> torch.Tensor:
+    """x[rows] without a copy when `rows` is every row (the common case: copying a
+    [256, 49152] fp32 block took 60-110 ms on the 2-core dev box)."""
+    if len(rows) == x.shape[0]:
+        return x
+    return x[torch.tensor(rows, device=x.device)]
 
 
 def _column(values: list, device, dtype=torch.float32) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype, device=device)[:, None]
 
 
-def change_logits(x: torch.Tensor, seqs: list) -> torch.Tensor:
+def change_logits(x: torch.Tensor, seqs: list, undo: Optional[list] = None) -> torch.Tensor:
     """x: fp32 [num_rows, vocab_size], row i for seqs[i] (a Sequence whose next token it is).
-    Applies logit_bias, the min_new_tokens mask and the penalties, in place; returns x."""
+    Applies logit_bias, the min_new_tokens mask and the penalties, in place; returns x. The work
+    is proportional to the tokens involved (gathers and scatters at their ids), not to
+    num_rows x vocab_size. `undo` (a list) gets (rows, ids, old values) before each change:
+    writing them back in reverse order restores x."""
+
+    def save(row, ids):
+        if undo is not None:
+            undo.append((row, ids, x[row, ids]))
+
     device, vocab = x.device, x.shape[1]
     params = [s.params for s in seqs]
     biased = [i for i, p in enumerate(params) if p.logit_bias]
@@ -103,8 +114,10 @@ def change_logits(x: torch.Tensor, seqs: list) -> torch.Tensor:
             rows += [i] * len(b)
             cols += b.keys()
             vals += b.values()
-        x.index_put_((torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
-                     torch.tensor(vals, dtype=x.dtype, device=device), accumulate=True)
+        row, ids = torch.tensor(rows, device=device), torch.tensor(cols, device=device)
+        save(row, ids)
+        x.index_put_((row, ids), torch.tensor(vals, dtype=x.dtype, device=device),
+                     accumulate=True)
     young = [i for i, (s, p) in enumerate(zip(seqs, params))
              if s.num_generated_tokens < p.min_new_tokens]
     if young:
@@ -117,79 +130,122 @@ def change_logits(x: torch.Tensor, seqs: list) -> torch.Tensor:
             rows += [i] * len(banned)
             cols += banned
         if rows:
-            x[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = -float("inf")
+            row, ids = torch.tensor(rows, device=device), torch.tensor(cols, device=device)
+            save(row, ids)
+            x[row, ids] = -float("inf")
     rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1]
     if rep:
-        idx = torch.tensor(rep, device=device)
-        seen = _token_counts([seqs[i] for i in rep], False, vocab, device) > 0
-        penalty = _column([params[i].repetition_penalty for i in rep], device)
-        sub = x.index_select(0, idx)
-        sub = torch.where(seen, torch.where(sub < 0, sub * penalty, sub / penalty), sub)
-        x.index_copy_(0, idx, sub)
+        row, ids = _flat_tokens(seqs, rep, False, device)
+        penalty = torch.tensor([p.repetition_penalty for p in params], device=device)[row]
+        save(row, ids)
+        score = x[row, ids]
+        # A token seen twice is written twice with the same value: the rule applies once.
+        x[row, ids] = torch.where(score < 0, score * penalty, score / penalty)
     pen = [i for i, p in enumerate(params) if p.frequency_penalty or p.presence_penalty]
     if pen:
-        idx = torch.tensor(pen, device=device)
-        counts = _token_counts([seqs[i] for i in pen], True, vocab, device)
-        freq = _column([params[i].frequency_penalty for i in pen], device)
-        pres = _column([params[i].presence_penalty for i in pen], device)
-        x.index_copy_(0, idx, x.index_select(0, idx) - freq * counts - pres * (counts > 0))
+        row, ids = _flat_tokens(seqs, pen, True, device)
+        freq = torch.tensor([p.frequency_penalty for p in params], device=device)[row]
+        pres = torch.tensor([p.presence_penalty for p in params], device=device)[row]
+        save(row, ids)
+        x[row, ids] = x[row, ids] - pres                     # once per distinct token
+        x.index_put_((row, ids), -freq, accumulate=True)     # once per occurrence
     return x
 
 
-def filter_logits(y: torch.Tensor, params: list) -> torch.Tensor:
-    """y: fp32 [num_rows, vocab_size] of sampled rows. Temperature (after subtracting the row's
-    maximum: any temperature the checks accept gives finite or -inf values, never NaN), min_p,
-    top_k, top_p; each keeps at least the most likely token. Returns the filtered logits."""
-    device, vocab = y.device, y.shape[1]
+def filter_logits(y: torch.Tensor, params: list, ids: Optional[torch.Tensor] = None):
+    """y: fp32 [num_rows, num_candidates] logits of sampled rows: the whole vocabulary, or (with
+    `ids`, int64 [num_rows, num_candidates]) each row's top candidates sorted in descending
+    order. Temperature (after subtracting the row's maximum: any temperature the checks accept
+    gives finite or -inf values, never NaN), min_p, top_k, top_p; each keeps at least the most
+    likely token. Returns the filtered logits, same shape."""
+    device, width = y.device, y.shape[1]
     y = (y - y.amax(-1, keepdim=True)) / _column([p.temperature for p in params], device)
     min_p = [p.min_p for p in params]
     if any(min_p):
         # min_p * top probability, in logits: top - log(1 / min_p); the top is 0 after the shift.
-        floor = torch.log(_column(min_p, device))
-        y = y.masked_fill(y < floor, -float("inf"))
-    ks = [p.top_k if p.top_k < vocab else 0 for p in params]      # 0: no top-k
+        y = y.masked_fill(y < torch.log(_column(min_p, device)), -float("inf"))
+    ks = [p.top_k if 0 < p.top_k < width else 0 for p in params]      # 0: no top-k
     k_max = max(ks)
     if k_max:
         k = _column(ks, device, torch.int64)
-        kth = torch.topk(y, k_max, dim=-1).values.gather(1, k.clamp(min=1) - 1)
-        y = y.masked_fill((y < kth) & (k > 0), -float("inf"))
+        if ids is None:
+            kth = torch.topk(y, k_max, dim=-1).values.gather(1, k.clamp(min=1) - 1)
+            y = y.masked_fill((y < kth) & (k > 0), -float("inf"))
+        else:           # sorted candidates: top-k is a column mask
+            cols = torch.arange(width, device=device)[None]
+            y = y.masked_fill((cols >= k) & (k > 0), -float("inf"))
     nucleus = [i for i, p in enumerate(params) if p.top_p < 1]
     if nucleus:
-        idx = torch.tensor(nucleus, device=device)
-        sub = y.index_select(0, idx)
-        ordered = torch.sort(sub, dim=-1, descending=True).values
-        probs = ordered.softmax(-1)
-        top_p = _column([params[i].top_p for i in nucleus], device)
-        drop = probs.cumsum(-1) - probs >= top_p   # mass before the token already reaches top_p
+        # Unnormalized masses (the top is exp(0) = 1): no sum over the row whose rounding could
+        # depend on its width, so both paths of sample_rows decide alike.
+        top_p = _column([p.top_p for p in params], device)
+        ordered = y if ids is not None else torch.sort(y, dim=-1, descending=True).values
+        mass = ordered.exp()
+        cum = mass.cumsum(-1)
+        drop = (cum - mass >= top_p * cum[:, -1:]) & (top_p < 1)   # mass before it reaches top_p
         drop[:, 0] = False
-        last = ordered.gather(1, (~drop).sum(-1, keepdim=True) - 1)
-        y = y.index_copy(0, idx, sub.masked_fill(sub < last, -float("inf")))
+        if ids is not None:
+            y = y.masked_fill(drop, -float("inf"))
+        else:
+            last = ordered.gather(1, (~drop).sum(-1, keepdim=True) - 1)
+            y = y.masked_fill(y < last, -float("inf"))
     return y
 
 
 def draw(y: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """One token per row of filtered logits y [num_rows, vocab_size] from uniforms u
-    [num_rows]: int64 [num_rows]."""
-    probs = y.softmax(-1)
-    cum = probs.cumsum(-1)
-    target = (u * cum[:, -1])[:, None]
+    """One column per row of filtered logits y [num_rows, num_candidates] (row maximum 0) from
+    uniforms u [num_rows]: int64 [num_rows]. Inverse CDF over the unnormalized masses: columns of
+    zero mass after the last one that has some change nothing, so a row drawn among its top-k
+    candidates or among the whole vocabulary (in the same column order) gets the same token."""
+    mass = y.exp()
+    cum = mass.cumsum(-1)
+    target = (u[:, None] * cum[:, -1:])
     tokens = torch.searchsorted(cum, target, right=True).clamp_(max=y.shape[1] - 1)
     # fp32 rounding can land the target past the last token of mass; the argmax is then right.
-    empty = probs.gather(1, tokens) <= 0
-    return torch.where(empty, probs.argmax(-1, keepdim=True), tokens)[:, 0]
+    empty = mass.gather(1, tokens) <= 0
+    return torch.where(empty, y.argmax(-1, keepdim=True), tokens)[:, 0]
 
 
-def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, ks: list) -> list:
-    """logprobs: fp32 [num_rows, vocab_size] (log-softmax); chosen: int64 [num_rows]; ks[i]: how
-    many of the most likely tokens row i reports. Returns per row (dict id -> logprob holding the
-    top ks[i] and the chosen token, the chosen token's logprob)."""
-    chosen_lp = logprobs.gather(1, chosen[:, None])[:, 0].tolist()
-    k_max = max(ks)
-    if k_max:
-        values, ids = torch.topk(logprobs, k_max, dim=-1)
-        values, ids = values.tolist(), ids.tolist()
+# Rows with a top_k of at most this are sampled among their top_k candidates only (a
+# [rows, top_k] problem after one topk); the others over the whole vocabulary. The choice is per
+# row (its own top_k), never per batch, so a row's token does not depend on its neighbours.
+MAX_CANDIDATES = 1024
+
+
+def sample_rows(x: torch.Tensor, params: list, u: torch.Tensor) -> torch.Tensor:
+    """x: fp32 [num_rows, vocab_size] (changed logits of sampled rows); u: uniforms [num_rows].
+    Returns int64 token ids [num_rows]."""
+    vocab, device = x.shape[1], x.device
+    few = [i for i, p in enumerate(params) if 0 < p.top_k <= MAX_CANDIDATES and p.top_k < vocab]
+    if not few:
+        return draw(filter_logits(x, params), u)
+    chosen = set(few)
+    rest = [i for i in range(len(params)) if i not in chosen]
+    pr = [params[i] for i in few]
+    values, ids = torch.topk(_subset(x, few), max(p.top_k for p in pr), dim=-1)  # descending
+    y = filter_logits(values, pr, ids)
+    ids, perm = torch.sort(ids, dim=-1)          # token-id order, as over the whole vocabulary
+    tokens = ids.gather(1, draw(y.gather(1, perm), u[few])[:, None])[:, 0]
+    if not rest:
+        return tokens
+    out = torch.empty(len(params), dtype=torch.int64, device=device)
+    out[torch.tensor(few, device=device)] = tokens
+    out[torch.tensor(rest, device=device)] = draw(filter_logits(_subset(x, rest),
+                                                                [params[i] for i in rest]),
+                                                  u[rest])
+    return out
+
+
+def top_logprobs(chosen: torch.Tensor, chosen_lp: torch.Tensor, top, lse: torch.Tensor,
+                 ks: list) -> list:
+    """Per row (dict id -> logprob holding the top ks[i] and the chosen token, the chosen
+    token's logprob). chosen: int64 [num_rows]; chosen_lp: fp32 [num_rows]; top: torch.topk of
+    the raw logits [num_rows, max(ks)] (or None when max(ks) is 0); lse: their logsumexp
+    [num_rows, 1]."""
+    if top is not None:
+        values, ids = (top.values - lse).tolist(), top.indices.tolist()
     out = []
-    for i, (k, c, lp) in enumerate(zip(ks, chosen.tolist(), chosen_lp)):
+    for i, (k, c, lp) in enumerate(zip(ks, chosen.tolist(), chosen_lp.tolist())):
         entry = dict(zip(ids[i][:k], values[i][:k])) if k else {}
         entry[c] = lp
         out.append((entry, lp))
@@ -218,6 +274,7 @@ class Sampler:
             seq.sample_seed = sample_seed(base, seq.sample_index)
         return seq.sample_seed
 
+    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list, prompt_rows: Optional[list] = None) -> list:
         """logits: fp32 [num_rows, vocab_size]; row i < len(seqs) for seqs[i]'s next token, the
         rows after them for `prompt_rows` (see prompt_rows()). Returns one token id per seq."""
@@ -235,28 +292,36 @@ class Sampler:
                 src.append(root)
                 index.append(i)
         if forks:
-            rows = rows.index_select(0, torch.tensor(index, device=rows.device))
+            rows = rows[torch.tensor(index, device=rows.device)]
         params = [s.params for s in items]
         asks = [i for i, p in enumerate(params) if p.logprobs is not None]
-        raw = rows.index_select(0, torch.tensor(asks, device=rows.device)).log_softmax(-1) \
-            if asks else None
-        x = rows
+        if asks:      # of the raw logits: logsumexp and the top k now, the chosen one's later
+            ks = [params[i].logprobs for i in asks]
+            raw = _subset(rows, asks)
+            lse = torch.logsumexp(raw, -1, keepdim=True)
+            top = torch.topk(raw, max(ks), dim=-1) if max(ks) else None
+        # Changed in place (nothing else reads the step's logits); `undo` restores the raw
+        # values where logprobs need them.
+        undo = [] if asks else None
         if any(p.changes_logits for p in params):
-            x = change_logits(rows.clone(), src)
-        tokens = x.argmax(-1)
+            change_logits(rows, src, undo)
         drawn = [i for i, p in enumerate(params) if p.sampling]
+        tokens = rows.argmax(-1) if len(drawn) < len(items) else None
         if drawn:
-            idx = torch.tensor(drawn, device=x.device)
             seeds = torch.tensor([self.seed_of(items[i]) for i in drawn], dtype=torch.int64)
             positions = torch.tensor([items[i].num_generated_tokens for i in drawn],
                                      dtype=torch.int64)
-            u = uniforms(seeds, positions).to(x.device)
-            y = filter_logits(x.index_select(0, idx), [params[i] for i in drawn])
-            tokens = tokens.index_copy(0, idx, draw(y, u))
+            u = uniforms(seeds, positions).to(rows.device)
+            picked = sample_rows(_subset(rows, drawn), [params[i] for i in drawn], u)
+            tokens = picked if tokens is None else \
+                tokens.index_copy(0, torch.tensor(drawn, device=rows.device), picked)
         if asks:
-            chosen = tokens.index_select(0, torch.tensor(asks, device=tokens.device))
-            for i, (entry, lp) in zip(asks, top_logprobs(raw, chosen,
-                                                         [params[i].logprobs for i in asks])):
+            for row, col, value in reversed(undo):
+                rows[row, col] = value
+            chosen = _subset(tokens[:, None], asks)
+            chosen_lp = (_subset(rows, asks).gather(1, chosen) - lse)[:, 0]
+            entries = top_logprobs(chosen[:, 0], chosen_lp, top, lse, ks)
+            for i, (entry, lp) in zip(asks, entries):
                 items[i].record_logprob(entry, lp)
         tokens = tokens.tolist()
         for k in range(len(seqs), len(items)):
@@ -296,7 +361,11 @@ class Sampler:
             targets += seq.token_ids[begin + 1:begin + 1 + count]
             ks += [seq.params.prompt_logprobs] * count
         chosen = torch.tensor(targets, dtype=torch.int64, device=logits.device)
-        entries = top_logprobs(logits.float().log_softmax(-1), chosen, ks)
+        logits = logits.float()
+        lse = torch.logsumexp(logits, -1, keepdim=True)
+        chosen_lp = (logits.gather(1, chosen[:, None]) - lse)[:, 0]
+        top = torch.topk(logits, max(ks), dim=-1) if max(ks) else None
+        entries = top_logprobs(chosen, chosen_lp, top, lse, ks)
         k = 0
         for seq, begin, count in rows:
             if len(seq.prompt_logprobs) == begin + 1:     # else scored already (a rerun)

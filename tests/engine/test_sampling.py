@@ -403,3 +403,22 @@ def test_all_greedy_steps_keep_the_greedy_head(llama):
         engine = engine_for(llama, tok, greedy_head=True)
         engine.generate(prompts, [plain[0], SamplingParams(max_new_tokens=5, **feature)])
         assert engine.stats()["greedy_head_steps"] == 0, feature
+
+
+def test_draws_do_not_depend_on_neighbours_or_path(monkeypatch):
+    from cb_kernels.engine import sampler
+
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(64, 300, generator=g) * 2
+    mine = [SamplingParams(temperature=0.9, top_k=20, top_p=0.8, min_p=0.01),
+            SamplingParams(temperature=1.2, top_p=0.95)]
+    others = [SamplingParams(temperature=1.0, top_k=k) for k in (0, 3, 250)]
+    u = uniforms(torch.arange(64), torch.full((64,), 7))
+    for p in mine:
+        alone = [int(sampler.sample_rows(logits[i:i + 1].clone(), [p], u[i:i + 1])) for i in range(64)]
+        params = [p if i % 2 == 0 else others[i % 3] for i in range(64)]
+        crowd = sampler.sample_rows(logits.clone(), params, u).tolist()
+        assert [crowd[i] for i in range(0, 64, 2)] == alone[::2]
+        monkeypatch.setattr(sampler, "MAX_CANDIDATES", 0)          # every row over the vocabulary
+        assert sampler.sample_rows(logits.clone(), [p] * 64, u).tolist() == alone
+        monkeypatch.undo()

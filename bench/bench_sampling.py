@@ -1,0 +1,152 @@
+"""The per-step cost of the sampling work (cb_kernels/engine/sampler.py) with every feature on.
+
+    python bench/bench_sampling.py [--device cuda] [--dtype bfloat16] [--requests 256]
+                                   [--layers 30] [--steps 4] [--json out.json]
+
+A random model of SmolLM2-135M's shape (30 layers, hidden 576, vocab 49152, tied head) runs
+`--requests` sequences at once: requests/8 prompts with n=8 samples each, temperature 1, top_k 50,
+top_p 0.9, min_p 0.05, repetition/frequency/presence penalties, a logit bias, min_new_tokens,
+logprobs=5 and prompt_logprobs=1 (stop strings are left out: they need the real tokenizer, and
+their cost is host detokenization, not a step's tensor work). After every prefill is done it
+times `--steps` decode steps and, inside them, the Sampler's calls. It prints the sampler's share
+of the step, and the same engine's all-greedy step (no feature, the greedy head where it applies)
+measured in the same run as the baseline: `step / greedy step` is what the features cost in all.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if os.path.isdir(os.path.join(_ROOT, "cb_kernels")) and _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+import cb_kernels  # noqa: E402,F401  (before torch: sets the OpenMP spin bound)
+import torch  # noqa: E402
+
+SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                    max_position_embeddings=2048, tie_word_embeddings=True, rms_norm_eps=1e-5)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_model(layers: int, device: str, dtype: torch.dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**dict(SMOLLM2_135M, num_hidden_layers=layers), attn_implementation="sdpa")
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def all_features(max_new_tokens: int, seed: int):
+    from cb_kernels import SamplingParams
+
+    return SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, top_k=50, top_p=0.9,
+                          min_p=0.05, repetition_penalty=1.1, frequency_penalty=0.2,
+                          presence_penalty=0.1, logit_bias={11: 1.5, 42: -2.0}, min_new_tokens=2,
+                          logprobs=5, prompt_logprobs=1, n=8, seed=seed)
+
+
+class TimedSampler:
+    """Wraps the engine's Sampler: seconds spent in its calls (device synchronized)."""
+
+    def __init__(self, sampler, device):
+        self.sampler, self.device, self.seconds = sampler, device, 0.0
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def __call__(self, *args):
+        self._sync()
+        t0 = time.perf_counter()
+        out = self.sampler(*args)
+        self._sync()
+        self.seconds += time.perf_counter() - t0
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.sampler, name)
+
+
+def time_steps(engine, steps: int) -> float:
+    """Seconds per step of `steps` decode steps (after the prefills)."""
+    while engine.stats()["waiting"] or any(not s.is_decoding for s in engine.scheduler.running):
+        engine.step()
+    engine.step()                     # the first step after the prefills (forks' copies)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    if engine.runner.device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / steps
+
+
+def run(args) -> dict:
+    from cb_kernels import Engine, EngineConfig, SamplingParams
+
+    model = build_model(args.layers, args.device, DTYPES[args.dtype])
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(100, 40000, (args.prompt_len,), generator=g).tolist()
+               for _ in range(args.requests // 8)]
+    new = args.steps + 8
+    cfg = EngineConfig(block_size=16, num_blocks=args.requests * 4 + 64, max_num_seqs=args.requests,
+                       max_batch_tokens=max(args.requests, 2048))
+    engine = Engine(model, cfg)
+    timed = engine.sampler = TimedSampler(engine.sampler, engine.runner.device)
+    for i, p in enumerate(prompts):
+        engine.add_request(p, all_features(new, i))
+    while engine.stats()["running"] < args.requests:     # prefills and forks
+        engine.step()
+    timed.seconds = 0.0
+    step_s = time_steps(engine, args.steps)
+    sampler_s = timed.seconds / (args.steps + 1)        # the untimed warm step is included
+    running = engine.stats()["running"]
+    while engine.has_unfinished():
+        engine.step()
+    # The baseline: the same engine, the same number of sequences, every request greedy.
+    for i in range(args.requests):
+        engine.add_request(prompts[i % len(prompts)] + [i], SamplingParams(max_new_tokens=new))
+    greedy_s = time_steps(engine, args.steps)
+    while engine.has_unfinished():
+        engine.step()
+    return {"device": args.device, "dtype": args.dtype, "layers": args.layers,
+            "requests": running, "step_ms": step_s * 1e3, "sampler_ms": sampler_s * 1e3,
+            "sampler_share": sampler_s / step_s, "greedy_step_ms": greedy_s * 1e3,
+            "step_vs_greedy": step_s / greedy_s}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                   help="default: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--requests", type=int, default=256, help="running sequences (a multiple of 8)")
+    p.add_argument("--layers", type=int, default=SMOLLM2_135M["num_hidden_layers"])
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    if args.requests % 8 or args.requests < 8:
+        p.error("--requests must be a positive multiple of 8 (n=8 samples per prompt)")
+    r = run(args)
+    print(f"{r['requests']} sequences, {r['layers']} layers, {r['device']} {r['dtype']}: "
+          f"step {r['step_ms']:.1f} ms, sampling {r['sampler_ms']:.1f} ms = "
+          f"{100 * r['sampler_share']:.1f}% of the step; all-greedy step {r['greedy_step_ms']:.1f} ms "
+          f"(features on: {r['step_vs_greedy']:.2f}x the greedy step)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
