@@ -65,6 +65,7 @@ class Engine:
         self.frontend = Frontend(self)
         self.clock = StepClock(r.device.type == "cuda")
         self._seqs: dict = {}                 # request_id -> Sequence, while not ended
+        self._groups: dict = {}               # request_id -> SampleGroup of n > 1, once forked
         self._ended: list = []                # outputs of requests that ended between steps
         self._next_id = 0
         self.num_steps = self.num_failed_steps = 0
@@ -87,7 +88,7 @@ class Engine:
             request_id = f"req_{self._next_id}"
         elif not isinstance(request_id, str) or not request_id:
             raise TypeError(f"request_id must be a non-empty str or None, got {request_id!r}")
-        if request_id in self._seqs:
+        if request_id in self._seqs or request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already waiting or running")
         seq = Sequence(self._next_id, request_id, token_ids, params, time.perf_counter(),
                        self.runner.eos_token_ids)
@@ -107,6 +108,8 @@ class Engine:
         (finish_reason "cancelled") comes with the next step(). The output holds the tokens shown
         so far: with overlap on, a token still being computed for it is dropped."""
         seq = self._seqs.get(request_id) if isinstance(request_id, str) else None
+        if seq is None and isinstance(request_id, str) and request_id in self._groups:
+            seq = self._groups[request_id].root      # ended, but other samples still run
         if seq is None:
             raise ValueError(f"request_id {request_id!r} is not waiting or running (unknown, or "
                              "already finished)")
@@ -237,6 +240,7 @@ class Engine:
         """The other samples of `root`'s request (n > 1), drawn with its first token, start from
         its prompt KV: shared blocks, copy-on-write of the partial last one (scheduler.fork)."""
         children = root.group.take_pending()
+        self._groups[root.request_id] = root.group
         for child in children:
             child.seq_id = self._next_id
             self._next_id += 1
@@ -277,6 +281,8 @@ class Engine:
         out = requests.output_of(seq, seq.output_token_ids, self.tokenizer)
         if out is not None:     # None: other samples of the request still run
             self._ended.append(out)
+            if seq.group is not None:
+                self._groups.pop(out.request_id, None)
 
     # -- front end and introspection ------------------------------------------------------------
     def generate(self, prompts, params=None) -> list:

@@ -306,6 +306,23 @@ def test_n_samples_cancel_and_stream(llama):
     outs = run_checked(engine)
     assert [c.finish_reason for c in outs[rid].outputs] == ["cancelled"] * 3
     assert engine.stats()["used_blocks"] == 0
+    # Sample 0 stops first (a stop token of its own); the request still runs and can be
+    # cancelled, and its id stays taken until the last sample ended.
+    stop = full.outputs[0].token_ids[1]
+    others = [c.token_ids for c in full.outputs[1:]]
+    assert all(stop not in t[:3] for t in others), "pick another prompt for this check"
+    rid = engine.add_request(prompt, SamplingParams(max_new_tokens=6, temperature=1.0, n=3,
+                                                    seed=5, stop_token_ids=[stop]))
+    for _ in range(3):
+        engine.step()
+    assert engine.sequence(rid) is None and engine.has_unfinished()
+    with pytest.raises(ValueError, match="already waiting or running"):
+        engine.add_request(prompt, params, request_id=rid)
+    engine.cancel(rid)
+    out = run_checked(engine)[rid]
+    assert [c.finish_reason for c in out.outputs] == ["stop", "cancelled", "cancelled"]
+    assert out.outputs[0].stop_reason == stop and out.outputs[1].token_ids == others[0][:3]
+    assert engine.stats()["used_blocks"] == 0
 
 
 # -- stop strings --------------------------------------------------------------------------------
