@@ -208,6 +208,13 @@ class SamplingParams:
                              f"({self.max_new_tokens})")
         self.stop = _check_stop(self.stop)
         self.logit_bias = _check_logit_bias(self.logit_bias)
+        # Read per row of every step: computed once here (validate runs again at add_request).
+        self._sampling = self.temperature != 0 and self.top_k != 1
+        self._changes_logits = bool(self.logit_bias) or self.min_new_tokens > 0 or \
+            self.repetition_penalty != 1 or self.frequency_penalty != 0 or \
+            self.presence_penalty != 0
+        self._greedy = not self._sampling and self.n == 1 and self.logprobs is None and \
+            self.prompt_logprobs is None and not self._changes_logits
 
     def check_vocab(self, vocab_size: int) -> None:
         """The checks that need the model: every token id a field names is in the vocabulary."""
@@ -225,20 +232,18 @@ class SamplingParams:
     @property
     def sampling(self) -> bool:
         """Whether tokens are drawn at random (else they are the argmax of the changed logits)."""
-        return self.temperature != 0 and self.top_k != 1
+        return self._sampling
 
     @property
     def changes_logits(self) -> bool:
-        return bool(self.logit_bias) or self.min_new_tokens > 0 or \
-            self.repetition_penalty != 1 or self.frequency_penalty != 0 or \
-            self.presence_penalty != 0
+        """Whether logit_bias, min_new_tokens or a penalty changes the logits."""
+        return self._changes_logits
 
     @property
     def greedy(self) -> bool:
         """The token is the argmax of the model's raw logits and nothing else is wanted from
         them: such steps may take the greedy head (runner/lm_head.py)."""
-        return not self.sampling and self.n == 1 and self.logprobs is None and \
-            self.prompt_logprobs is None and not self.changes_logits
+        return self._greedy
 
 
 def _check_stop(stop) -> Optional[tuple]:

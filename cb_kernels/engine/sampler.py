@@ -117,11 +117,12 @@ def change_logits(x: torch.Tensor, seqs: list, undo: Optional[list] = None) -> t
     if biased:
         rows, cols, vals = [], [], []
         for i in biased:
-            b = params[i].logit_bias
+            b = [(t, v) for t, v in params[i].logit_bias.items() if t < vocab]
             rows += [i] * len(b)
-            cols += b.keys()
-            vals += b.values()
-        row, ids = torch.tensor(rows, device=device), torch.tensor(cols, device=device)
+            cols += [t for t, _ in b]
+            vals += [v for _, v in b]
+        row = torch.tensor(rows, dtype=torch.int64, device=device)
+        ids = torch.tensor(cols, dtype=torch.int64, device=device)
         save(row, ids)
         x.index_put_((row, ids), torch.tensor(vals, dtype=x.dtype, device=device),
                      accumulate=True)

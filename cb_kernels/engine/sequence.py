@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 
 from cb_kernels.engine.config import RequestMetrics, SamplingParams
+from cb_kernels.engine.detokenizer import IncrementalDetokenizer
 
 # The last token of a sequence whose sampled token is still on the device (overlapped steps, see
 # pipeline.py): it holds the token's slot while the next step is scheduled; never a real id.
@@ -126,7 +127,6 @@ class Sequence:
                 return "stop"
         if p.stop is not None and tokenizer is not None:
             if self.detokenizer is None:
-                from cb_kernels.engine.detokenizer import IncrementalDetokenizer
                 self.detokenizer = IncrementalDetokenizer(tokenizer, p.stop,
                                                           p.include_stop_str_in_output)
             matched = self.detokenizer.append(self.output_token_ids,
