@@ -2,6 +2,7 @@
 
     python bench/bench_sampling.py [--device cuda] [--dtype bfloat16] [--requests 256]
                                    [--layers 30] [--steps 4] [--json out.json]
+    python bench/bench_sampling.py --rollouts [--prompts 64] [--new-tokens 64] [--layers 30]
 
 A random model of SmolLM2-135M's shape (30 layers, hidden 576, vocab 49152, tied head) runs
 `--requests` sequences at once: requests/8 prompts with n=8 samples each, temperature 1, top_k 50,
@@ -13,6 +14,10 @@ of the step, and two baselines measured in the same run with the same engine and
 sequences: plain sampling (temperature 1, no other feature: full logits, the same draw) and
 all-greedy (no feature: the greedy head where it applies). `step / plain step` is what the
 features cost on top of sampling at all.
+
+--rollouts: RL rollouts instead, `--prompts` prompts x n=8 samples at temperature 1 with
+logprobs=1, through the Engine and through transformers' generate_batch with
+num_return_sequences=8 (the same model, in the same run); prints tokens/s of both and the ratio.
 """
 from __future__ import annotations
 
@@ -129,6 +134,60 @@ def run(args) -> dict:
             "step_vs_greedy": step_s / base["greedy"]}
 
 
+def _generate_batch(model, prompts, gen, new: int):
+    """generate_batch's loop with the manager built (cache sized, warm-up done) before the
+    clock starts, as the Engine is built before its clock: (seconds, generated tokens)."""
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    num = len(prompts) * gen.num_return_sequences
+    hints = WorkloadHints(max(map(len, prompts)), new, num)
+    with model.continuous_batching_context_manager(generation_config=gen, block=True, timeout=5,
+                                                   workload_hints=hints) as manager:
+        t0 = time.perf_counter()
+        manager.add_requests(inputs=prompts, max_new_tokens=new)
+        results = {}
+        while len(results) < num:
+            r = manager.get_result(timeout=1)
+            if r is not None and r.is_finished():
+                results[r.request_id] = r
+            elif r is None and not manager.is_running():
+                raise RuntimeError("generate_batch's thread stopped early")
+        seconds = time.perf_counter() - t0
+    errors = [r.error for r in results.values() if r.error]
+    if errors:
+        raise RuntimeError(f"generate_batch failed {len(errors)} requests: {errors[0]}")
+    return seconds, sum(len(r.generated_tokens) for r in results.values())
+
+
+def rollouts(args) -> dict:
+    from transformers import GenerationConfig
+
+    from cb_kernels import Engine, EngineConfig, SamplingParams
+
+    model = build_model(args.layers, args.device, DTYPES[args.dtype])
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(100, 40000, (int(n),), generator=g).tolist()
+               for n in torch.randint(16, 64, (args.prompts,), generator=g)]
+    new = args.new_tokens
+    engine = Engine(model, EngineConfig(cpu_offload_gib=0))
+    engine.generate(prompts[:2], SamplingParams(max_new_tokens=4, temperature=1.0, n=8))  # warm-up
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, [SamplingParams(max_new_tokens=new, temperature=1.0, n=8,
+                                                    logprobs=1, seed=i)
+                                     for i in range(len(prompts))])
+    ours = time.perf_counter() - t0
+    num_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    del engine
+    gen = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                           num_return_sequences=8, max_new_tokens=new, eos_token_id=None,
+                           pad_token_id=0)
+    theirs, their_tokens = _generate_batch(model, prompts, gen, new)
+    return {"device": args.device, "dtype": args.dtype, "layers": args.layers,
+            "sequences": len(prompts) * 8, "engine_tok_s": num_tokens / ours,
+            "generate_batch_tok_s": their_tokens / theirs,
+            "speedup": (num_tokens / ours) / (their_tokens / theirs)}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -139,8 +198,20 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--json", default=None)
+    p.add_argument("--rollouts", action="store_true", help="rollouts vs generate_batch instead")
+    p.add_argument("--prompts", type=int, default=64, help="--rollouts: prompts (x n=8)")
+    p.add_argument("--new-tokens", type=int, default=64, help="--rollouts: tokens per sample")
     args = p.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    if args.rollouts:
+        r = rollouts(args)
+        print(f"rollouts, {r['sequences']} sequences, {r['layers']} layers, {r['device']} "
+              f"{r['dtype']}: Engine {r['engine_tok_s']:.0f} tok/s, generate_batch "
+              f"{r['generate_batch_tok_s']:.0f} tok/s ({r['speedup']:.2f}x)")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(r, f, indent=1)
+        return 0
     if args.requests % 8 or args.requests < 8:
         p.error("--requests must be a positive multiple of 8 (n=8 samples per prompt)")
     r = run(args)
