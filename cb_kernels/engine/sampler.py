@@ -167,7 +167,10 @@ def filter_logits(y: torch.Tensor, params: list, ids: Optional[torch.Tensor] = N
     gives finite or -inf values, never NaN), min_p, top_k, top_p; each keeps at least the most
     likely token. Returns the filtered logits, same shape."""
     device, width = y.device, y.shape[1]
-    y = (y - y.amax(-1, keepdim=True)) / _column([p.temperature for p in params], device)
+    y = torch.sub(y, y.amax(-1, keepdim=True))       # a new tensor: `y` itself stays as it was
+    temperature = [p.temperature for p in params]
+    if any(t != 1 for t in temperature):
+        y.div_(_column(temperature, device))
     min_p = [p.min_p for p in params]
     if any(min_p):
         # min_p * top probability, in logits: top - log(1 / min_p); the top is 0 after the shift.
@@ -201,17 +204,20 @@ def filter_logits(y: torch.Tensor, params: list, ids: Optional[torch.Tensor] = N
 
 
 def draw(y: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """One column per row of filtered logits y [num_rows, num_candidates] (row maximum 0) from
-    uniforms u [num_rows]: int64 [num_rows]. Inverse CDF over the unnormalized masses: columns of
-    zero mass after the last one that has some change nothing, so a row drawn among its top-k
-    candidates or among the whole vocabulary (in the same column order) gets the same token."""
-    mass = y.exp()
+    """One column per row of filtered logits y [num_rows, num_candidates] (row maximum 0; y is
+    consumed: it becomes the masses) from uniforms u [num_rows]: int64 [num_rows]. Inverse CDF
+    over the unnormalized masses: columns of zero mass after the last one that has some change
+    nothing, so a row drawn among its top-k candidates or among the whole vocabulary (in the
+    same column order) gets the same token."""
+    mass = y.exp_()
     cum = mass.cumsum(-1)
     target = (u[:, None] * cum[:, -1:])
     tokens = torch.searchsorted(cum, target, right=True).clamp_(max=y.shape[1] - 1)
     # fp32 rounding can land the target past the last token of mass; the argmax is then right.
     empty = mass.gather(1, tokens) <= 0
-    return torch.where(empty, y.argmax(-1, keepdim=True), tokens)[:, 0]
+    if bool(empty.any()):
+        tokens = torch.where(empty, mass.argmax(-1, keepdim=True), tokens)
+    return tokens[:, 0]
 
 
 # Rows with a top_k of at most this are sampled among their top_k candidates only (a

@@ -233,7 +233,7 @@ def test_min_p_top_k_top_p_and_draws_match_plain_torch():
     probs = got[2].softmax(-1)
     n = 20_000
     u = uniforms(torch.full((n,), 12345, dtype=torch.int64), torch.arange(n))
-    tokens = draw(got[2:3].expand(n, -1), u)
+    tokens = draw(got[2:3].expand(n, -1).clone(), u)
     freq = torch.bincount(tokens, minlength=40).float() / n
     assert (freq[probs == 0] == 0).all()
     assert (freq - probs).abs().max() < 0.015
