@@ -93,6 +93,8 @@ class Engine:
         seq = Sequence(self._next_id, request_id, token_ids, params, time.perf_counter(),
                        self.runner.eos_token_ids)
         self._next_id += 1
+        if params.sampling:     # an unseeded request's seed comes from Engine(seed) in add order
+            self.sampler.seed_of(seq)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
         return request_id

@@ -439,3 +439,17 @@ def test_draws_do_not_depend_on_neighbours_or_path(monkeypatch):
         monkeypatch.setattr(sampler, "MAX_CANDIDATES", 0)          # every row over the vocabulary
         assert sampler.sample_rows(logits.clone(), [p] * 64, u).tolist() == alone
         monkeypatch.undo()
+
+
+def test_unseeded_requests_follow_the_engine_seed(llama):
+    prompts = random_prompts([12, 30, 7], seed=13)
+    params = SamplingParams(max_new_tokens=8, temperature=1.0)
+
+    def run(seed, **cfg):
+        engine = Engine(llama, EngineConfig(attention_backend=ATTN_BACKEND, **cfg), seed=seed)
+        return [o.token_ids for o in engine.generate(prompts, params)]
+
+    calm = run(7, block_size=8, num_blocks=64)
+    assert run(7, block_size=4, num_blocks=14, max_batch_tokens=16, max_num_seqs=2,
+               preemption="recompute") == calm
+    assert run(8, block_size=8, num_blocks=64) != calm
