@@ -37,7 +37,7 @@ class Sequence:
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list,
                  params: SamplingParams, arrival_time: float = 0.0,
-                 eos_token_ids: frozenset = frozenset()):
+                 eos_token_ids: frozenset = frozenset(), group: "SampleGroup" = None):
         self.seq_id = seq_id
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
@@ -56,11 +56,14 @@ class Sequence:
         self.num_streamed_tokens = 0
         self.streamed_text = ""
         self.sample_index = 0           # which of the request's n samples (SamplingParams.n)
-        self.group = SampleGroup(self) if params.n > 1 else None
+        # n > 1: the request's SampleGroup; `group` is given for the samples forked off it
+        # (request_id (id, root seq_id, index)), which leave the prompt logprobs to the first.
+        self.group = group if group is not None else SampleGroup(self) if params.n > 1 else None
         self.sample_seed = None         # set by the Sampler at the first draw
         self.logprobs = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0 if params.logprobs is not None else None
-        self.prompt_logprobs = [None] if params.prompt_logprobs is not None else None
+        self.prompt_logprobs = [None] if params.prompt_logprobs is not None and group is None \
+            else None
         self.detokenizer = None         # an IncrementalDetokenizer when params.stop is set
         self.stop_reason = None
 
@@ -163,9 +166,8 @@ class SampleGroup:
 
     def new_sample(self, root: "Sequence", index: int) -> "Sequence":
         child = Sequence(-1, (root.request_id, root.seq_id, index), root.prompt_token_ids,
-                         root.params, root.metrics.arrival_time, root.eos_token_ids)
-        child.group, child.sample_index = self, index
-        child.prompt_logprobs = None
+                         root.params, root.metrics.arrival_time, root.eos_token_ids, group=self)
+        child.sample_index = index
         self.pending.append(child)
         return child
 
