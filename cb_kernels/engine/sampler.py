@@ -27,6 +27,7 @@ import torch
 from cb_kernels.engine.sequence import Sequence
 
 _MASK64 = (1 << 64) - 1
+_FP32_MAX = torch.finfo(torch.float32).max
 
 
 def _signed(x: int) -> int:
@@ -105,9 +106,13 @@ def change_logits(x: torch.Tensor, seqs: list, undo: Optional[list] = None) -> t
     Applies logit_bias, the min_new_tokens mask and the penalties, in place; returns x. The work
     is proportional to the tokens involved (gathers and scatters at their ids), not to
     num_rows x vocab_size. `undo` (a list) gets (rows, ids, old values) before each change:
-    writing them back in reverse order restores x."""
+    writing them back in reverse order restores x. A value pushed past fp32's range by an
+    extreme bias or penalty becomes the largest finite one (+inf would turn the temperature
+    step's x - max into NaN); -inf stays (a masked token)."""
+    touched = []
 
     def save(row, ids):
+        touched.append((row, ids))
         if undo is not None:
             undo.append((row, ids, x[row, ids]))
 
@@ -157,6 +162,8 @@ def change_logits(x: torch.Tensor, seqs: list, undo: Optional[list] = None) -> t
         save(row, ids)
         x[row, ids] = x[row, ids] - pres                     # once per distinct token
         x.index_put_((row, ids), -freq, accumulate=True)     # once per occurrence
+    for row, ids in touched:
+        x[row, ids] = x[row, ids].clamp(max=_FP32_MAX)
     return x
 
 

@@ -87,22 +87,29 @@ def test_bad_values_at_add_request(llama, params, tokenizer, match):
 def test_extreme_accepted_values_never_fail_the_step(llama):
     """Issue 18 item 2: seed near 2**64, the smallest temperature, top_p=1e-300 and min_p=1 are
     sampled safely, in one step with greedy neighbours that keep their tokens."""
-    prompts = random_prompts([9, 14, 5, 11, 7], seed=4)
+    prompts = random_prompts([9, 14, 5, 11, 7, 10], seed=4)
     params = [SamplingParams(max_new_tokens=6),
               SamplingParams(max_new_tokens=6, temperature=1.0, seed=2 ** 64 - 1),
               SamplingParams(max_new_tokens=6, temperature=1e-5, seed=1),
               SamplingParams(max_new_tokens=6, temperature=1.0, top_p=1e-300, seed=2),
               SamplingParams(max_new_tokens=6, temperature=3.0, min_p=1.0, top_k=1_000_000,
-                             frequency_penalty=-1e30, logit_bias={7: 1e30}, seed=3)]
+                             frequency_penalty=-1e30, logit_bias={7: 1e30}, seed=3),
+              SamplingParams(max_new_tokens=6, temperature=1.0, repetition_penalty=1e-30,
+                             frequency_penalty=-3e38, presence_penalty=-3e38, seed=5,
+                             logprobs=2)]
     engine = engine_for(llama)
     outs = engine.generate(prompts, params)
     assert engine.stats()["failed_steps"] == 0
-    assert [o.finish_reason for o in outs] == ["length"] * 5
+    assert [o.finish_reason for o in outs] == ["length"] * 6
     ref = reference_tokens(llama, prompts, 6)
     assert outs[0].token_ids == ref[0]
     assert outs[2].token_ids == ref[2]           # temperature 1e-5: the argmax
     assert outs[3].token_ids == ref[3]           # top_p 1e-300 keeps only the top token
     assert outs[4].token_ids == [7] * 6          # a huge bias wins, min_p=1 keeps the top only
+    # Penalties past fp32's range: every seen token saturates at the largest float and wins
+    # (repetition_penalty covers the prompt), so every token is one of the prompt's.
+    assert set(outs[5].token_ids) <= set(prompts[5])
+    assert all(math.isfinite(lp) for e in outs[5].outputs[0].logprobs for lp in e.values())
     assert engine.stats()["used_blocks"] == 0
 
 
