@@ -18,6 +18,11 @@ features cost on top of sampling at all.
 --rollouts: RL rollouts instead, `--prompts` prompts x n=8 samples at temperature 1 with
 logprobs=1, through the Engine and through transformers' generate_batch with
 num_return_sequences=8 (the same model, in the same run); prints tokens/s of both and the ratio.
+
+Measured on the 2-core dev box, CPU fp32, while other jobs shared it (load average 4-20, so
+each figure moved by 30% between runs): 256 sequences, 30 layers: sampling 9-11% of a
+1.5-2.2 s step, the step 1.08x the plain-sampling one; --rollouts --layers 4 --new-tokens 16:
+Engine 376 tok/s, generate_batch 47 tok/s (7.9x).
 """
 from __future__ import annotations
 
@@ -189,7 +194,8 @@ def rollouts(args) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
                    help="default: float32 on CPU, bfloat16 on CUDA")

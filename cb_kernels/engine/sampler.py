@@ -296,7 +296,8 @@ class Sampler:
         return seq.sample_seed
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, seqs: list, prompt_rows: Optional[list] = None) -> list:
+    def __call__(self, logits: torch.Tensor, seqs: list,
+                 prompt_rows: Optional[list] = None) -> list:
         """logits: fp32 [num_rows, vocab_size]; row i < len(seqs) for seqs[i]'s next token, the
         rows after them for `prompt_rows` (see prompt_rows()). Returns one token id per seq."""
         if prompt_rows:

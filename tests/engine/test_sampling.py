@@ -119,7 +119,8 @@ def test_logprobs_are_the_models_log_softmax(llama, temperature):
     prompts = random_prompts([7, 19], seed=5)
     engine = engine_for(llama)
     params = SamplingParams(max_new_tokens=6, temperature=temperature, seed=9, logprobs=3)
-    outs = engine.generate(prompts + [prompts[0]], [params, params, SamplingParams(max_new_tokens=6)])
+    outs = engine.generate(prompts + [prompts[0]],
+                           [params, params, SamplingParams(max_new_tokens=6)])
     for prompt, out in zip(prompts, outs):
         c = out.outputs[0]
         assert len(c.logprobs) == len(c.token_ids) == 6
@@ -129,8 +130,8 @@ def test_logprobs_are_the_models_log_softmax(llama, temperature):
             assert set(top.indices.tolist()) | {token} == set(entry)
             for tid, lp in entry.items():
                 assert abs(lp - ref[t, tid].item()) < TOL
-        assert math.isclose(c.cumulative_logprob, sum(e[t] for e, t in zip(c.logprobs, c.token_ids)),
-                            abs_tol=1e-6)
+        chosen = [e[t] for e, t in zip(c.logprobs, c.token_ids)]
+        assert math.isclose(c.cumulative_logprob, sum(chosen), abs_tol=1e-6)
         if temperature == 0:
             assert c.token_ids == reference_tokens(llama, [prompt], 6)[0]
     assert outs[2].outputs[0].logprobs is None and outs[2].outputs[0].cumulative_logprob is None
@@ -408,7 +409,8 @@ def test_all_features_under_memory_pressure_same_tokens(llama):
             assert (a is None) == (b is None)
             if a is not None:
                 assert [list(e) for e in a] == [list(e) for e in b]
-                assert all(abs(x - y) < TOL for e, f in zip(a, b) for x, y in zip(e.values(), f.values()))
+                assert all(abs(x - y) < TOL for e, f in zip(a, b)
+                           for x, y in zip(e.values(), f.values()))
         assert [None if e is None else list(e) for e in pl] == \
             [None if e is None else list(e) for e in calm_pl]
 
@@ -439,7 +441,8 @@ def test_draws_do_not_depend_on_neighbours_or_path(monkeypatch):
     others = [SamplingParams(temperature=1.0, top_k=k) for k in (0, 3, 250)]
     u = uniforms(torch.arange(64), torch.full((64,), 7))
     for p in mine:
-        alone = [int(sampler.sample_rows(logits[i:i + 1].clone(), [p], u[i:i + 1])) for i in range(64)]
+        alone = [int(sampler.sample_rows(logits[i:i + 1].clone(), [p], u[i:i + 1]))
+                 for i in range(64)]
         params = [p if i % 2 == 0 else others[i % 3] for i in range(64)]
         crowd = sampler.sample_rows(logits.clone(), params, u).tolist()
         assert [crowd[i] for i in range(0, 64, 2)] == alone[::2]
