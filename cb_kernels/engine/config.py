@@ -222,7 +222,7 @@ class SamplingParams:
                           ("logit_bias", self.logit_bias or ())):
             for t in ids:
                 if t >= vocab_size:
-                    raise ValueError(f"{name} holds token id {t}, outside the vocabulary "
+                    raise ValueError(f"{name} holds {t}, outside the vocabulary "
                                      f"[0, {vocab_size})")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)

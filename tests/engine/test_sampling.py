@@ -68,8 +68,8 @@ def test_bad_sampling_values(kwargs, exc, match):
 
 
 @pytest.mark.parametrize("params, tokenizer, match", [
-    (SamplingParams(logit_bias={VOCAB: 1.0}), False, "logit_bias holds token id 500, outside"),
-    (SamplingParams(stop_token_ids=[VOCAB + 3]), False, "stop_token_ids holds token id 503"),
+    (SamplingParams(logit_bias={VOCAB: 1.0}), False, r"logit_bias holds 500, outside the vocabulary \[0, 500\)"),
+    (SamplingParams(stop_token_ids=[VOCAB + 3]), False, r"stop_token_ids holds 503, outside the vocabulary \[0, 500\)"),
     (SamplingParams(logprobs=VOCAB + 1), False, r"logprobs \(501\) must be <= the vocabulary"),
     (SamplingParams(stop=["w1"]), False, "stop strings need the Engine's tokenizer"),
 ], ids=["bias-id", "stop-id", "logprobs-k", "stop-without-tokenizer"])
