@@ -18,7 +18,8 @@ if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "2000")
 
 from cb_kernels import models, ops  # noqa: E402
-from cb_kernels.engine import Engine, EngineConfig, RequestOutput, SamplingParams  # noqa: E402
+from cb_kernels.engine import (CompletionOutput, Engine, EngineConfig, RequestOutput,  # noqa: E402
+                               SamplingParams)
 
 __all__ = ["models", "ops", "__version__"]
-__all__ += ["Engine", "EngineConfig", "SamplingParams", "RequestOutput"]
+__all__ += ["Engine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]

@@ -4,17 +4,25 @@
 
 Input: one JSON value per UTF-8 line, either a string (the prompt) or an object with one of
 "prompt" (text), "messages" (a chat, [{"role": ..., "content": ...}]) or "prompt_token_ids"
-(ints), and optionally "id". A file that is not UTF-8 JSON lines, has a line without a prompt or
-repeats an id is refused (naming the line) before the model loads; a line whose prompt is
-unusable (token ids that are not ints, messages the chat template cannot render, too long)
-becomes an error record and every other line runs.
+(ints), and optionally "id" and any SamplingParams field ("n", "logprobs", "prompt_logprobs",
+"stop", "include_stop_str_in_output", "min_new_tokens", "min_p", "repetition_penalty",
+"frequency_penalty", "presence_penalty", "logit_bias" (token id -> bias), "temperature", ...),
+which overrides the command line's for that line. A file that is not UTF-8 JSON lines, has a
+line without a prompt or repeats an id is refused (naming the line) before the model loads; a
+line whose prompt or sampling fields are unusable (token ids that are not ints, messages the
+chat template cannot render, too long, a bad sampling value) becomes an error record and every
+other line runs.
 
 Output: one object per request, written and flushed the moment it finishes (so an interrupted
 run keeps everything finished so far; `--resume` skips those ids next time): {"id", "index"
 (input line, from 0), "text", "token_ids", "finish_reason", "error", "num_prompt_tokens",
-"input_fingerprint", "settings_fingerprint"}. The fingerprints (sha256 prefixes of the input
-record and of the options that change results: model, dtype, --chat, sampling) let `--resume`
-refuse an output made from another input or with other settings instead of mixing them.
+"stop_reason", "input_fingerprint", "settings_fingerprint"}, plus "logprobs" and
+"cumulative_logprob" when asked, "prompt_logprobs" when asked, and "outputs" (one object per
+sample with index, text, token_ids, finish_reason, stop_reason and the logprobs) when n > 1.
+Logprob dicts map token ids (as JSON strings) to logprobs. The fingerprints (sha256 prefixes of
+the input record and of the options that change results: model, dtype, --chat, sampling) let
+`--resume` refuse an output made from another input or with other settings instead of mixing
+them.
 """
 from __future__ import annotations
 
@@ -57,6 +65,16 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--top-p", type=float, default=1.0)
     s.add_argument("--seed", type=int, default=None, help="request i samples with seed + i")
     s.add_argument("--ignore-eos", action="store_true")
+    s.add_argument("--n", type=int, default=1, help="samples per prompt")
+    s.add_argument("--logprobs", type=int, default=None, help="top-k logprobs per token")
+    s.add_argument("--prompt-logprobs", type=int, default=None)
+    s.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    s.add_argument("--include-stop-str-in-output", action="store_true")
+    s.add_argument("--min-new-tokens", type=int, default=0)
+    s.add_argument("--min-p", type=float, default=0.0)
+    s.add_argument("--repetition-penalty", type=float, default=1.0)
+    s.add_argument("--frequency-penalty", type=float, default=0.0)
+    s.add_argument("--presence-penalty", type=float, default=0.0)
 
 
 # Options that cannot change a result (how the engine schedules, where files go): left out of
@@ -174,15 +192,19 @@ def _configs(args):
                               attention_backend=args.attention_backend)
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                 top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                                ignore_eos=args.ignore_eos)
+                                ignore_eos=args.ignore_eos, n=args.n, logprobs=args.logprobs,
+                                prompt_logprobs=args.prompt_logprobs, stop=args.stop,
+                                include_stop_str_in_output=args.include_stop_str_in_output,
+                                min_new_tokens=args.min_new_tokens, min_p=args.min_p,
+                                repetition_penalty=args.repetition_penalty,
+                                frequency_penalty=args.frequency_penalty,
+                                presence_penalty=args.presence_penalty)
     except (ValueError, TypeError) as e:
         raise SystemExit(f"bad option: {e}") from None
     return config, params
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    import dataclasses
-
     import torch
     from tqdm import tqdm
 
@@ -228,8 +250,8 @@ def run_generate(args: argparse.Namespace) -> int:
         try:
             while True:
                 for index, rid, rec in feed if len(pending) < MAX_QUEUED else ():
-                    p = params if args.seed is None else dataclasses.replace(params, seed=args.seed + index)
                     try:
+                        p = params_of(rec, params, args.seed, index)
                         pending[engine.add_request(_prompt_of(rec, tokenizer, args.chat), p)] = (index, rid)
                     except (ValueError, TypeError) as e:
                         emit(index, rid, {"text": None, "token_ids": [], "finish_reason": "error",
@@ -241,9 +263,7 @@ def run_generate(args: argparse.Namespace) -> int:
                     break
                 for o in engine.step():
                     index, rid = pending.pop(o.request_id)
-                    emit(index, rid, {"text": o.text, "token_ids": o.token_ids,
-                                      "finish_reason": o.finish_reason, "error": o.error,
-                                      "num_prompt_tokens": len(o.prompt_token_ids)})
+                    emit(index, rid, result_of(o))
         except KeyboardInterrupt:
             bar.close()
             print(f"\ninterrupted: {written} results kept in {out_path}; rerun with --resume to finish",
@@ -251,6 +271,46 @@ def run_generate(args: argparse.Namespace) -> int:
             return 130
     print(f"{written} results written to {out_path}", file=sys.stderr)
     return 0
+
+
+def params_of(rec: dict, params, seed, index: int):
+    """The SamplingParams of one input line: the command line's, with the line's own sampling
+    fields over them (ValueError/TypeError naming the field for a bad one); `--seed S` gives line
+    i the seed S + i unless the line sets its own."""
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(params)}
+    fields = {k: v for k, v in rec.items() if k in names}
+    if "logit_bias" in fields and isinstance(fields["logit_bias"], dict):
+        try:       # JSON object keys are strings
+            fields["logit_bias"] = {int(k): v for k, v in fields["logit_bias"].items()}
+        except ValueError:
+            raise ValueError("logit_bias keys must be token ids, got "
+                             f"{list(fields['logit_bias'])[:3]}") from None
+    if "stop_token_ids" in fields and isinstance(fields["stop_token_ids"], list):
+        fields["stop_token_ids"] = tuple(fields["stop_token_ids"])
+    if seed is not None and "seed" not in fields:
+        fields["seed"] = seed + index
+    return dataclasses.replace(params, **fields) if fields else params
+
+
+def result_of(o) -> dict:
+    """The output line of a finished RequestOutput (the sampling extras only when asked)."""
+    first = o.outputs[0]
+    result = {"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason,
+              "error": o.error, "num_prompt_tokens": len(o.prompt_token_ids),
+              "stop_reason": first.stop_reason}
+    if first.logprobs is not None:
+        result["logprobs"], result["cumulative_logprob"] = first.logprobs, first.cumulative_logprob
+    if o.prompt_logprobs is not None:
+        result["prompt_logprobs"] = o.prompt_logprobs
+    if len(o.outputs) > 1:
+        result["outputs"] = [{"index": c.index, "text": c.text, "token_ids": c.token_ids,
+                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                              **({"logprobs": c.logprobs, "cumulative_logprob":
+                                  c.cumulative_logprob} if c.logprobs is not None else {})}
+                             for c in o.outputs]
+    return result
 
 
 def _finished_ids(path: Path, inputs: dict, settings: str) -> set:

@@ -247,3 +247,28 @@ def test_generate_checks_input_and_output_before_loading(tiny_checkpoint, tmp_pa
         _generate(tiny_checkpoint, src, tmp_path)
     with pytest.raises(SystemExit, match=r"under .*in\.jsonl, which is a file"):
         _generate(tiny_checkpoint, src, src / "sub" / "out.jsonl")
+
+
+@pytest.mark.one_thread
+def test_generate_sampling_fields_per_line(tiny_checkpoint, tmp_path):
+    records = [{"id": "n", "prompt_token_ids": [5, 6, 7], "n": 2, "temperature": 1.0, "seed": 3,
+                "logprobs": 1},
+               {"id": "bias", "prompt_token_ids": [9, 10], "logit_bias": {"42": 1e4},
+                "prompt_logprobs": 0},
+               {"id": "bad-n", "prompt_token_ids": [9, 10], "n": 0},
+               {"id": "bad-bias", "prompt_token_ids": [9, 10], "logit_bias": {"x": 1.0}},
+               {"id": "seeded", "prompt_token_ids": [9, 10], "temperature": 1.0}]
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(src, records)
+    # --seed S: line i samples with S + i, so line 4 overflows 2**64 and gets an error record.
+    argv = ["generate", "--model", str(tiny_checkpoint), "--input", str(src), "--output", str(dst),
+            "--max-new-tokens", "4", "--num-blocks", "32", "--seed", str(2 ** 64 - 4)]
+    assert cli.main(argv) == 0
+    r = {x["id"]: x for x in map(json.loads, dst.read_text().splitlines())}
+    assert [len(o["token_ids"]) for o in r["n"]["outputs"]] == [4, 4]
+    assert r["n"]["token_ids"] == r["n"]["outputs"][0]["token_ids"]
+    assert len(r["n"]["logprobs"]) == 4 and r["n"]["cumulative_logprob"] < 0
+    assert r["bias"]["token_ids"] == [42] * 4 and len(r["bias"]["prompt_logprobs"]) == 2
+    assert r["bad-n"]["finish_reason"] == "error" and "n must be >= 1" in r["bad-n"]["error"]
+    assert "logit_bias keys must be token ids" in r["bad-bias"]["error"]
+    assert "seed must be < 2**64" in r["seeded"]["error"]

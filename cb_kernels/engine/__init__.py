@@ -6,7 +6,8 @@ the ModelRunner protocol (cb_kernels/runner), the kernels behind cb_kernels.ops.
     sequence.py       Sequence: one request's tokens, computed count and block table
     block_manager.py  BlockManager: ref counts, prefix cache (hash chain, LRU), copy-on-write
     scheduler.py      Scheduler: token budget, decode-first order, admission, preemption
-    sampler.py        Sampler: greedy / temperature / top-k / top-p, per-request seeds
+    sampler.py        Sampler: penalties, bias, temperature, min-p/top-k/top-p, logprobs, batched
+    detokenizer.py    IncrementalDetokenizer: output text as tokens arrive, stop strings
     requests.py       the checks a request passes before it is queued; its RequestOutput
     engine.py         Engine: add_request / step (schedule -> run -> postprocess) / cancel
     step.py           LaunchedStep (a step issued to the device), StepClock (where time goes)
@@ -18,7 +19,9 @@ the ModelRunner protocol (cb_kernels/runner), the kernels behind cb_kernels.ops.
     preemption.py     swap or recompute: the policy
     swapper.py        Swapper: the scheduler's view of offload
 """
-from cb_kernels.engine.config import EngineConfig, RequestMetrics, RequestOutput, SamplingParams
+from cb_kernels.engine.config import (CompletionOutput, EngineConfig, RequestMetrics, RequestOutput,
+                                      SamplingParams)
 from cb_kernels.engine.engine import Engine
 
-__all__ = ["Engine", "EngineConfig", "SamplingParams", "RequestOutput", "RequestMetrics"]
+__all__ = ["Engine", "EngineConfig", "SamplingParams", "RequestOutput", "RequestMetrics",
+           "CompletionOutput"]

@@ -119,14 +119,38 @@ class EngineConfig:
                              f"{self.greedy_head!r}")
 
 
+# Below this a temperature is refused: dividing fp32 logits by it overflows or, for values that
+# round to 0 in fp32 (1e-46), divides by zero. vLLM treats temperatures under 1e-5 as greedy.
+MIN_TEMPERATURE = 1e-5
+SEED_LIMIT = 2 ** 64         # seeds are unsigned 64-bit (torch.Generator.manual_seed's range)
+
+
+def _check_number(name: str, value, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+
+
 @dataclass
 class SamplingParams:
-    """How one request picks its tokens.
+    """How one request picks its tokens (see README, "Sampling").
 
-    temperature 0 (or top_k 1) is greedy. seed gives the request its own random generator, so
-    its samples do not depend on what else runs. Generation stops at max_new_tokens, at the
-    model's EOS (unless ignore_eos) or at any of stop_token_ids; the stop token is kept in the
-    output ids, as transformers' generate keeps it.
+    temperature 0 (or top_k 1) is greedy. seed gives the request its own random streams (one per
+    sample), so its samples do not depend on what else runs. Generation stops at max_new_tokens,
+    at the model's EOS (unless ignore_eos), at any of stop_token_ids or at any of the `stop`
+    strings; a stop token is kept in the output ids, as transformers' generate keeps it.
+
+    n: samples of the prompt (they share its KV blocks). logprobs=k / prompt_logprobs=k: the k
+    most likely tokens' logprobs (log-softmax of the raw fp32 logits) and the chosen one's, per
+    generated / prompt token. min_new_tokens: EOS and stop ids are masked (and stop strings not
+    checked) until that many tokens exist. Logits are changed in this order: logit_bias (added),
+    the min_new_tokens mask, repetition_penalty (transformers' rule, over prompt and output
+    tokens), frequency_penalty and presence_penalty (OpenAI's, over output tokens); greedy
+    requests then take the argmax; sampled ones apply temperature, min_p (relative to the top
+    probability), top_k and top_p.
     """
 
     max_new_tokens: int = 16
@@ -136,33 +160,126 @@ class SamplingParams:
     seed: Optional[int] = None
     stop_token_ids: tuple = ()
     ignore_eos: bool = False
+    n: int = 1
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    stop: Optional[tuple] = None
+    include_stop_str_in_output: bool = False
+    min_new_tokens: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: Optional[dict] = None
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check (and normalize) every field; Engine.add_request calls it again, so a field
+        changed after construction is checked too."""
         _check_int("max_new_tokens", self.max_new_tokens, 1, allow_none=False)
-        for name in ("temperature", "top_p"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise TypeError(f"{name} must be a number, got {type(v).__name__}")
-            if not math.isfinite(v):
-                raise ValueError(f"{name} must be finite, got {v}")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
+                     "frequency_penalty", "presence_penalty"):
+            _check_number(name, getattr(self, name))
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got "
+                             f"{self.temperature}: so small a temperature underflows the logits")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         _check_int("top_k", self.top_k, 0, allow_none=False)
         _check_int("seed", self.seed, 0)
+        if self.seed is not None and self.seed >= SEED_LIMIT:
+            raise ValueError(f"seed must be < 2**64, got {self.seed}")
         if isinstance(self.stop_token_ids, int) or not hasattr(self.stop_token_ids, "__iter__"):
             raise TypeError("stop_token_ids must be a sequence of ints, got "
                             f"{type(self.stop_token_ids).__name__}")
         self.stop_token_ids = tuple(self.stop_token_ids)
         for t in self.stop_token_ids:
             _check_int("stop_token_ids[i]", t, 0, allow_none=False)
-        if not isinstance(self.ignore_eos, bool):
-            raise TypeError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        _check_int("n", self.n, 1, allow_none=False)
+        _check_int("logprobs", self.logprobs, 0)
+        _check_int("prompt_logprobs", self.prompt_logprobs, 0)
+        _check_int("min_new_tokens", self.min_new_tokens, 0, allow_none=False)
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(f"min_new_tokens ({self.min_new_tokens}) must be <= max_new_tokens "
+                             f"({self.max_new_tokens})")
+        self.stop = _check_stop(self.stop)
+        self.logit_bias = _check_logit_bias(self.logit_bias)
+        # Read per row of every step: computed once here (validate runs again at add_request).
+        self._sampling = self.temperature != 0 and self.top_k != 1
+        self._changes_logits = bool(self.logit_bias) or self.min_new_tokens > 0 or \
+            self.repetition_penalty != 1 or self.frequency_penalty != 0 or \
+            self.presence_penalty != 0
+        self._greedy = not self._sampling and self.n == 1 and self.logprobs is None and \
+            self.prompt_logprobs is None and not self._changes_logits
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """The checks that need the model: every token id a field names is in the vocabulary."""
+        for name, ids in (("stop_token_ids", self.stop_token_ids),
+                          ("logit_bias", self.logit_bias or ())):
+            for t in ids:
+                if t >= vocab_size:
+                    raise ValueError(f"{name} holds {t}, outside the vocabulary "
+                                     f"[0, {vocab_size})")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and k > vocab_size:
+                raise ValueError(f"{name} ({k}) must be <= the vocabulary size ({vocab_size})")
+
+    @property
+    def sampling(self) -> bool:
+        """Whether tokens are drawn at random (else they are the argmax of the changed logits)."""
+        return self._sampling
+
+    @property
+    def changes_logits(self) -> bool:
+        """Whether logit_bias, min_new_tokens or a penalty changes the logits."""
+        return self._changes_logits
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        """The token is the argmax of the model's raw logits and nothing else is wanted from
+        them: such steps may take the greedy head (runner/lm_head.py)."""
+        return self._greedy
+
+
+def _check_stop(stop) -> Optional[tuple]:
+    if stop is None:
+        return None
+    if isinstance(stop, str):
+        stop = (stop,)
+    if not isinstance(stop, (list, tuple)):
+        raise TypeError(f"stop must be a str, a list of str or None, got {type(stop).__name__}")
+    for i, s in enumerate(stop):
+        if not isinstance(s, str):
+            raise TypeError(f"stop[{i}] must be a str, got {type(s).__name__}")
+        if not s:
+            raise ValueError(f"stop[{i}] is an empty string: it would match everywhere")
+    return tuple(stop) or None
+
+
+def _check_logit_bias(bias) -> Optional[dict]:
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise TypeError(f"logit_bias must be a dict token id -> bias or None, got "
+                        f"{type(bias).__name__}")
+    out = {}
+    for t, b in bias.items():
+        _check_int("logit_bias key", t, 0, allow_none=False)
+        _check_number(f"logit_bias[{t}]", b)
+        out[t] = float(b)
+    return out or None
 
 
 @dataclass
@@ -191,9 +308,28 @@ class RequestMetrics:
 
 
 @dataclass
+class CompletionOutput:
+    """One sample of a request. logprobs: per generated token a dict token id -> logprob (the
+    top `SamplingParams.logprobs` and the chosen token), or None when not asked;
+    cumulative_logprob sums the chosen tokens' (None when not asked). stop_reason: the stop string
+    or stop token id that ended it (None for EOS, length and the rest)."""
+
+    index: int
+    token_ids: list
+    text: Optional[str] = None
+    finish_reason: Optional[str] = None
+    stop_reason: object = None
+    logprobs: Optional[list] = None
+    cumulative_logprob: Optional[float] = None
+
+
+@dataclass
 class RequestOutput:
     """What a request produced. token_ids holds generated tokens only (in stream(): only the new
-    ones of that step). finish_reason is None while the request still runs."""
+    ones of that step). finish_reason is None while the request still runs. outputs: one
+    CompletionOutput per sample (SamplingParams.n); token_ids, text and finish_reason are those
+    of outputs[0]. prompt_logprobs: None for the first prompt token, then a dict token id ->
+    logprob per prompt token (when SamplingParams.prompt_logprobs asked), else None."""
 
     request_id: str
     prompt_token_ids: list
@@ -202,6 +338,12 @@ class RequestOutput:
     finish_reason: Optional[str] = None
     error: Optional[str] = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    outputs: list = field(default_factory=list)
+    prompt_logprobs: Optional[list] = None
+
+    def __post_init__(self) -> None:
+        if not self.outputs:
+            self.outputs = [CompletionOutput(0, self.token_ids, self.text, self.finish_reason)]
 
     @property
     def finished(self) -> bool:

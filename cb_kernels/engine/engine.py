@@ -74,6 +74,7 @@ class Engine:
         self.weights = WeightWatch(model)
         self.clock = StepClock(r.device.type == "cuda")
         self._seqs: dict = {}                 # request_id -> Sequence, while not ended
+        self._groups: dict = {}               # request_id -> SampleGroup of n > 1, once forked
         self._ended: list = []                # outputs of requests that ended between steps
         self._next_id = 0
         self._user_ids: set = set()           # ids of the automatic form the caller chose
@@ -89,6 +90,7 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         token_ids = requests.to_token_ids(prompt, self.tokenizer)
+        requests.check_params(params, self.runner.vocab_size, self.tokenizer)
         requests.check_prompt(token_ids, params, self.runner.vocab_size,
                               self.runner.max_positions, self.block_manager)
         return token_ids, params
@@ -107,11 +109,13 @@ class Engine:
             raise TypeError(f"request_id must be a non-empty str or None, got {request_id!r}")
         elif request_id.startswith("req_"):
             self._user_ids.add(request_id)
-        if request_id in self._seqs:
+        if request_id in self._seqs or request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already waiting or running")
         seq = Sequence(self._next_id, request_id, token_ids, params, time.perf_counter(),
                        self.runner.eos_token_ids)
         self._next_id += 1
+        if params.sampling:     # an unseeded request's seed comes from Engine(seed) in add order
+            self.sampler.seed_of(seq)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -127,10 +131,14 @@ class Engine:
         (finish_reason "cancelled") comes with the next step(). The output holds the tokens shown
         so far: with overlap on, a token still being computed for it is dropped."""
         seq = self._seqs.get(request_id) if isinstance(request_id, str) else None
+        if seq is None and isinstance(request_id, str) and request_id in self._groups:
+            seq = self._groups[request_id].root      # ended, but other samples still run
         if seq is None:
             raise ValueError(f"request_id {request_id!r} is not waiting or running (unknown, or "
                              "already finished)")
-        self.end(seq, "cancelled")
+        for sample in seq.group.samples if seq.group is not None else [seq]:
+            if self.is_live(sample):
+                self.end(sample, "cancelled")
 
     def has_unfinished(self) -> bool:
         """True while a request is waiting, running or swapped, or an ended one's output has
@@ -191,8 +199,11 @@ class Engine:
         r.copy_blocks(batch.blocks_to_copy)
         inputs = r.prepare(batch.seqs, batch.num_new_tokens)
         late_commits = [] if prev is None else self.pipeline.fill(batch, prev, inputs.input_ids)
-        sampled, event = inputs.sampled, self.clock.start()
-        greedy = bool(sampled) and all(seq.params.greedy for seq in sampled)
+        sampled, event, prompt_rows = inputs.sampled, self.clock.start(), None
+        if batch.prompt_logprobs:     # requests that asked for prompt logprobs prefill here
+            inputs.logits_indices, prompt_rows = self.sampler.prompt_rows(batch,
+                                                                          inputs.logits_indices)
+        greedy = bool(sampled) and not prompt_rows and all(seq.params.greedy for seq in sampled)
         out = r.execute(inputs, greedy)
         device_tokens = None
         if greedy:
@@ -201,7 +212,8 @@ class Engine:
             self.clock.end(event)
             tokens = self.streams.tokens_to_host(device_tokens)
         else:
-            tokens = self.sampler(out.logits, sampled) if sampled else []
+            tokens = self.sampler(out.logits, sampled, prompt_rows) if sampled or prompt_rows \
+                else []
             self.clock.end(event)
         launch_s = time.perf_counter() - start
         self.clock.launch_s += launch_s
@@ -250,7 +262,24 @@ class Engine:
         if m.first_token_time is None:
             m.first_token_time = now
         self.num_generated_tokens += 1
-        return seq.check_stop(token)
+        if seq.group is not None and seq.group.pending:
+            self.fork(seq)
+        return seq.check_stop(token, self.tokenizer)
+
+    def fork(self, root: Sequence) -> None:
+        """The other samples of `root`'s request (n > 1), drawn with its first token, start from
+        its prompt KV: shared blocks, copy-on-write of the partial last one (scheduler.fork)."""
+        children = root.group.take_pending()
+        self._groups[root.request_id] = root.group
+        for child in children:
+            child.seq_id = self._next_id
+            self._next_id += 1
+            self._seqs[child.request_id] = child
+        self.scheduler.fork(root, children)
+        for child in children:
+            reason = self.accept_token(child, child.token_ids[-1])
+            if reason is not None:
+                self.end(child, reason)
 
     def end_failed(self, batch: ScheduledBatch) -> None:
         for seq in batch.failed:      # a swap failed: that request alone ends
@@ -281,7 +310,11 @@ class Engine:
         seq.finish_reason, seq.error = reason, error
         seq.metrics.finished_time = time.perf_counter()
         del self._seqs[seq.request_id]
-        self._ended.append(requests.output_of(seq, seq.output_token_ids, self.tokenizer))
+        out = requests.output_of(seq, seq.output_token_ids, self.tokenizer)
+        if out is not None:     # None: other samples of the request still run
+            self._ended.append(out)
+            if seq.group is not None:
+                self._groups.pop(out.request_id, None)
 
     # -- front end and introspection ------------------------------------------------------------
     def generate(self, prompts, params=None) -> list:

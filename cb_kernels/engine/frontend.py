@@ -67,21 +67,40 @@ class Frontend:
             for out in self.engine.step():
                 (ended.add(out.request_id) if out.request_id in live else others.append(out))
             for rid, seq in list(live.items()):
-                new = seq.token_ids[seq.num_prompt_tokens + seq.num_streamed_tokens:]
-                if not new and rid not in ended:
-                    continue
-                seq.num_streamed_tokens += len(new)
-                yield requests.output_of(seq, new, self.engine.tokenizer, self._text_delta(seq))
+                if seq.group is None:
+                    delta = self._delta(seq, rid in ended)
+                    if delta is not None:
+                        yield delta
+                else:   # n > 1: one delta per sample with news, outputs[0].index says which
+                    for sample in seq.group.samples:
+                        delta = self._delta(sample, sample.is_finished)
+                        if delta is not None:
+                            yield delta
                 if rid in ended:
                     del live[rid]
         self.engine.defer(others)
 
-    def _text_delta(self, seq: Sequence) -> Optional[str]:
+    def _delta(self, seq: Sequence, final: bool) -> Optional[RequestOutput]:
+        """The delta of one sample since its last one (None when there is nothing new);
+        `final`: it ended, this is its last delta (num_streamed_tokens becomes -1)."""
+        if seq.num_streamed_tokens < 0:
+            return None
+        new = seq.token_ids[seq.num_prompt_tokens + seq.num_streamed_tokens:]
+        if not new and not final:
+            return None
+        text = self._text_delta(seq, final)
+        seq.num_streamed_tokens = -1 if final else seq.num_streamed_tokens + len(new)
+        return requests.delta_of(seq, new, self.engine.tokenizer, text)
+
+    def _text_delta(self, seq: Sequence, final: bool = False) -> Optional[str]:
         """New text since the last delta. Decoding all output tokens and cutting off what was
         sent keeps the spaces and multi-token characters that decoding a delta alone loses."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             return None
-        full = tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        if seq.detokenizer is not None:     # stop strings: hold back a possible match's start
+            full = seq.detokenizer.text if final else seq.detokenizer.stream_text()
+        else:
+            full = tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
         sent, seq.streamed_text = seq.streamed_text, full
         return full[len(sent):] if full.startswith(sent) else full

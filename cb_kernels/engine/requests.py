@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from cb_kernels.engine.config import RequestOutput
+from cb_kernels.engine.config import CompletionOutput, RequestOutput
 
 
 def to_token_ids(prompt, tokenizer) -> list:
@@ -34,6 +34,16 @@ def to_token_ids(prompt, tokenizer) -> list:
         if isinstance(t, bool) or not isinstance(t, int):
             raise TypeError(f"prompt[{i}] must be an int token id, got {type(t).__name__}")
     return list(prompt)
+
+
+def check_params(params, vocab_size: int, tokenizer) -> None:
+    """SamplingParams checked again (a field may have changed since it was built) and against
+    the model and tokenizer."""
+    params.validate()
+    params.check_vocab(vocab_size)
+    if params.stop is not None and tokenizer is None:
+        raise ValueError("stop strings need the Engine's tokenizer: Engine(model, config, "
+                         "tokenizer=...), or use stop_token_ids")
 
 
 def check_prompt(token_ids: list, params, vocab_size: int, max_positions: int,
@@ -69,9 +79,40 @@ def error_output(request_id: str, prompt, error: Exception) -> RequestOutput:
                          f"{type(error).__name__}: {error}")
 
 
-def output_of(seq, token_ids: list, tokenizer, text: Optional[str] = None) -> RequestOutput:
-    """The RequestOutput of `seq` holding `token_ids` (its text decoded unless given)."""
+def completion_of(seq, token_ids: list, tokenizer, text: Optional[str] = None) -> CompletionOutput:
+    """The CompletionOutput of one sample holding `token_ids` (its text decoded unless given;
+    with stop strings, the detokenized text cut at the match)."""
     if text is None and tokenizer is not None:
-        text = tokenizer.decode(token_ids, skip_special_tokens=True)
-    return RequestOutput(seq.request_id, seq.prompt_token_ids, list(token_ids), text,
-                         seq.finish_reason, seq.error, seq.metrics)
+        text = seq.detokenizer.text if seq.detokenizer is not None and \
+            len(token_ids) == seq.num_generated_tokens else \
+            tokenizer.decode(token_ids, skip_special_tokens=True)
+    logprobs = None if seq.logprobs is None else list(seq.logprobs[-len(token_ids):]) \
+        if token_ids else []
+    return CompletionOutput(seq.sample_index, list(token_ids), text, seq.finish_reason,
+                            seq.stop_reason, logprobs, seq.cumulative_logprob)
+
+
+def output_of(seq, token_ids: list, tokenizer, text: Optional[str] = None):
+    """The RequestOutput of `seq` holding `token_ids` (its text decoded unless given). For a
+    request with n > 1 samples: None until its last sample ended, then the output of all."""
+    completion = completion_of(seq, token_ids, tokenizer, text)
+    group, root = seq.group, seq
+    outputs = [completion]
+    if group is not None:
+        group.outputs[seq.sample_index] = completion
+        if len(group.outputs) < group.expected():
+            return None
+        outputs = [group.outputs[i] for i in sorted(group.outputs)]
+        root = group.root
+    first = outputs[0]
+    error = next((s.error for s in (group.samples if group else [seq]) if s.error), None)
+    return RequestOutput(root.request_id, root.prompt_token_ids, first.token_ids, first.text,
+                         first.finish_reason, error, root.metrics, outputs, root.prompt_logprobs)
+
+
+def delta_of(seq, token_ids: list, tokenizer, text: Optional[str]) -> RequestOutput:
+    """A stream delta of one sample (outputs holds that sample alone, with its index)."""
+    c = completion_of(seq, token_ids, tokenizer, text)
+    root = seq.group.root if seq.group is not None else seq
+    return RequestOutput(root.request_id, root.prompt_token_ids, c.token_ids, c.text,
+                         c.finish_reason, seq.error, seq.metrics, [c], root.prompt_logprobs)

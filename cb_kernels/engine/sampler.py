@@ -1,45 +1,395 @@
-"""Next-token choice for the sequences of one step.
+"""Next-token choice for the sequences of one step, as batched tensor work over the whole step.
 
-Greedy rows take the argmax of fp32 logits, as transformers' generate does. Sampled rows apply
-temperature, then top-k, then top-p (nucleus) and draw from the request's own generator when it
-has a seed (so its tokens do not depend on its batch neighbours), else from the engine's.
+The logits rows of a step go through, for every row at once (rows whose request does not use a
+feature get its neutral value, so one tensor op serves the batch):
+  logit_bias (added) -> min_new_tokens (EOS and stop ids masked) -> repetition_penalty
+  (transformers' rule over prompt and output tokens) -> frequency / presence penalty (OpenAI's,
+  over output tokens) -> greedy rows: argmax; sampled rows: temperature -> min_p -> top_k ->
+  top_p -> one draw.
+The draw is an inverse-CDF lookup with one uniform per row. That uniform is a counter-based hash
+(splitmix64) of the sample's seed and the token's position, computed on the device for all rows
+together: a sample's tokens depend only on its seed and position, never on its batch neighbours,
+on preemption or on how many draws came before, and no per-request generator call is needed.
+Every filter keeps the most likely token and the temperature is applied after subtracting the
+row's maximum, so any accepted value gives a valid distribution (never inf or NaN).
+
+Logprobs (logprobs=k, prompt_logprobs=k) are the log-softmax of the raw fp32 logits, computed only
+for the rows of requests that asked. A request with n > 1 samples draws its n first tokens from
+the one logits row of its prompt's last position (engine.py then forks the other samples).
 """
 from __future__ import annotations
 
+from array import array
+from typing import Optional
+
 import torch
 
+from cb_kernels.engine.sequence import Sequence
 
-def _sample_row(logits: torch.Tensor, params, generator) -> int:
-    """logits: [vocab_size] fp32."""
-    logits = logits / params.temperature
-    if params.top_k > 0 and params.top_k < logits.numel():
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        drop = cum - sorted_logits.softmax(-1) >= params.top_p
-        logits = logits.scatter(0, order[drop], float("-inf"))
-    probs = logits.softmax(-1)
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+_MASK64 = (1 << 64) - 1
+_FP32_MAX = torch.finfo(torch.float32).max
+
+
+def _signed(x: int) -> int:
+    x &= _MASK64
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_GOLDEN = _signed(0x9E3779B97F4A7C15)
+_MIX1 = _signed(0xBF58476D1CE4E5B9)
+_MIX2 = _signed(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer on int64 (wrapping arithmetic)."""
+    x = x + _GOLDEN
+    x = (x ^ _shr(x, 30)) * _MIX1
+    x = (x ^ _shr(x, 27)) * _MIX2
+    return x ^ _shr(x, 31)
+
+
+def sample_seed(base: int, index: int) -> int:
+    """The seed of sample `index` of a request whose seed is `base` (any int in [0, 2**64))."""
+    x = torch.tensor([_signed(base), _signed(index * 0xD1B54A32D192ED03)], dtype=torch.int64)
+    return int(mix64(x[:1] ^ mix64(x[1:]))[0])
+
+
+def uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One uniform in (0, 1) per row: fp32, from int64 seeds and positions [num_rows]."""
+    z = mix64(seeds ^ mix64(positions))
+    return (_shr(z, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def _flat_tokens(seqs: list, rows: list, outputs_only: bool, device):
+    """(row index, token id) int64 pairs [num_tokens] of the tokens of seqs[i] for i in `rows`
+    (prompt + output, or output only): one gather/scatter over them replaces a [rows, vocab]
+    pass."""
+    flat, lengths = array("q"), []
+    for i in rows:
+        s = seqs[i]
+        tokens = s.token_ids[s.num_prompt_tokens:] if outputs_only else s.token_ids
+        flat.extend(tokens)
+        lengths.append(len(tokens))
+    ids = torch.frombuffer(flat, dtype=torch.int64).to(device) if len(flat) else \
+        torch.empty(0, dtype=torch.int64, device=device)
+    row = torch.repeat_interleave(torch.tensor(rows, device=device),
+                                  torch.tensor(lengths, device=device))
+    return row, ids
+
+
+def _subset(x: torch.Tensor, rows: list) -> torch.Tensor:
+    """x[rows] without a copy when `rows` is every row (the common case: copying a
+    [256, 49152] fp32 block took 60-110 ms on the 2-core dev box)."""
+    if len(rows) == x.shape[0]:
+        return x
+    return x[torch.tensor(rows, device=x.device)]
+
+
+def _logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """[num_rows, 1] logsumexp of x [num_rows, vocab_size] (fp32). Read off log_softmax, whose
+    fused kernel took 82 ms for 256 x 49152 where torch.logsumexp took 132 ms (2-core dev box,
+    torch 2.13 CPU); both within 1 ulp."""
+    return x[:, :1] - x.log_softmax(-1)[:, :1]
+
+
+def _column(values: list, device, dtype=torch.float32) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=device)[:, None]
+
+
+def change_logits(x: torch.Tensor, seqs: list, undo: Optional[list] = None) -> torch.Tensor:
+    """x: fp32 [num_rows, vocab_size], row i for seqs[i] (a Sequence whose next token it is).
+    Applies logit_bias, the min_new_tokens mask and the penalties, in place; returns x. The work
+    is proportional to the tokens involved (gathers and scatters at their ids), not to
+    num_rows x vocab_size. `undo` (a list) gets (rows, ids, old values) before each change:
+    writing them back in reverse order restores x. A value pushed past fp32's range by an
+    extreme bias or penalty becomes the largest finite one (+inf would turn the temperature
+    step's x - max into NaN); -inf stays (a masked token)."""
+    touched = []
+
+    def save(row, ids):
+        touched.append((row, ids))
+        if undo is not None:
+            undo.append((row, ids, x[row, ids]))
+
+    device, vocab = x.device, x.shape[1]
+    params = [s.params for s in seqs]
+    biased = [i for i, p in enumerate(params) if p.logit_bias]
+    if biased:
+        rows, cols, vals = [], [], []
+        for i in biased:
+            b = [(t, v) for t, v in params[i].logit_bias.items() if t < vocab]
+            rows += [i] * len(b)
+            cols += [t for t, _ in b]
+            vals += [v for _, v in b]
+        row = torch.tensor(rows, dtype=torch.int64, device=device)
+        ids = torch.tensor(cols, dtype=torch.int64, device=device)
+        save(row, ids)
+        x.index_put_((row, ids), torch.tensor(vals, dtype=x.dtype, device=device),
+                     accumulate=True)
+    young = [i for i, (s, p) in enumerate(zip(seqs, params))
+             if s.num_generated_tokens < p.min_new_tokens]
+    if young:
+        rows, cols = [], []
+        for i in young:
+            banned = set(params[i].stop_token_ids)
+            if not params[i].ignore_eos:
+                banned |= seqs[i].eos_token_ids
+            banned = [t for t in banned if t < vocab]
+            rows += [i] * len(banned)
+            cols += banned
+        if rows:
+            row, ids = torch.tensor(rows, device=device), torch.tensor(cols, device=device)
+            save(row, ids)
+            x[row, ids] = -float("inf")
+    rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1]
+    if rep:
+        row, ids = _flat_tokens(seqs, rep, False, device)
+        penalty = torch.tensor([p.repetition_penalty for p in params], device=device)[row]
+        save(row, ids)
+        score = x[row, ids]
+        # A token seen twice is written twice with the same value: the rule applies once.
+        x[row, ids] = torch.where(score < 0, score * penalty, score / penalty)
+    pen = [i for i, p in enumerate(params) if p.frequency_penalty or p.presence_penalty]
+    if pen:
+        row, ids = _flat_tokens(seqs, pen, True, device)
+        freq = torch.tensor([p.frequency_penalty for p in params], device=device)[row]
+        pres = torch.tensor([p.presence_penalty for p in params], device=device)[row]
+        save(row, ids)
+        x[row, ids] = x[row, ids] - pres                     # once per distinct token
+        x.index_put_((row, ids), -freq, accumulate=True)     # once per occurrence
+    for row, ids in touched:
+        x[row, ids] = x[row, ids].clamp(max=_FP32_MAX)
+    return x
+
+
+def filter_logits(y: torch.Tensor, params: list, ids: Optional[torch.Tensor] = None):
+    """y: fp32 [num_rows, num_candidates] logits of sampled rows: the whole vocabulary, or (with
+    `ids`, int64 [num_rows, num_candidates]) each row's top candidates sorted in descending
+    order. Temperature (after subtracting the row's maximum: any temperature the checks accept
+    gives finite or -inf values, never NaN), min_p, top_k, top_p; each keeps at least the most
+    likely token. Returns the filtered logits, same shape."""
+    device, width = y.device, y.shape[1]
+    y = torch.sub(y, y.amax(-1, keepdim=True))       # a new tensor: `y` itself stays as it was
+    temperature = [p.temperature for p in params]
+    if any(t != 1 for t in temperature):
+        y.div_(_column(temperature, device))
+    min_p = [p.min_p for p in params]
+    if any(min_p):
+        # min_p * top probability, in logits: top - log(1 / min_p); the top is 0 after the shift.
+        y = y.masked_fill(y < torch.log(_column(min_p, device)), -float("inf"))
+    ks = [p.top_k if 0 < p.top_k < width else 0 for p in params]      # 0: no top-k
+    k_max = max(ks)
+    if k_max:
+        k = _column(ks, device, torch.int64)
+        if ids is None:
+            kth = torch.topk(y, k_max, dim=-1).values.gather(1, k.clamp(min=1) - 1)
+            y = y.masked_fill((y < kth) & (k > 0), -float("inf"))
+        else:           # sorted candidates: top-k is a column mask
+            cols = torch.arange(width, device=device)[None]
+            y = y.masked_fill((cols >= k) & (k > 0), -float("inf"))
+    nucleus = [i for i, p in enumerate(params) if p.top_p < 1]
+    if nucleus:
+        # Unnormalized masses (the top is exp(0) = 1): no sum over the row whose rounding could
+        # depend on its width, so both paths of sample_rows decide alike.
+        top_p = _column([p.top_p for p in params], device)
+        ordered = y if ids is not None else torch.sort(y, dim=-1, descending=True).values
+        mass = ordered.exp()
+        cum = mass.cumsum(-1)
+        drop = (cum - mass >= top_p * cum[:, -1:]) & (top_p < 1)   # mass before it reaches top_p
+        drop[:, 0] = False
+        if ids is not None:
+            y = y.masked_fill(drop, -float("inf"))
+        else:
+            last = ordered.gather(1, (~drop).sum(-1, keepdim=True) - 1)
+            y = y.masked_fill(y < last, -float("inf"))
+    return y
+
+
+def draw(y: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One column per row of filtered logits y [num_rows, num_candidates] (row maximum 0; y is
+    consumed: it becomes the masses) from uniforms u [num_rows]: int64 [num_rows]. Inverse CDF
+    over the unnormalized masses: columns of zero mass after the last one that has some change
+    nothing, so a row drawn among its top-k candidates or among the whole vocabulary (in the
+    same column order) gets the same token."""
+    mass = y.exp_()
+    cum = mass.cumsum(-1)
+    target = (u[:, None] * cum[:, -1:])
+    tokens = torch.searchsorted(cum, target, right=True).clamp_(max=y.shape[1] - 1)
+    # fp32 rounding can land the target past the last token of mass; the argmax is then right.
+    empty = mass.gather(1, tokens) <= 0
+    if bool(empty.any()):
+        tokens = torch.where(empty, mass.argmax(-1, keepdim=True), tokens)
+    return tokens[:, 0]
+
+
+# Rows with a top_k of at most this are sampled among their top_k candidates only (a
+# [rows, top_k] problem after one topk); the others over the whole vocabulary. The choice is per
+# row (its own top_k), never per batch, so a row's token does not depend on its neighbours.
+MAX_CANDIDATES = 1024
+
+
+def sample_rows(x: torch.Tensor, params: list, u: torch.Tensor) -> torch.Tensor:
+    """x: fp32 [num_rows, vocab_size] (changed logits of sampled rows); u: uniforms [num_rows].
+    Returns int64 token ids [num_rows]."""
+    vocab, device = x.shape[1], x.device
+    few = [i for i, p in enumerate(params) if 0 < p.top_k <= MAX_CANDIDATES and p.top_k < vocab]
+    if not few:
+        return draw(filter_logits(x, params), u)
+    chosen = set(few)
+    rest = [i for i in range(len(params)) if i not in chosen]
+    pr = [params[i] for i in few]
+    values, ids = torch.topk(_subset(x, few), max(p.top_k for p in pr), dim=-1)  # descending
+    y = filter_logits(values, pr, ids)
+    ids, perm = torch.sort(ids, dim=-1)          # token-id order, as over the whole vocabulary
+    tokens = ids.gather(1, draw(y.gather(1, perm), u[few])[:, None])[:, 0]
+    if not rest:
+        return tokens
+    out = torch.empty(len(params), dtype=torch.int64, device=device)
+    out[torch.tensor(few, device=device)] = tokens
+    out[torch.tensor(rest, device=device)] = draw(filter_logits(_subset(x, rest),
+                                                                [params[i] for i in rest]),
+                                                  u[rest])
+    return out
+
+
+def top_logprobs(chosen: torch.Tensor, chosen_lp: torch.Tensor, top, lse: torch.Tensor,
+                 ks: list) -> list:
+    """Per row (dict id -> logprob holding the top ks[i] and the chosen token, the chosen
+    token's logprob). chosen: int64 [num_rows]; chosen_lp: fp32 [num_rows]; top: torch.topk of
+    the raw logits [num_rows, max(ks)] (or None when max(ks) is 0); lse: their logsumexp
+    [num_rows, 1]."""
+    if top is not None:
+        values, ids = (top.values - lse).tolist(), top.indices.tolist()
+    out = []
+    for i, (k, c, lp) in enumerate(zip(ks, chosen.tolist(), chosen_lp.tolist())):
+        entry = dict(zip(ids[i][:k], values[i][:k])) if k else {}
+        entry[c] = lp
+        out.append((entry, lp))
+    return out
 
 
 class Sampler:
+    """Picks the next token of every sampled row of a step (and records logprobs).
+
+    `seed` seeds the draw of a base seed for requests that have none (so an unseeded request is
+    reproducible given the engine's seed and the order requests arrive in)."""
+
     def __init__(self, seed: int = 0):
         self.generator = torch.Generator().manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, seqs: list) -> list:
-        """logits: [num_seqs, vocab_size], row i for seqs[i]. Returns one token id per row."""
-        greedy = [s.params.greedy for s in seqs]
-        if all(greedy):
-            return logits.argmax(dim=-1).tolist()
-        logits = logits.float().cpu()
-        out = logits.argmax(dim=-1).tolist()
-        for i, seq in enumerate(seqs):
-            if greedy[i]:
-                continue
-            if seq.generator is None and seq.params.seed is not None:
-                seq.generator = torch.Generator().manual_seed(seq.params.seed)
-            out[i] = _sample_row(logits[i], seq.params, seq.generator or self.generator)
-        return out
+    def seed_of(self, seq: Sequence) -> int:
+        if seq.sample_seed is None:
+            group = seq.group
+            base = group.base_seed if group is not None else None
+            if base is None:
+                base = seq.params.seed
+                if base is None:
+                    base = int(torch.randint(0, 1 << 62, (1,), generator=self.generator))
+                if group is not None:
+                    group.base_seed = base
+            seq.sample_seed = sample_seed(base, seq.sample_index)
+        return seq.sample_seed
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, seqs: list,
+                 prompt_rows: Optional[list] = None) -> list:
+        """logits: fp32 [num_rows, vocab_size]; row i < len(seqs) for seqs[i]'s next token, the
+        rows after them for `prompt_rows` (see prompt_rows()). Returns one token id per seq."""
+        if prompt_rows:
+            self._prompt_logprobs(logits[len(seqs):], prompt_rows)
+        if not seqs:
+            return []
+        rows = logits[:len(seqs)].float()
+        forks = [i for i, s in enumerate(seqs) if s.group is not None and s.group.forks_now(s)]
+        items, src, index = list(seqs), list(seqs), list(range(len(seqs)))
+        for i in forks:        # the other samples' first tokens come from the same row
+            root = seqs[i]
+            for j in range(1, root.params.n):
+                items.append(root.group.new_sample(root, j))
+                src.append(root)
+                index.append(i)
+        if forks:
+            rows = rows[torch.tensor(index, device=rows.device)]
+        params = [s.params for s in items]
+        asks = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if asks:      # of the raw logits: logsumexp and the top k now, the chosen one's later
+            ks = [params[i].logprobs for i in asks]
+            raw = _subset(rows, asks)
+            lse = _logsumexp(raw)
+            top = torch.topk(raw, max(ks), dim=-1) if max(ks) else None
+        # Changed in place (nothing else reads the step's logits); `undo` restores the raw
+        # values where logprobs need them.
+        undo = [] if asks else None
+        if any(p.changes_logits for p in params):
+            change_logits(rows, src, undo)
+        drawn = [i for i, p in enumerate(params) if p.sampling]
+        tokens = rows.argmax(-1) if len(drawn) < len(items) else None
+        if drawn:
+            seeds = torch.tensor([self.seed_of(items[i]) for i in drawn], dtype=torch.int64)
+            positions = torch.tensor([items[i].num_generated_tokens for i in drawn],
+                                     dtype=torch.int64)
+            u = uniforms(seeds, positions).to(rows.device)
+            picked = sample_rows(_subset(rows, drawn), [params[i] for i in drawn], u)
+            tokens = picked if tokens is None else \
+                tokens.index_copy(0, torch.tensor(drawn, device=rows.device), picked)
+        if asks:
+            for row, col, value in reversed(undo):
+                rows[row, col] = value
+            chosen = _subset(tokens[:, None], asks)
+            chosen_lp = (_subset(rows, asks).gather(1, chosen) - lse)[:, 0]
+            entries = top_logprobs(chosen[:, 0], chosen_lp, top, lse, ks)
+            for i, (entry, lp) in zip(asks, entries):
+                items[i].record_logprob(entry, lp)
+        tokens = tokens.tolist()
+        for k in range(len(seqs), len(items)):
+            items[k].token_ids.append(tokens[k])
+        return tokens[:len(seqs)]
+
+    # -- prompt logprobs ------------------------------------------------------------------------
+    @staticmethod
+    def prompt_rows(batch, logits_indices: torch.Tensor) -> tuple:
+        """For the requests of `batch` that want prompt logprobs (batch.prompt_logprobs, indices
+        into batch.seqs): the logits rows of their prompt positions in this step. Returns
+        (logits_indices with those rows appended, [(seq, first position, count)]); positions are
+        those whose next token is a prompt token not yet scored."""
+        starts, offset = [], 0
+        for n in batch.num_new_tokens:
+            starts.append(offset)
+            offset += n
+        extra, rows = [], []
+        for i in batch.prompt_logprobs:
+            seq, n = batch.seqs[i], batch.num_new_tokens[i]
+            begin = max(seq.num_computed_tokens, len(seq.prompt_logprobs) - 1)
+            end = min(seq.num_computed_tokens + n, seq.num_prompt_tokens - 1)
+            if end > begin:
+                first = starts[i] + begin - seq.num_computed_tokens
+                extra.extend(range(first, first + end - begin))
+                rows.append((seq, begin, end - begin))
+        if not extra:
+            return logits_indices, []
+        extra = torch.tensor(extra, dtype=torch.int64).to(logits_indices.device)
+        return torch.cat([logits_indices, extra]), rows
+
+    @staticmethod
+    def _prompt_logprobs(logits: torch.Tensor, rows: list) -> None:
+        """logits: fp32 [sum of counts, vocab_size], the prompt rows of `rows` in order."""
+        targets, ks = [], []
+        for seq, begin, count in rows:
+            targets += seq.token_ids[begin + 1:begin + 1 + count]
+            ks += [seq.params.prompt_logprobs] * count
+        chosen = torch.tensor(targets, dtype=torch.int64, device=logits.device)
+        logits = logits.float()
+        lse = _logsumexp(logits)
+        chosen_lp = (logits.gather(1, chosen[:, None]) - lse)[:, 0]
+        top = torch.topk(logits, max(ks), dim=-1) if max(ks) else None
+        entries = top_logprobs(chosen, chosen_lp, top, lse, ks)
+        k = 0
+        for seq, begin, count in rows:
+            if len(seq.prompt_logprobs) == begin + 1:     # else scored already (a rerun)
+                seq.prompt_logprobs.extend(e for e, _ in entries[k:k + count])
+            k += count

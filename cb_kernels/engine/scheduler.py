@@ -46,6 +46,7 @@ class ScheduledBatch:
     num_new_tokens: list = field(default_factory=list)
     blocks_to_copy: list = field(default_factory=list)     # (src, dst) copy-on-write pairs
     failed: list = field(default_factory=list)   # requests a failed swap ended (no blocks held)
+    prompt_logprobs: list = field(default_factory=list)  # indices of seqs scoring prompt tokens
     num_decode_tokens: int = 0
     num_prefill_tokens: int = 0
 
@@ -57,6 +58,8 @@ class ScheduledBatch:
         return self.num_decode_tokens + self.num_prefill_tokens
 
     def add(self, seq: Sequence, num_new_tokens: int, decode: bool) -> None:
+        if not decode and seq.prompt_logprobs is not None and seq.wants_prompt_logprobs:
+            self.prompt_logprobs.append(len(self.seqs))
         self.seqs.append(seq)
         self.num_new_tokens.append(num_new_tokens)
         if decode:
@@ -110,7 +113,9 @@ class Scheduler:
         while self.waiting and not self.swapped and budget > 0 \
                 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            hits = bm.match_prefix(seq)
+            # Prompt logprobs need every prompt position's logits: no prefix-cache hits then.
+            hits = [] if seq.prompt_logprobs is not None and seq.wants_prompt_logprobs \
+                else bm.match_prefix(seq)
             reserve = self.watermark_blocks if self.running else 0
             if not bm.can_allocate(seq, hits, reserve):
                 break
@@ -222,6 +227,23 @@ class Scheduler:
         seq.finish_reason = "error"
         seq.error = message
         self._failed.append(seq)
+
+    def fork(self, parent: Sequence, children: list) -> None:
+        """Start `children` (the other samples of `parent`'s request, each holding the prompt and
+        its own first token) from `parent`'s blocks: shared, the partial last block copied when
+        one of them writes into it. Children beyond max_num_seqs wait at the front of the queue
+        and prefill (mostly from the prefix cache) once a seat is free; so does every child of a
+        parent that holds no blocks any more."""
+        waiting = []
+        for child in children:
+            if parent.status is SequenceStatus.RUNNING and len(self.running) < self.max_num_seqs:
+                self.block_manager.fork(parent, child)
+                child.status = SequenceStatus.RUNNING
+                bisect.insort(self.running, child, key=_arrival)
+            else:
+                child.status = SequenceStatus.WAITING
+                waiting.append(child)
+        self.waiting.extendleft(reversed(waiting))
 
     def finish(self, seq: Sequence) -> None:
         """Remove an ended request (finished, cancelled or failed) and return its blocks."""

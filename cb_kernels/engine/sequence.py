@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 
 from cb_kernels.engine.config import RequestMetrics, SamplingParams
+from cb_kernels.engine.detokenizer import IncrementalDetokenizer
 
 # The last token of a sequence whose sampled token is still on the device (overlapped steps, see
 # pipeline.py): it holds the token's slot while the next step is scheduled; never a real id.
@@ -30,11 +31,13 @@ class Sequence:
     __slots__ = ("seq_id", "request_id", "token_ids", "num_prompt_tokens", "params",
                  "num_computed_tokens", "block_table", "block_hashes", "num_registered_blocks",
                  "status", "metrics", "eos_token_ids", "generator", "finish_reason", "error",
-                 "num_streamed_tokens", "streamed_text", "kv_epoch")
+                 "num_streamed_tokens", "streamed_text", "group", "sample_index", "sample_seed",
+                 "logprobs", "cumulative_logprob", "prompt_logprobs", "detokenizer",
+                 "stop_reason", "kv_epoch")
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list,
                  params: SamplingParams, arrival_time: float = 0.0,
-                 eos_token_ids: frozenset = frozenset()):
+                 eos_token_ids: frozenset = frozenset(), group: "SampleGroup" = None):
         self.seq_id = seq_id
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
@@ -53,6 +56,17 @@ class Sequence:
         self.error = None
         self.num_streamed_tokens = 0
         self.streamed_text = ""
+        self.sample_index = 0           # which of the request's n samples (SamplingParams.n)
+        # n > 1: the request's SampleGroup; `group` is given for the samples forked off it
+        # (request_id (id, root seq_id, index)), which leave the prompt logprobs to the first.
+        self.group = group if group is not None else SampleGroup(self) if params.n > 1 else None
+        self.sample_seed = None         # set by the Sampler at the first draw
+        self.logprobs = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0 if params.logprobs is not None else None
+        self.prompt_logprobs = [None] if params.prompt_logprobs is not None and group is None \
+            else None
+        self.detokenizer = None         # an IncrementalDetokenizer when params.stop is set
+        self.stop_reason = None
 
     @property
     def num_tokens(self) -> int:
@@ -86,6 +100,17 @@ class Sequence:
         return self.num_computed_tokens == len(self.token_ids) - 1
 
     @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether prompt tokens still lack their logprob (such a request skips the prefix
+        cache: every prompt position must run through the model)."""
+        pl = self.prompt_logprobs
+        return pl is not None and len(pl) < self.num_prompt_tokens
+
+    def record_logprob(self, entry: dict, logprob: float) -> None:
+        self.logprobs.append(entry)
+        self.cumulative_logprob += logprob
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
@@ -94,13 +119,26 @@ class Sequence:
         sampled token is never fed back)."""
         return self.num_prompt_tokens + self.params.max_new_tokens - 1
 
-    def check_stop(self, token_id: int):
-        """Finish reason after appending `token_id`, or None to keep going."""
-        if not self.params.ignore_eos and token_id in self.eos_token_ids:
-            return "stop"
-        if token_id in self.params.stop_token_ids:
-            return "stop"
-        if self.num_generated_tokens >= self.params.max_new_tokens:
+    def check_stop(self, token_id: int, tokenizer=None):
+        """Finish reason after appending `token_id`, or None to keep going (stop_reason says
+        which stop token id or stop string it was). Stop strings need `tokenizer`."""
+        p = self.params
+        if self.num_generated_tokens > p.min_new_tokens:     # else masked (sampler.py)
+            if not p.ignore_eos and token_id in self.eos_token_ids:
+                return "stop"
+            if token_id in p.stop_token_ids:
+                self.stop_reason = token_id
+                return "stop"
+        if p.stop is not None and tokenizer is not None:
+            if self.detokenizer is None:
+                self.detokenizer = IncrementalDetokenizer(tokenizer, p.stop,
+                                                          p.include_stop_str_in_output)
+            matched = self.detokenizer.append(self.output_token_ids,
+                                              self.num_generated_tokens >= p.min_new_tokens)
+            if matched is not None:
+                self.stop_reason = matched
+                return "stop"
+        if self.num_generated_tokens >= p.max_new_tokens:
             return "length"
         return None
 
@@ -108,3 +146,38 @@ class Sequence:
         return (f"Sequence(id={self.seq_id}, request={self.request_id!r}, status={self.status.value},"
                 f" tokens={self.num_tokens}, computed={self.num_computed_tokens},"
                 f" blocks={self.block_table})")
+
+
+class SampleGroup:
+    """The n samples of one request (SamplingParams.n > 1). Sample 0 is the request's own
+    Sequence; when it gets its first token the Sampler draws the others' first tokens from the
+    same logits row (`pending`), and the engine forks them off its blocks. `outputs` collects
+    each sample's CompletionOutput as it ends."""
+
+    def __init__(self, root: "Sequence"):
+        self.root = root
+        self.samples = [root]
+        self.pending: list = []           # samples drawn but not yet forked by the engine
+        self.forked = False
+        self.base_seed = None
+        self.outputs: dict = {}
+
+    def forks_now(self, seq: "Sequence") -> bool:
+        return seq is self.root and not self.forked and seq.num_generated_tokens == 0
+
+    def new_sample(self, root: "Sequence", index: int) -> "Sequence":
+        child = Sequence(-1, (root.request_id, root.seq_id, index), root.prompt_token_ids,
+                         root.params, root.metrics.arrival_time, root.eos_token_ids, group=self)
+        child.sample_index = index
+        self.pending.append(child)
+        return child
+
+    def take_pending(self) -> list:
+        """The drawn samples, to be forked now (once per request)."""
+        pending, self.pending, self.forked = self.pending, [], True
+        self.samples += pending
+        return pending
+
+    def expected(self) -> int:
+        """How many samples end with an output: n once forked, else the root alone."""
+        return len(self.samples)

@@ -17,7 +17,7 @@ from cb_kernels.runner.step_inputs import StepInputs
 @dataclass
 class StepOutput:
     """What a step gives back for its sampled rows (StepInputs.sampled, in order): fp32 logits
-    [num_sampled, vocab_size], or (all-greedy steps only) int64 token ids [num_sampled] on the
+    [len(logits_indices), vocab_size] (a row per StepInputs.logits_indices entry), or (all-greedy steps only) int64 token ids [num_sampled] on the
     model's device, with the other field None."""
 
     logits: Optional[torch.Tensor]

@@ -40,7 +40,8 @@ class StepInputs:
     input_ids, positions: int64 [num_tokens] on the device (input_ids may hold PLACEHOLDER rows
     that the engine fills on the device before `execute`); logits_indices: int64 [num_sampled],
     the rows whose next token is wanted, one per entry of `sampled` (the sequences that reach
-    their last known token in this step), in order.
+    their last known token in this step), in order; the engine may append rows after them
+    (prompt positions of requests that asked for prompt logprobs).
     """
 
     input_ids: torch.Tensor
