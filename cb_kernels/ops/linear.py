@@ -1,7 +1,12 @@
-"""fp32 linear layers on CPU on a weight packed once (csrc/cpu/linear.cpp).
+"""fp32 and bf16 linear layers on CPU on a weight packed once (csrc/cpu/linear.cpp,
+csrc/cpu/linear_bf16.cpp).
 
     lin = PackedLinear(torch.cat([q.weight, k.weight, v.weight]), bias=None)
     y = lin(x)                       # x [..., k] fp32 CPU -> [..., n] == F.linear to fp32 rounding
+
+A bf16 weight packs for the bf16 kernel (AVX512-BF16 vdpbf16ps where the CPU has it, a portable
+body with the same adds elsewhere): x and y are bf16, sums fp32 (bias added in fp32), y rounded
+once; `PackedLinear.fast(torch.bfloat16)` says whether the vdpbf16ps body runs.
 
 Every output is one fused multiply-add chain over k in order (plus the bias), so a row's result
 does not depend on the other rows of the batch, the thread count or the ISA body (AVX-512, AVX2
@@ -19,7 +24,8 @@ from cb_kernels.ops._backend import sync_threads
 
 
 class PackedLinear:
-    """A packed copy of an fp32 CPU weight [n, k] (and bias [n]); call it on x [..., k]."""
+    """A packed copy of an fp32 or bf16 CPU weight [n, k] (and bias [n], same dtype); call it on
+    x [..., k] of that dtype."""
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None):
         for name, t, dims in (("weight", weight, 2), ("bias", bias, 1)):
@@ -27,24 +33,36 @@ class PackedLinear:
                 continue
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if t.dim() != dims or t.device.type != "cpu" or t.dtype != torch.float32:
-                raise ValueError(f"{name} must be a {dims}-D fp32 CPU tensor, got shape "
-                                 f"{tuple(t.shape)}, {t.dtype} on {t.device}")
+            if t.dim() != dims or t.device.type != "cpu" or \
+                    t.dtype not in (torch.float32, torch.bfloat16) or t.dtype != weight.dtype:
+                raise ValueError(f"{name} must be a {dims}-D fp32 or bf16 CPU tensor (bias of "
+                                 f"the weight's dtype), got shape {tuple(t.shape)}, {t.dtype} on "
+                                 f"{t.device}")
+        self.dtype = weight.dtype
         self.n, self.k = weight.shape
         if self.n == 0 or self.k == 0:
             raise ValueError(f"weight must be non-empty, got shape {tuple(weight.shape)}")
         if bias is not None and bias.shape[0] != self.n:
             raise ValueError(f"bias must have {self.n} entries, got {bias.shape[0]}")
         w = weight.detach().contiguous()
-        self.packed = torch.empty(_C.linear_packed_floats(self.n, self.k), dtype=torch.float32)
-        _C.linear_pack(w.data_ptr(), self.n, self.k, self.k, self.packed.data_ptr())
-        self.bias = None if bias is None else bias.detach().contiguous().clone()
+        if self.dtype == torch.bfloat16:
+            self.packed = torch.empty(_C.linear_bf16_packed_elems(self.n, self.k),
+                                      dtype=torch.bfloat16)
+            _C.linear_bf16_pack(w.data_ptr(), self.n, self.k, self.k, self.packed.data_ptr())
+            self.bias = None if bias is None else bias.detach().float().contiguous()
+        else:
+            self.packed = torch.empty(_C.linear_packed_floats(self.n, self.k), dtype=torch.float32)
+            _C.linear_pack(w.data_ptr(), self.n, self.k, self.k, self.packed.data_ptr())
+            self.bias = None if bias is None else bias.detach().contiguous().clone()
 
     @staticmethod
-    def fast() -> bool:
-        """True where the AVX-512 body runs: the one measured faster than oneDNN's packed GEMM.
-        The AVX2 body gives the same bits at 0.65x (16 rows) to 0.87x (512 rows) of oneDNN's
-        speed (measured on the Zen 4 with the body forced), so the engine keeps oneDNN there."""
+    def fast(dtype: torch.dtype = torch.float32) -> bool:
+        """fp32: True where the AVX-512 body runs, the one measured faster than oneDNN's packed
+        GEMM (the AVX2 body gives the same bits at 0.65x (16 rows) to 0.87x (512 rows) of
+        oneDNN's speed, measured on the Zen 4 with the body forced, so the engine keeps oneDNN
+        there). bf16: True where the AVX512-BF16 body runs (the portable one is a reference)."""
+        if dtype == torch.bfloat16:
+            return _C.linear_bf16_isa() == "avx512_bf16"
         return _C.linear_isa() == "avx512"
 
     def __call__(self, x: torch.Tensor, *, isa: str = "auto") -> torch.Tensor:
@@ -53,8 +71,9 @@ class PackedLinear:
         if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != self.k:
             raise ValueError(f"x must be a [..., {self.k}] tensor, got "
                              f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
-        if x.device.type != "cpu" or x.dtype != torch.float32:
-            raise ValueError(f"x must be fp32 on the CPU, got {x.dtype} on {x.device}")
+        if x.device.type != "cpu" or x.dtype != self.dtype:
+            raise ValueError(f"x must be {self.dtype} on the CPU (the weight's dtype), got "
+                             f"{x.dtype} on {x.device}")
         return self.run_unchecked(x, isa)
 
     def run_unchecked(self, x: torch.Tensor, isa: str = "auto") -> torch.Tensor:
@@ -63,11 +82,12 @@ class PackedLinear:
         rows = x.reshape(-1, self.k)
         if rows.stride(1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < self.k):
             rows = rows.contiguous()
-        y = torch.empty(rows.shape[0], self.n, dtype=torch.float32)
+        y = torch.empty(rows.shape[0], self.n, dtype=self.dtype)
         sync_threads()
-        _C.linear(rows.data_ptr(), rows.shape[0], self.k,
-                  rows.stride(0) if rows.shape[0] > 1 else self.k, self.packed.data_ptr(), self.n,
-                  0 if self.bias is None else self.bias.data_ptr(), y.data_ptr(), self.n, isa)
+        run = _C.linear_bf16 if self.dtype == torch.bfloat16 else _C.linear
+        run(rows.data_ptr(), rows.shape[0], self.k, rows.stride(0) if rows.shape[0] > 1 else self.k,
+            self.packed.data_ptr(), self.n, 0 if self.bias is None else self.bias.data_ptr(),
+            y.data_ptr(), self.n, isa)
         return y.view(*x.shape[:-1], self.n)
 
 

@@ -14,13 +14,13 @@ Two GEMMs on packed weights ("auto" takes the first this CPU runs):
 Either way batch composition cannot change a sequence's tokens. `GEMM` (module attribute:
 "auto", "cbk", "onednn" or "torch") picks one for groups packed after it is set (benchmarks, tests).
 
-bf16 weights: "onednn" (its bf16 matmul: AVX512-BF16 `vdpbf16ps` on Zen 4 and Cooper Lake, AMX
-tiles on Sapphire Rapids and later; fp32 accumulation, bf16 out) wherever oneDNN runs bf16
-natively (`torch.ops.mkldnn._is_mkldnn_bf16_supported()`: AVX-512 and up), else "torch": F.linear
-on the concatenated bf16 weight, the portable body (also what GEMM = "torch" forces, for tests).
-SmolLM2-135M's linears at 16 rows, 2 threads, Zen 4: oneDNN bf16 2.4-5x our fp32 kernel and
-1.6x F.linear in bf16 (loaded machine). oneDNN's bf16 rows were checked independent of the
-batch (1..700 rows, brg_matmul:avx512_core_bf16); tests/runner assert it wherever they run. fp16
+bf16 weights: "cbk" (ops.PackedLinear's bf16 kernel, csrc/cpu/linear_bf16.cpp: vdpbf16ps,
+fp32 sums, each output's adds in k order whatever the batch) where the CPU has AVX512-BF16;
+else "onednn" (its bf16 matmul: AMX tiles on Sapphire Rapids and later, fp32 accumulation, bf16
+out) wherever oneDNN runs bf16 natively (`torch.ops.mkldnn._is_mkldnn_bf16_supported()`), else
+"torch": F.linear on the concatenated bf16 weight (also what GEMM = "torch" forces, for tests).
+oneDNN's bf16 rows were checked independent of the batch (1..700 rows,
+brg_matmul:avx512_core_bf16); tests/runner assert it on every path wherever they run. fp16
 weights are not packed (oneDNN's fp16 needs AVX512-FP16 / AMX-FP16, which no machine here has to
 test it): an fp16 model keeps transformers' forward, logged.
 
@@ -77,6 +77,9 @@ def onednn_bf16_native() -> bool:
 
 def bf16_path() -> str:
     """Which bf16 linear path runs here, for `cb-kernels info` and the logs."""
+    if gemm(torch.bfloat16) == "cbk":
+        return ("ops.PackedLinear's bf16 kernel (AVX512-BF16 vdpbf16ps)"
+                if PackedLinear.fast(torch.bfloat16) else "ops.PackedLinear's bf16 kernel (portable)")
     if gemm(torch.bfloat16) == "torch":
         return "F.linear on the concatenated weights (portable: oneDNN has no native bf16 here)"
     if torch.cpu._is_amx_tile_supported():
@@ -94,8 +97,10 @@ def gemm(dtype: torch.dtype = torch.float32) -> Optional[str]:
     if GEMM not in GEMMS:
         raise ValueError(f"packed_linears.GEMM must be one of {GEMMS}, got {GEMM!r}")
     if dtype == torch.bfloat16:
-        if GEMM == "torch" or (GEMM in ("auto", "cbk") and not onednn_bf16_native()):
-            return "torch"    # "cbk" is fp32 only: bf16 takes the best other one
+        if GEMM == "cbk" or (GEMM == "auto" and PackedLinear.fast(torch.bfloat16)):
+            return "cbk"      # forced: its portable body runs on any CPU
+        if GEMM == "torch" or not onednn_bf16_native():
+            return "torch"
         return "onednn" if _onednn_ok() else "torch"
     if dtype != torch.float32:
         return None

@@ -20,6 +20,7 @@
   Status rope(const RopeParams&);                     \
   Status argmax_rows(const ArgmaxParams&);            \
   Status linear(const LinearParams&);                 \
+  Status linear_bf16(const LinearBf16Params&);        \
   Status greedy_head(const GreedyHeadParams&);        \
   }                                                   \
   }
@@ -111,6 +112,7 @@ Isa paged_attention_bf16_isa(int64_t head_dim, Isa isa) {
 }
 Isa linear_isa(Isa isa) { return pick(isa, {Isa::kPortable, Isa::kAvx2, Isa::kAvx512}); }
 Isa greedy_head_isa(Isa isa) { return pick(isa, {Isa::kPortable, Isa::kAvx512Vnni}); }
+Isa linear_bf16_isa(Isa isa) { return pick(isa, {Isa::kPortable, Isa::kAvx512Bf16}); }
 
 #if CBK_X86_BODIES
 #define CBK_RUN_AVX2_OR_PORTABLE(name, p, isa) \
@@ -145,6 +147,13 @@ Status linear(const LinearParams& p, Isa isa) {
   }
 #endif
   return cpu_portable::linear(p);
+}
+
+Status linear_bf16(const LinearBf16Params& p, Isa isa) {
+#if CBK_X86_BODIES
+  if (linear_bf16_isa(isa) == Isa::kAvx512Bf16) return cpu_avx512_bf16::linear_bf16(p);
+#endif
+  return cpu_portable::linear_bf16(p);
 }
 
 Status greedy_head(const GreedyHeadParams& p, Isa isa) {

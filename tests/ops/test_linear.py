@@ -63,16 +63,20 @@ def test_shapes_strides_and_bad_arguments():
     assert lin(x[:0]).shape == (0, 10)
     with pytest.raises(TypeError, match="weight must be a torch.Tensor"):
         PackedLinear([[1.0]])
-    with pytest.raises(ValueError, match="2-D fp32 CPU"):
+    with pytest.raises(ValueError, match="2-D fp32 or bf16 CPU"):
         PackedLinear(w.double())
+    with pytest.raises(ValueError, match="bias of the weight's dtype"):
+        PackedLinear(w.bfloat16(), b)
     with pytest.raises(ValueError, match="bias must have 10"):
         PackedLinear(w, torch.zeros(9))
     with pytest.raises(ValueError, match="non-empty"):
         PackedLinear(torch.zeros(0, 4))
     with pytest.raises(ValueError, match=r"\[\.\.\., 20\]"):
         lin(torch.randn(3, 21))
-    with pytest.raises(ValueError, match="fp32 on the CPU"):
+    with pytest.raises(ValueError, match="torch.float32 on the CPU"):
         lin(x.half())
+    with pytest.raises(ValueError, match="torch.bfloat16 on the CPU"):
+        PackedLinear(w.bfloat16())(x)
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
@@ -95,3 +99,55 @@ def test_registered_op_checks_the_packing():
         torch.ops.cb_kernels.linear(x, lin.packed, torch.zeros(7), 8)
     with pytest.raises(TypeError, match="x must be a float32 CPU"):
         torch.ops.cb_kernels.linear(x.double(), lin.packed, None, 8)
+
+
+# ---- bf16 (csrc/cpu/linear_bf16.cpp): the vdpbf16ps body where the CPU has AVX512-BF16, the
+# portable body everywhere; the result rule of cb_kernels/linear.h.
+BF16_HERE = [isa for isa in _C.cpu_isas() if isa in ("portable", "avx512_bf16")]
+
+
+def _bf16_rule(x: torch.Tensor, w: torch.Tensor, b) -> torch.Tensor:
+    """The documented sums in plain torch: fp32 over k pairs (odd element, then even), + bias,
+    rounded to bf16 once."""
+    xf, wf = x.float(), w.float()
+    k = x.shape[1]
+    acc = torch.zeros(x.shape[0], w.shape[0])
+    for i in range(0, k, 2):
+        if i + 1 < k:
+            acc = acc + xf[:, i + 1:i + 2] * wf[:, i + 1][None]
+        acc = acc + xf[:, i:i + 1] * wf[:, i][None]
+    if b is not None:
+        acc = acc + b.float()
+    return acc.bfloat16()
+
+
+@pytest.mark.parametrize("m, k, n, bias", [
+    (1, 13, 7, False), (5, 64, 33, True), (16, 576, 96, True), (130, 101, 70, True),
+    (12, 1, 32, False), (25, 3, 1, True),
+])
+def test_bf16_follows_its_rule_on_every_body(m, k, n, bias):
+    x, w, b = _case(m, k, n, bias, seed=m + k + n)
+    x, w, b = x.bfloat16(), w.bfloat16(), None if b is None else b.bfloat16()
+    lin = PackedLinear(w, b)
+    want = _bf16_rule(x, w, b)
+    for isa in BF16_HERE:
+        y = lin(x, isa=isa)
+        assert y.shape == (m, n) and y.dtype == torch.bfloat16
+        assert torch.equal(y, want), f"{isa}: {(y.float() - want.float()).abs().max()}"
+    exact = ref_linear(x.double(), w.double(), None if b is None else b.double())
+    torch.testing.assert_close(y.double(), exact, rtol=2 ** -7, atol=1e-2)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_rows_result_depends_on_nothing_else(threads):
+    x, w, b = _case(150, 192, 200, True, seed=5)
+    lin = PackedLinear(w.bfloat16(), b.bfloat16())
+    x = x.bfloat16()
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        full = lin(x)
+        for rows in (slice(7, 8), slice(0, 13), slice(40, 140), slice(149, 150)):
+            assert torch.equal(lin(x[rows]), full[rows])
+    finally:
+        torch.set_num_threads(old)

@@ -21,12 +21,14 @@ FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
 TOL_VS_TRANSFORMERS_BF16 = 2 ** -7
 TOL_VS_FP32 = 0.02
 
-GEMMS = [g for g in ("onednn", "torch") if g != "onednn" or packed_linears.onednn_bf16_native()]
+GEMMS = ["cbk"] + [g for g in ("onednn", "torch")
+                   if g != "onednn" or packed_linears.onednn_bf16_native()]
 
 
 @pytest.fixture(params=GEMMS)
 def gemm(request, monkeypatch):
-    """Each test on every bf16 GEMM path this CPU runs natively, and the portable one."""
+    """Each test on every bf16 GEMM path this CPU runs natively, and the portable ones (our
+    kernel's portable body runs where the CPU lacks AVX512-BF16)."""
     monkeypatch.setattr(packed_linears, "GEMM", request.param)
     assert packed_linears.gemm(torch.bfloat16) == request.param
     return request.param

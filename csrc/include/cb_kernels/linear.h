@@ -47,3 +47,46 @@ Isa linear_isa(Isa isa = Isa::kAuto);  // the body linear(p, isa) runs on this m
 }  // namespace cpu
 
 }  // namespace cbk
+
+// ---- bf16 weights and activations (csrc/cpu/linear_bf16.cpp).
+//
+// Layout of a packed bf16 weight: 32-column panels as above, k in pairs: panel p holds
+// [ceil(K / 2)][32][2] bf16 (W[32p + c][2i], W[32p + c][2i + 1] side by side; zeros past N and
+// K), the operand of AVX512-BF16's pair dot product. y[m][n] is fp32 over the k pairs in order:
+// acc += w[2i + 1] x[2i + 1], then acc += w[2i] x[2i] (each product exact in fp32, each add
+// rounded), then + bias (fp32), rounded to bf16 once. So a row's result does not depend on M,
+// on the other rows or on the thread count.
+namespace cbk {
+
+inline int64_t linear_bf16_packed_elems(int64_t n, int64_t k) {
+  return (n + kLinearPanel - 1) / kLinearPanel * kLinearPanel * ((k + 1) / 2 * 2);
+}
+
+struct LinearBf16PackParams {
+  const uint16_t* weight = nullptr;  // [n, k] bf16, rows weight_stride apart
+  int64_t n = 0;
+  int64_t k = 0;
+  int64_t weight_stride = 0;
+  uint16_t* packed = nullptr;        // [linear_bf16_packed_elems(n, k)]
+};
+
+struct LinearBf16Params {
+  const uint16_t* x = nullptr;       // [m, k] bf16, rows x_stride apart
+  int64_t m = 0;
+  int64_t k = 0;
+  int64_t x_stride = 0;
+  const uint16_t* packed = nullptr;  // a packed [n, k] bf16 weight
+  int64_t n = 0;
+  const float* bias = nullptr;       // optional [n], fp32
+  uint16_t* y = nullptr;             // [m, n] bf16, rows y_stride apart
+  int64_t y_stride = 0;
+};
+
+namespace cpu {
+Status linear_bf16_pack(const LinearBf16PackParams& p);
+// Bodies: portable, avx512_bf16 (vdpbf16ps; see cb_kernels/isa.h).
+Status linear_bf16(const LinearBf16Params& p, Isa isa = Isa::kAuto);
+Isa linear_bf16_isa(Isa isa = Isa::kAuto);
+}  // namespace cpu
+
+}  // namespace cbk
