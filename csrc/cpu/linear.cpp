@@ -24,6 +24,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "row_tiles.h"
 #include "threads.h"
 
 // The body this compile builds (see cb_kernels/isa.h): the flags of the ISA pick it.
@@ -63,17 +64,6 @@ void panel_generic(const LinearParams& p, const float* x, int64_t rows, const fl
 }
 #endif
 
-// f(std::integral_constant<int, n>) for a run-time n in [1, N]: the register tiles of a chunk's
-// last rows.
-template <int N, typename F>
-inline void with_rows(int64_t n, F&& f) {
-  if constexpr (N >= 1) {
-    if (n == N)
-      f(std::integral_constant<int, N>{});
-    else
-      with_rows<N - 1>(n, f);
-  }
-}
 
 #if CBK_LINEAR_BODY > 0
 // Rows [0, rows) of x (row stride ld) into blocks of `mr` rows, each [k][rows in block]: block

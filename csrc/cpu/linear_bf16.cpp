@@ -18,6 +18,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "row_tiles.h"
 #include "threads.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -37,15 +38,6 @@ constexpr int64_t kChunkRows = 96;              // rows per work item (a multipl
 constexpr int64_t kSerialWork = 1 << 16;        // below this many products one thread does all
 constexpr int64_t kMR = 12;
 
-template <int N, typename F>
-inline void with_rows(int64_t n, F&& f) {
-  if constexpr (N >= 1) {
-    if (n == N)
-      f(std::integral_constant<int, N>{});
-    else
-      with_rows<N - 1>(n, f);
-  }
-}
 
 // Rows [0, rows) of x into blocks of kMR rows, each [k pairs][rows in block] of 32-bit bf16
 // pairs (an odd k's last pair padded with 0): block b starts at b * kMR * pairs.
