@@ -341,7 +341,8 @@ def run_vllm_row(res, model, saved_dir, prompts, outputs, ours, repeats,
     res["results"]["vllm_cpu"] = {
         "seconds": row["generate_s"], "tok_per_s": row["tokens_per_s"],
         "identical_requests": row["matches_expected"], "rounds": repeats,
-        "token_prefix_share": row["prefix_share"], "startup_s": row["startup_s"], "dtype": dtype}
+        "token_prefix_share": row["prefix_share"], "startup_s": row["startup_s"], "dtype": dtype,
+        "requests_changed_between_repeats": row.get("requests_changed_between_repeats", 0)}
     print(f"{'vllm_cpu':>22}: {row['tokens_per_s']:8.1f} tok/s wall ({row['generate_s']:6.2f} s; "
           f"start-up {row['startup_s']:.0f} s), identical tokens {row['matches_expected']}/"
           f"{len(prompts)}, {100 * row['prefix_share']:.1f}% of our tokens before each "

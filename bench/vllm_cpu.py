@@ -161,8 +161,10 @@ def run_vllm(model_dir, prompts, max_new_tokens, *, repeats=1, venv=DEFAULT_VENV
     every prompt gets exactly its count (ignore_eos). The whole batch is generated ``repeats``
     times after one start-up. Returns {"tokens_per_s" (best repeat; output tokens over the
     generate call only), "tokens_per_s_all", "startup_s" (import + LLM() incl. compilation),
-    "generate_s" (best), "num_output_tokens", "token_ids" (per prompt, in order; identical in
-    every repeat or the run fails), "vllm_version", "env"}.
+    "generate_s" (best), "num_output_tokens", "token_ids" (per prompt, in order, of the first
+    repeat), "requests_changed_between_repeats" (how many prompts' tokens another repeat
+    changed: 0 in fp32; vLLM's bf16 batches are not always reproducible), "vllm_version",
+    "env"}.
     The worker is killed with its process group after ``timeout_s`` seconds. ``dtype``: the
     dtype vLLM computes in (one of DTYPES; vLLM-CPU's own default for a bf16 checkpoint is bf16).
     """
@@ -239,21 +241,25 @@ def _worker(spec_path):
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
               for n in counts]
     inputs = [{"prompt_token_ids": p} for p in prompts]
-    times, token_ids = [], None
+    times, token_ids, changed = [], None, 0
     for _ in range(spec["repeats"]):
         start = time.perf_counter()
         outputs = llm.generate(inputs, params, use_tqdm=False)
         times.append(time.perf_counter() - start)
         ids = [list(o.outputs[0].token_ids) for o in outputs]
-        if token_ids is not None and ids != token_ids:
-            raise RuntimeError("greedy vLLM output changed between repeats")
-        token_ids = ids
+        # vLLM's bf16 greedy tokens can change between identical batches (seen with 64 SmolLM2
+        # prompts on the 2-core Zen 4); the first repeat's are kept, the changes counted.
+        if token_ids is not None:
+            changed = max(changed, sum(a != b for a, b in zip(ids, token_ids)))
+        else:
+            token_ids = ids
     num_output_tokens = sum(len(t) for t in token_ids)
     Path(spec["out"]).write_text(json.dumps({
         "tokens_per_s": num_output_tokens / min(times),
         "tokens_per_s_all": [num_output_tokens / t for t in times], "startup_s": startup_s,
         "generate_s": min(times), "num_output_tokens": num_output_tokens,
-        "token_ids": token_ids, "vllm_version": vllm.__version__}))
+        "token_ids": token_ids, "vllm_version": vllm.__version__,
+        "requests_changed_between_repeats": changed}))
 
 
 def main(argv=None):
