@@ -1,0 +1,129 @@
+"""Tiny random models of every causal-LM type transformers ships, and the check each one passes.
+
+`tiny_model(model_type)` builds the type's config class with small sizes (only the fields the
+class has) and the auto class transformers maps it to; `check(model_type)` runs three short
+prompts through an Engine and through `model.generate` (greedy, fp32) and says how it went:
+  "same"      the engine's tokens equal generate's
+  "refused"   Engine() raised UnsupportedModelError (detail: its message)
+  "wrong"     the engine ran and gave other tokens
+  "step"      Engine() accepted the model and a step then failed (detail: the error)
+  "build"     transformers itself could not build or run the tiny model (detail: the error)
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+VOCAB = 128
+# Small sizes for every field name the config classes use for them. A name a class does not
+# have is left out, so one table serves every family.
+_SMALL = dict(
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+    # MoE
+    num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2,
+    moe_intermediate_size=16, shared_expert_intermediate_size=16, n_shared_experts=1,
+    moe_num_experts=4, moe_k=2, moe_topk=2, num_shared_experts=1, n_group=1, topk_group=1,
+    first_k_dense_replace=1, moe_layer_freq=1, decoder_sparse_step=1, expert_interval=1,
+    # latent attention (MLA): K head 8 + 8, V head 8 (different from K on purpose)
+    q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+    # windows and chunks short enough that the prompts cross them
+    sliding_window=5, attention_chunk_size=6,
+    # SSM / linear attention / conv sizes (those layers are refused, but must build)
+    state_size=8, ssm_state_size=8, mamba_d_state=8, mamba_n_heads=8, mamba_d_head=8,
+    mamba_headdim=8, mamba_d_conv=4, mamba_expand=2, linear_num_key_heads=2,
+    linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+    # embedding / misc sizes
+    n_positions=256, n_ctx=256, rotary_dim=4, partial_rotary_factor=0.5,
+    hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB, altup_num_inputs=2,
+    laurel_rank=4, num_kv_shared_layers=0, global_head_dim=16, index_head_dim=8,
+    index_n_heads=2, index_topk=4,
+)
+# Special token ids above the tiny vocabulary would index out of range.
+_TOKEN_FIELDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
+
+
+def _fields(cls) -> set:
+    names = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+    return names | set(getattr(cls, "attribute_map", {}) or {})
+
+
+def _small_kwargs(cls, extra: dict) -> dict:
+    fields = _fields(cls)
+    kwargs = {k: v for k, v in _SMALL.items() if k in fields}
+    if "kv_lora_rank" in fields:             # latent attention expands K/V to every head
+        kwargs["num_key_value_heads"] = kwargs.get("num_attention_heads", 4)
+    for name in _TOKEN_FIELDS:
+        if name in fields:
+            kwargs[name] = 0 if name == "pad_token_id" else 1
+    kwargs.update({k: v for k, v in extra.items()})
+    return kwargs
+
+
+def tiny_config(model_type: str, **extra):
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    subs = getattr(cls, "sub_configs", None) or {}
+    kwargs = _small_kwargs(cls, extra)
+    for name, sub_cls in subs.items():
+        if name == "text_config" and hasattr(sub_cls, "model_type"):
+            kwargs[name] = _small_kwargs(sub_cls, extra)
+    return cls(**kwargs)
+
+
+def tiny_model(model_type: str, seed: int = 0, **extra):
+    """A random fp32 model of `model_type` with tiny sizes, eval mode, no EOS."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config(model_type, **extra)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    gen = model.generation_config
+    gen.eos_token_id, gen.pad_token_id = None, 0
+    return model
+
+
+def prompts(seed: int = 0) -> list:
+    """Three prompts; the longest crosses the tiny windows (5) and chunks (6) twice."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in (3, 9, 14)]
+
+
+@torch.inference_mode()
+def generate_tokens(model, prompt_list, max_new_tokens):
+    out = []
+    for p in prompt_list:
+        ids = model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens,
+                             min_new_tokens=max_new_tokens, do_sample=False)
+        out.append(ids[0, len(p):].tolist())
+    return out
+
+
+def check(model_type: str, max_new_tokens: int = 4, **engine_kwargs):
+    """(status, detail) for one model type; see the module docstring."""
+    from cb_kernels import Engine, EngineConfig, SamplingParams, UnsupportedModelError
+
+    ps = prompts()
+    try:
+        model = tiny_model(model_type)
+    except Exception as e:                    # noqa: BLE001 (transformers' own failure)
+        return "build", f"{type(e).__name__}: {e}"[:300]
+    try:
+        engine = Engine(model, EngineConfig(block_size=4, num_blocks=64, **engine_kwargs))
+    except UnsupportedModelError as e:
+        return "refused", str(e)
+    except Exception as e:                    # noqa: BLE001
+        return "step", f"Engine(): {type(e).__name__}: {e}"[:300]
+    try:
+        want = generate_tokens(model, ps, max_new_tokens)
+    except Exception as e:                    # noqa: BLE001 (transformers' own failure)
+        return "build", f"generate: {type(e).__name__}: {e}"[:300]
+    outs = engine.generate(ps, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
+    errors = [o.error for o in outs if o.error]
+    if errors:
+        return "step", errors[0][:300]
+    engine.check_invariants()
+    got = [o.token_ids for o in outs]
+    return ("same", "") if got == want else ("wrong", f"{got} != {want}")
