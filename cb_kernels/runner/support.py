@@ -59,6 +59,7 @@ _KNOWN_KWARGS = frozenset({
     "cu_seq_lens_k", "max_length_q", "max_length_k", "is_causal", "s_aux", "head_mask",
     "layer_head_mask", "past_key_values", "cache", "layer_idx", "output_hidden_states",
     "return_dict", "attention_type", "position_bias", "output_router_logits",
+    "logits_to_keep",
 })
 # Class names of layers whose output depends on state carried from earlier tokens outside the
 # attention K/V (state-space and recurrent mixers, causal convolutions, linear attention).
@@ -96,9 +97,9 @@ def static_check(model) -> None:
     odd = sorted({t for t in layer_types if t not in _ATTENTION_LAYER_TYPES}, key=str)
     if odd:
         raise UnsupportedModelError(
-            f"{name} has layers of type {odd} (config.layer_types): stateful layers "
-            "(state-space, convolution or linear attention) are not supported yet; only full, "
-            "sliding-window and chunked attention layers are")
+            f"{name} has layers of type {odd} (config.layer_types) that cb_kernels does not "
+            "run: only full, sliding-window and chunked attention layers are supported; "
+            "stateful layers (state-space, convolution, linear attention) are refused for now")
     for mod_name, module in model.named_modules():
         cls = type(module).__name__
         if isinstance(module, torch.nn.Conv1d) or _STATEFUL.search(cls):
@@ -198,6 +199,7 @@ def record_calls(model, configs, num_tokens: int = 6) -> _Recording:
 
 
 _SENTINEL = object()
+_PROBE_TOKENS = 6
 
 
 # -- masks --------------------------------------------------------------------------------------
@@ -219,8 +221,58 @@ def _first_allowed(fn, q: int) -> int:
     return lo
 
 
-def mask_pattern(fn, max_positions: int):
+def _grid(fn, n: int) -> torch.Tensor:
+    kv = torch.arange(n)
+    return torch.stack([_allowed(fn, q, kv) for q in range(n)])
+
+
+def _without_input_overlays(fn, n: int):
+    """`fn` less the parts of an or_masks() union that read the probe's inputs (block or token
+    type ids: they cannot be evaluated past the probe) and add no pair there: for text prompts
+    such an overlay is empty, and the engine never builds it."""
+    parts = None
+    if getattr(fn, "__name__", "") == "or_mask" and fn.__closure__:
+        for cell in fn.__closure__:
+            value = cell.cell_contents
+            if isinstance(value, tuple) and all(callable(f) for f in value):
+                parts = value
+    if not parts:
+        return fn
+    probe = torch.tensor([n + 1000])
+    kept, dropped = [], []
+    for part in parts:
+        try:
+            _allowed(part, n + 1000, probe)
+            kept.append(part)
+        except (IndexError, RuntimeError):
+            dropped.append(part)
+    if not dropped or not kept:
+        return fn
+
+    def union(b, h, q, kv):
+        out = torch.zeros((), dtype=torch.bool)
+        for part in kept:
+            out = out | torch.as_tensor(part(b, h, q, kv)).to(torch.bool)
+        return out
+
+    base = _grid(union, n)
+    for part in dropped:
+        if bool((_grid(part, n) & ~base).any()):
+            return fn
+    return union
+
+
+def mask_pattern(fn, max_positions: int, num_probe_tokens: int):
     """('full', None), ('window', W) or ('chunk', C) for a mask function, else ('other', why)."""
+    n = num_probe_tokens
+    fn = _without_input_overlays(fn, n)
+    try:
+        return _pattern(fn, max_positions)
+    except (IndexError, RuntimeError) as e:
+        return "other", f"its mask function cannot be evaluated past the probe ({e})"
+
+
+def _pattern(fn, max_positions: int):
     n = 64
     kv = torch.arange(n)
     for q in range(n):
@@ -248,6 +300,21 @@ def mask_pattern(fn, max_positions: int):
     return "other", "the allowed keys follow no window or chunk pattern"
 
 
+def _cache_windows(cfg, num_layers: int) -> list:
+    """Per layer, the window transformers' DynamicCache keeps for this config (what generate()
+    decodes with), or None."""
+    try:
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=cfg)
+    except Exception:                         # noqa: BLE001 (an older or custom cache)
+        return []
+    sliding = getattr(cache, "is_sliding", None) or []
+    layers = getattr(cache, "layers", None) or []
+    return [getattr(layer, "sliding_window", None) if is_sliding else None
+            for is_sliding, layer in zip(sliding, layers)][:num_layers]
+
+
 def _tensor_is_causal(mask: torch.Tensor) -> bool:
     m = mask[0, 0] if mask.dim() == 4 else mask
     allowed = m if m.dtype == torch.bool else m == 0
@@ -262,7 +329,7 @@ def layer_plans(model, configs, num_layers: int) -> list:
     name = type(model).__name__
     cfg = _text_config(model)
     max_positions = getattr(cfg, "max_position_embeddings", None) or (1 << 30)
-    rec = record_calls(model, configs)
+    rec = record_calls(model, configs, _PROBE_TOKENS)
     if not rec.calls:
         raise UnsupportedModelError(
             f"{name} does not attend through transformers' attention interface (no call reached "
@@ -314,7 +381,7 @@ def layer_plans(model, configs, num_layers: int) -> list:
         elif call.mask[0] == "fn":
             key = id(call.mask[1])
             if key not in pattern_of:
-                pattern_of[key] = mask_pattern(call.mask[1], max_positions)
+                pattern_of[key] = mask_pattern(call.mask[1], max_positions, _PROBE_TOKENS)
             kind, value = pattern_of[key]
             if kind == "window":
                 window = value
@@ -336,6 +403,16 @@ def layer_plans(model, configs, num_layers: int) -> list:
             raise UnsupportedModelError(f"{name}: layer {idx} gets a {call.mask[1]} mask")
         plans[idx] = LayerAttention(call.num_kv_heads, call.head_dim, call.v_head_dim, window,
                                     sinks)
+    cache_windows = _cache_windows(cfg, num_layers)
+    for idx, plan in plans.items():
+        cw = cache_windows[idx] if idx < len(cache_windows) else None
+        if cw is not None and cw != plan.window:
+            raise UnsupportedModelError(
+                f"{name}: layer {idx}'s attention mask has "
+                f"{'no window' if plan.window is None else f'a window of {plan.window}'} but "
+                f"transformers' cache keeps a window of {cw} keys (config.sliding_window): "
+                "generate() then attends to all keys in the prompt and to the last window "
+                "while decoding, which cb_kernels does not reproduce")
     missing = [i for i in range(num_layers) if i not in plans]
     if missing:
         raise UnsupportedModelError(
