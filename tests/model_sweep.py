@@ -29,7 +29,7 @@ _SMALL = dict(
     # latent attention (MLA): K head 8 + 8, V head 8 (different from K on purpose)
     q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
     # windows and chunks short enough that the prompts cross them
-    sliding_window=5, attention_chunk_size=6,
+    sliding_window=5, attention_chunk_size=8,
     # SSM / linear attention / conv sizes (those layers are refused, but must build)
     state_size=8, ssm_state_size=8, mamba_d_state=8, mamba_n_heads=8, mamba_d_head=8,
     mamba_headdim=8, mamba_d_conv=4, mamba_expand=2, linear_num_key_heads=2,
@@ -86,7 +86,7 @@ def tiny_model(model_type: str, seed: int = 0, **extra):
 
 
 def prompts(seed: int = 0) -> list:
-    """Three prompts; the longest crosses the tiny windows (5) and chunks (6) twice."""
+    """Three prompts; the longest crosses the tiny windows (5) and chunks (8)."""
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in (3, 9, 14)]
 

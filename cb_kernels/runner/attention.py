@@ -91,8 +91,10 @@ def engine_attention(module, query, key, value, attention_mask, scaling=None, dr
         # columns are sums of zeros and are cut off, so the kept ones are exact.
         v = torch.nn.functional.pad(v, (0, v_cache.shape[-1] - v_dim))
     ops.write_kv_unchecked(k, _packed(v), k_cache, v_cache, step.slot_mapping)
-    out = ops.paged_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens,
-                              step.cu_seqlens_q, scale=scaling,
+    view = step.chunked if layer < len(step.chunked_layers) and step.chunked_layers[layer] \
+        else step
+    out = ops.paged_attention(q, k_cache, v_cache, view.block_tables, view.seq_lens,
+                              view.cu_seqlens_q, scale=scaling,
                               sliding_window=step.sliding_windows[layer], softcap=softcap,
                               backend=step.backend)
     if v_dim != out.shape[-1]:

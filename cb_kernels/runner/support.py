@@ -40,13 +40,15 @@ class LayerAttention:
 
     num_kv_heads, head_dim: K's shape per token; v_head_dim: V's head size (latent attention:
     smaller than K's, stored padded to head_dim). window: keys per query (sliding window) or
-    None. sinks: the layer passes a learned per-head sink logit (`s_aux`).
+    None. chunk: chunked attention (a query attends to its own chunk of `chunk` positions, up to
+    itself) or None. sinks: the layer passes a learned per-head sink logit (`s_aux`).
     """
 
     num_kv_heads: int
     head_dim: int
     v_head_dim: int
     window: Optional[int] = None
+    chunk: Optional[int] = None
     sinks: bool = False
 
 
@@ -375,7 +377,7 @@ def layer_plans(model, configs, num_layers: int) -> list:
             raise UnsupportedModelError(
                 f"{name}: layer {idx}'s value head size {call.v_head_dim} is larger than its "
                 f"key head size {call.head_dim}")
-        window = None
+        window = chunk = None
         if call.mask is None:
             window = kwargs.get("sliding_window")
         elif call.mask[0] == "fn":
@@ -386,10 +388,7 @@ def layer_plans(model, configs, num_layers: int) -> list:
             if kind == "window":
                 window = value
             elif kind == "chunk":
-                raise UnsupportedModelError(
-                    f"{name}: layer {idx} uses chunked attention (chunks of {value} tokens, "
-                    "config.attention_chunk_size), which cb_kernels' paged attention does not "
-                    "apply yet")
+                chunk = value
             elif kind == "other":
                 raise UnsupportedModelError(f"{name}: layer {idx}'s attention mask is not "
                                             f"supported: {value}")
@@ -402,11 +401,11 @@ def layer_plans(model, configs, num_layers: int) -> list:
         else:
             raise UnsupportedModelError(f"{name}: layer {idx} gets a {call.mask[1]} mask")
         plans[idx] = LayerAttention(call.num_kv_heads, call.head_dim, call.v_head_dim, window,
-                                    sinks)
+                                    chunk, sinks)
     cache_windows = _cache_windows(cfg, num_layers)
     for idx, plan in plans.items():
         cw = cache_windows[idx] if idx < len(cache_windows) else None
-        if cw is not None and cw != plan.window:
+        if cw is not None and cw != plan.window and plan.chunk is None:
             raise UnsupportedModelError(
                 f"{name}: layer {idx}'s attention mask has "
                 f"{'no window' if plan.window is None else f'a window of {plan.window}'} but "
@@ -418,4 +417,18 @@ def layer_plans(model, configs, num_layers: int) -> list:
         raise UnsupportedModelError(
             f"{name}: layers {missing} run no attention through transformers' attention "
             "interface (stateful or custom layers), so cb_kernels cannot run them on its cache")
+    chunks = {p.chunk for p in plans.values()} - {None}
+    if len(chunks) > 1:
+        raise UnsupportedModelError(f"{name}: chunked-attention layers with different chunk "
+                                    f"sizes {sorted(chunks)}")
     return [plans[i] for i in range(num_layers)]
+
+
+def check_chunk_blocks(layers: list, block_size: int) -> None:
+    """Chunked layers read the cache from their chunk's first block: the chunk size must be a
+    multiple of the block size (raises UnsupportedModelError naming both)."""
+    chunk = next((p.chunk for p in layers if p.chunk), None)
+    if chunk and chunk % block_size:
+        raise UnsupportedModelError(
+            f"chunked attention with chunks of {chunk} tokens needs a block_size that divides "
+            f"it (got block_size={block_size}): set EngineConfig(block_size=...) accordingly")

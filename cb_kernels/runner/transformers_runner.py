@@ -97,6 +97,8 @@ class TransformersRunner:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.sliding_windows = [p.window for p in self.layers]
+        self.chunked_layers = tuple(p.chunk is not None for p in self.layers)
+        self.chunk_size = next((p.chunk for p in self.layers if p.chunk), None)
         self.softcap = getattr(cfg, "attn_logit_softcapping", None)
         self.attention_backend = attention_backend
         self.cuda_graphs = cuda_graphs
@@ -139,11 +141,13 @@ class TransformersRunner:
     # -- the cache ------------------------------------------------------------------------------
     def allocate_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype,
                        max_num_seqs: int) -> None:
+        support.check_chunk_blocks(self.layers, block_size)
         self.k_caches, self.v_caches = allocate_layer_caches(
             [(p.num_kv_heads, p.head_dim) for p in self.layers], num_blocks, block_size, dtype,
             self.device)
         self.block_size = block_size
-        if graphs_enabled(self.cuda_graphs, self.device):
+        # The decode graphs carry no chunked view.
+        if graphs_enabled(self.cuda_graphs, self.device) and self.chunk_size is None:
             max_blocks = min(num_blocks, -(-self.max_positions // block_size))
             self.graphs = decode_graph_runner(self, max_num_seqs, max_blocks)
 
@@ -158,7 +162,8 @@ class TransformersRunner:
             seqs, num_new_tokens, self.block_size, self.k_caches[0].shape[0] * self.block_size,
             self.device, k_caches=self.k_caches, v_caches=self.v_caches,
             sliding_windows=self.sliding_windows, softcap=self.softcap,
-            backend=self.attention_backend)
+            backend=self.attention_backend, chunk_size=self.chunk_size,
+            chunked_layers=self.chunked_layers)
 
     @torch.inference_mode()
     def execute(self, inputs: step_inputs.StepInputs, greedy: bool = False) -> StepOutput:
