@@ -40,6 +40,23 @@ _SMALL = dict(
     laurel_rank=4, num_kv_shared_layers=0, global_head_dim=16, index_head_dim=8,
     index_n_heads=2, index_topk=4,
 )
+# Per type: what the shared table cannot express (other field names, validators' rules).
+_EXTRA = {
+    "gpt_neo": dict(attention_types=[[["global", "local"], 1]], window_size=5),
+    "dbrx": dict(d_model=32, n_heads=4, n_layers=2,
+                 attn_config=dict(kv_n_heads=2, rope_theta=10000.0),
+                 ffn_config=dict(moe_num_experts=4, moe_top_k=2, ffn_hidden_size=48)),
+    "zaya": dict(num_experts_per_tok=1),
+    "mamba2": dict(num_heads=8, head_dim=8),
+    "falcon_h1": dict(mamba_d_ssm=64),
+    "gemma4_assistant": dict(hidden_size_per_layer_input=0),
+    "gemma4_unified_assistant": dict(hidden_size_per_layer_input=0),
+    "xlnet": dict(d_head=8),
+    "reformer": dict(is_decoder=True),
+    "whisper": dict(encoder_attention_heads=4, decoder_attention_heads=4),
+    "plbart": dict(encoder_attention_heads=4, decoder_attention_heads=4),
+    "zamba": dict(num_hidden_layers=3),
+}
 # Special token ids above the tiny vocabulary would index out of range.
 _TOKEN_FIELDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
 
@@ -66,10 +83,12 @@ def tiny_config(model_type: str, **extra):
 
     cls = CONFIG_MAPPING[model_type]
     subs = getattr(cls, "sub_configs", None) or {}
+    extra = {**_EXTRA.get(model_type, {}), **extra}
     kwargs = _small_kwargs(cls, extra)
     for name, sub_cls in subs.items():
-        if name == "text_config" and hasattr(sub_cls, "model_type"):
-            kwargs[name] = _small_kwargs(sub_cls, extra)
+        if dataclasses.is_dataclass(sub_cls) and name not in extra:
+            # text and vision towers alike: a default-sized vision tower takes seconds to build
+            kwargs[name] = _small_kwargs(sub_cls, extra if name == "text_config" else {})
     return cls(**kwargs)
 
 

@@ -86,15 +86,30 @@ def num_heads_of(cfg) -> int:
         return 0
 
 
+def _decoder_layers(model, num_layers):
+    """(name, module) of the decoder layers' modules: the ModuleLists of num_hidden_layers
+    entries inside the decoder (a vision or audio tower's convolutions run once over their
+    input and are no state of the decoder); the whole decoder where no such list is found."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if not isinstance(decoder, torch.nn.Module):
+        decoder = model
+    lists = [(n, m) for n, m in decoder.named_modules()
+             if isinstance(m, torch.nn.ModuleList) and len(m) == num_layers]
+    roots = lists or [("", decoder)]
+    for root_name, root in roots:
+        for name, module in root.named_modules(prefix=root_name):
+            yield name, module
+
+
 def static_check(model) -> None:
     """Raises UnsupportedModelError for what the config and module tree already show."""
     cfg = _text_config(model)
     name = type(model).__name__
     if not hasattr(cfg, "num_attention_heads"):
         raise UnsupportedModelError(
-            f"{name} has no attention heads (config.num_attention_heads is missing): a pure "
-            "state-space / recurrent model; cb_kernels runs models whose layers attend through "
-            "transformers' attention interface")
+            f"{name}'s config has no num_attention_heads (pure state-space and recurrent "
+            "models such as Mamba, RWKV and xLSTM have none): cb_kernels runs models whose "
+            "layers attend through transformers' attention interface")
     layer_types = getattr(cfg, "layer_types", None) or []
     odd = sorted({t for t in layer_types if t not in _ATTENTION_LAYER_TYPES}, key=str)
     if odd:
@@ -102,7 +117,7 @@ def static_check(model) -> None:
             f"{name} has layers of type {odd} (config.layer_types) that cb_kernels does not "
             "run: only full, sliding-window and chunked attention layers are supported; "
             "stateful layers (state-space, convolution, linear attention) are refused for now")
-    for mod_name, module in model.named_modules():
+    for mod_name, module in _decoder_layers(model, getattr(cfg, "num_hidden_layers", None)):
         cls = type(module).__name__
         if isinstance(module, torch.nn.Conv1d) or _STATEFUL.search(cls):
             raise UnsupportedModelError(
