@@ -56,6 +56,10 @@ _EXTRA = {
     "whisper": dict(encoder_attention_heads=4, decoder_attention_heads=4),
     "plbart": dict(encoder_attention_heads=4, decoder_attention_heads=4),
     "zamba": dict(num_hidden_layers=3),
+    "zamba2": dict(layers_block_type=["mamba", "hybrid"]),
+    # the default 2-layer pattern would hold no convolution layer
+    "lfm2": dict(layer_types=["conv", "full_attention"]),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
 }
 # Special token ids above the tiny vocabulary would index out of range.
 _TOKEN_FIELDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
@@ -82,14 +86,27 @@ def tiny_config(model_type: str, **extra):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[model_type]
-    subs = getattr(cls, "sub_configs", None) or {}
     extra = {**_EXTRA.get(model_type, {}), **extra}
     kwargs = _small_kwargs(cls, extra)
-    for name, sub_cls in subs.items():
-        if dataclasses.is_dataclass(sub_cls) and name not in extra:
-            # text and vision towers alike: a default-sized vision tower takes seconds to build
-            kwargs[name] = _small_kwargs(sub_cls, extra if name == "text_config" else {})
-    return cls(**kwargs)
+    subs = dict(getattr(cls, "sub_configs", None) or {})
+    if not subs:
+        return cls(**kwargs)
+    defaults = cls()
+    small_subs = {}
+    for name in subs:
+        sub = getattr(defaults, name, None)
+        if name in extra or not dataclasses.is_dataclass(sub):
+            continue
+        small = _small_kwargs(type(sub), extra if name == "text_config" else {})
+        if getattr(sub, "model_type", None):
+            small["model_type"] = sub.model_type
+        small_subs[name] = small
+    try:
+        # text, vision and audio towers alike: a default-sized tower takes seconds to build
+        return cls(**kwargs, **small_subs)
+    except Exception:                         # noqa: BLE001 (a tower's own size rules)
+        text = {k: v for k, v in small_subs.items() if k == "text_config"}
+        return cls(**kwargs, **text)
 
 
 def tiny_model(model_type: str, seed: int = 0, **extra):
