@@ -88,6 +88,21 @@ def check_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
     return float(scale), window, cap
 
 
+def check_sinks(sinks, q: torch.Tensor, backend: str) -> None:
+    """sinks: None or fp32 [num_heads] on q's device with unit stride; not on the 'cuda'
+    backend (its decode kernel has no sink term; the 'triton' one has)."""
+    if sinks is None:
+        return
+    check_tensor(sinks, "sinks", ndim=1, dtype=torch.float32, contiguous=True)
+    same_device([("q", q), ("sinks", sinks)])
+    if sinks.shape[0] != q.shape[1]:
+        raise ValueError(f"sinks must have one logit per q head ({q.shape[1]}), got "
+                         f"{sinks.shape[0]}")
+    if backend == "cuda":
+        raise ValueError("sinks are not implemented by the 'cuda' paged_attention backend; use "
+                         "backend='triton' (the CUDA default) or 'cpu'")
+
+
 def check_values(num_tokens: int, k_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor) -> None:
     """Index checks on CPU tensors (see the module docstring for why CUDA skips them)."""

@@ -74,12 +74,12 @@ def engine_attention(module, query, key, value, attention_mask, scaling=None, dr
     if step is None:
         raise RuntimeError(f"attention implementation {ATTN_NAME!r} runs only inside "
                            "cb_kernels.Engine steps")
-    if kwargs.get("s_aux") is not None:      # refused at construction (runner/support.py)
-        raise NotImplementedError("attention sinks (s_aux) are not supported by cb_kernels' "
-                                  "paged attention")
     layer = module.layer_idx
     k_cache, v_cache = step.k_caches[layer], step.v_caches[layer]
     softcap = kwargs["softcap"] if "softcap" in kwargs else step.softcap
+    sinks = kwargs.get("s_aux")              # gpt-oss' per-head sink logits [num_heads]
+    if sinks is not None:
+        sinks = sinks.detach().float().contiguous()
     # [1, H, T, D] -> [T, H, D] views: the kernels take any strides with head_dim packed, so
     # no copy unless the KV cache has another dtype than the model.
     q = _packed(query[0].transpose(0, 1).to(k_cache.dtype))
@@ -96,7 +96,7 @@ def engine_attention(module, query, key, value, attention_mask, scaling=None, dr
     out = ops.paged_attention(q, k_cache, v_cache, view.block_tables, view.seq_lens,
                               view.cu_seqlens_q, scale=scaling,
                               sliding_window=step.sliding_windows[layer], softcap=softcap,
-                              backend=step.backend)
+                              backend=step.backend, sinks=sinks)
     if v_dim != out.shape[-1]:
         out = out[..., :v_dim]
     return out.to(query.dtype).unsqueeze(0), None

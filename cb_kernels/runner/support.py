@@ -380,10 +380,11 @@ def layer_plans(model, configs, num_layers: int) -> list:
         if kwargs.get("head_mask") is not None or kwargs.get("layer_head_mask") is not None:
             raise UnsupportedModelError(f"{name}: layer {idx} passes a head mask")
         sinks = kwargs.get("s_aux") is not None
-        if sinks:
+        if sinks and tuple(kwargs["s_aux"].shape) != (call.num_heads,):
             raise UnsupportedModelError(
-                f"{name}: layer {idx} uses attention sinks (s_aux, a learned per-head logit in "
-                "the softmax), which cb_kernels' paged attention does not apply yet")
+                f"{name}: layer {idx}'s attention sinks have shape "
+                f"{tuple(kwargs['s_aux'].shape)}, not one logit per query head "
+                f"({call.num_heads})")
         if call.num_heads % call.num_kv_heads:
             raise UnsupportedModelError(
                 f"{name}: layer {idx} has {call.num_heads} query heads over "
@@ -437,6 +438,14 @@ def layer_plans(model, configs, num_layers: int) -> list:
         raise UnsupportedModelError(f"{name}: chunked-attention layers with different chunk "
                                     f"sizes {sorted(chunks)}")
     return [plans[i] for i in range(num_layers)]
+
+
+def check_backend(layers: list, backend) -> None:
+    """The 'cuda' kernel has no sink term: refuse a model with sinks on it at construction."""
+    if backend == "cuda" and any(p.sinks for p in layers):
+        raise UnsupportedModelError(
+            "the model uses attention sinks, which the 'cuda' attention backend does not "
+            "implement: use attention_backend=None or 'triton'")
 
 
 def check_chunk_blocks(layers: list, block_size: int) -> None:

@@ -40,6 +40,9 @@ struct PagedAttentionParams {
   float scale = 1.0f;          // applied to q.k before softcap
   int32_t sliding_window = 0;  // W > 0: a query at p sees p-W+1 .. p; 0: off
   float softcap = 0.0f;        // c > 0: scores become c * tanh(scores / c); 0: off
+  // CPU only: [num_heads] fp32, one extra logit per q head in every softmax (after scale and
+  // softcap) with a zero value row (attention sinks, gpt-oss); null: off.
+  const float* sinks = nullptr;
   // CUDA only: num_tokens == num_seqs and no other launch covers q_len > 1 rows, so the decode
   // kernel computes them too.
   bool all_decode = false;
