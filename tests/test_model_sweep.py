@@ -1,0 +1,253 @@
+"""The model sweep: every causal-LM type transformers ships, as a tiny random fp32 model (3 short
+prompts, 4 greedy tokens), either gives `model.generate`'s tokens through the Engine or is refused
+at Engine() with UnsupportedModelError naming the feature. Each type is listed with the status it
+must have, so a transformers release that changes one fails here, and a type this table does not
+list fails too (add it once its status is known). tests/model_sweep.py builds the models.
+
+Statuses: SAME (the engine's tokens equal generate's), (REFUSED, words of the refusal),
+(BUILD, words of transformers' own error: the tiny config does not build, nothing of ours runs).
+Encoder-decoder decoders (bart, whisper, ...) and encoder models used as decoders (bert, roberta,
+...) are in transformers' causal-LM mapping too; they are refused like any other unsupported
+attention.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from model_sweep import check
+
+SAME, REFUSED, BUILD = "same", "refused", "build"
+# Types whose tiny model takes seconds to build or run on a 2-core CPU.
+SLOW = {"blt"}
+
+EXPECTED = {
+    "afmoe": SAME,
+    "apertus": SAME,
+    "apertus1p5_text": SAME,
+    "arcee": SAME,
+    "aria_text": SAME,
+    "axk1": SAME,
+    "axk2": (REFUSED, "layers of type ['indexed_attention']"),
+    "bailing_hybrid": (REFUSED, "layers of type ['linear_attention']"),
+    "bamba": (REFUSED, "layers of type ['linear_attention']"),
+    "bart": (REFUSED, 'attention layer_idx 2 outside'),
+    "beam": SAME,
+    "bert": (REFUSED, 'attends bidirectionally'),
+    "bert-generation": (REFUSED, 'attends bidirectionally'),
+    "big_bird": (REFUSED, "does not attend through transformers' attention interface"),
+    "bigbird_pegasus": (REFUSED, 'attends bidirectionally'),
+    "biogpt": SAME,
+    "bitnet": SAME,
+    "blenderbot": (REFUSED, 'attention layer_idx 2 outside'),
+    "blenderbot-small": (REFUSED, 'attention layer_idx 2 outside'),
+    "bloom": (REFUSED, "does not attend through transformers' attention interface"),
+    "blt": (REFUSED, 'has no num_attention_heads'),
+    "camembert": (REFUSED, 'attends bidirectionally'),
+    "codegen": SAME,
+    "cohere": SAME,
+    "cohere2": SAME,
+    "cohere2_moe": SAME,
+    "cohere_compass_text": (BUILD, "KeyError: 'full_attention'"),
+    "cpmant": (REFUSED, "does not attend through transformers' attention interface"),
+    "ctrl": SAME,
+    "cwm": SAME,
+    "data2vec-text": (REFUSED, 'attends bidirectionally'),
+    "dbrx": (REFUSED, "forward fails under cb_kernels' attention"),
+    "deepseek_v2": SAME,
+    "deepseek_v3": SAME,
+    "deepseek_v32": (REFUSED, "layers of type ['indexed_attention']"),
+    "deepseek_v4": (REFUSED, "layers of type ['heavily_compressed_attention']"),
+    "diffllama": (REFUSED, 'repeated layer indices'),
+    "doge": (REFUSED, 'built or changed itself'),
+    "dory": (REFUSED, 'repeated layer indices'),
+    "dots1": SAME,
+    "dots3_note": (BUILD, 'vision adapter output width'),
+    "dots3_note_text": (REFUSED, "layers of type ['indexed_attention']"),
+    "electra": (REFUSED, 'attends bidirectionally'),
+    "emu3": SAME,
+    "ernie": (REFUSED, 'attends bidirectionally'),
+    "ernie4_5": SAME,
+    "ernie4_5_moe": SAME,
+    "exaone": SAME,
+    "exaone4": SAME,
+    "exaone_moe": SAME,
+    "falcon": (REFUSED, "does not attend through transformers' attention interface"),
+    "falcon_h1": (REFUSED, "layers of type ['hybrid']"),
+    "falcon_mamba": (REFUSED, 'has no num_attention_heads'),
+    "flex_olmo": SAME,
+    "flint": SAME,
+    "fuyu": SAME,
+    "gemma": SAME,
+    "gemma2": SAME,
+    "gemma3": SAME,
+    "gemma3_text": SAME,
+    "gemma3n": (BUILD, 'requires the timm library'),
+    "gemma3n_text": SAME,
+    "gemma4": SAME,
+    "gemma4_assistant": (BUILD, 'hidden_size_per_layer_input must be 0'),
+    "gemma4_text": SAME,
+    "gemma4_unified": SAME,
+    "gemma4_unified_assistant": (REFUSED, "forward fails under cb_kernels' attention"),
+    "gemma4_unified_text": SAME,
+    "git": (REFUSED, "does not attend through transformers' attention interface"),
+    "glm": SAME,
+    "glm4": SAME,
+    "glm4_moe": SAME,
+    "glm4_moe_lite": SAME,
+    "glm_moe_dsa": (REFUSED, "layers of type ['indexed_attention']"),
+    "got_ocr2": SAME,
+    "gpt-sw3": SAME,
+    "gpt2": SAME,
+    "gpt_bigcode": SAME,
+    "gpt_neo": (REFUSED, "does not attend through transformers' attention interface"),
+    "gpt_neox": SAME,
+    "gpt_neox_japanese": (REFUSED, "does not attend through transformers' attention interface"),
+    "gpt_oss": SAME,
+    "gptj": SAME,
+    "granite": SAME,
+    "granite_swa": SAME,
+    "granitemoe": SAME,
+    "granitemoe_swa": SAME,
+    "granitemoehybrid": (REFUSED, "layers of type ['linear_attention']"),
+    "granitemoeshared": SAME,
+    "helium": SAME,
+    "hrm_text": (REFUSED, 'repeated layer indices'),
+    "hunyuan_v1_dense": SAME,
+    "hunyuan_v1_moe": SAME,
+    "hy_v3": SAME,
+    "hy_v4": (REFUSED, "layers of type ['indexed_attention']"),
+    "hyperclovax": SAME,
+    "inkling2_loop_text": (REFUSED, "layers of type ['hybrid_sliding']"),
+    "inkling2_text": (REFUSED, "layers of type ['hybrid_sliding']"),
+    "inkling_text": (REFUSED, "layers of type ['hybrid_sliding']"),
+    "internlm3": SAME,
+    "iquestcoder": SAME,
+    "jais2": SAME,
+    "jamba": (REFUSED, "layers of type ['linear_attention']"),
+    "jetmoe": SAME,
+    "kimi_linear": (REFUSED, "layers of type ['linear_attention']"),
+    "kolibri1": SAME,
+    "laguna": SAME,
+    "lara_mini": (REFUSED, "layers of type ['linear_attention']"),
+    "lfm2": (REFUSED, "layers of type ['conv']"),
+    "lfm2_moe": (REFUSED, "layers of type ['conv']"),
+    "lfm3": (REFUSED, "layers of type ['conv']"),
+    "llama": SAME,
+    "llama4": SAME,
+    "llama4_text": SAME,
+    "longcat_flash": SAME,
+    "mamba": (REFUSED, 'has no num_attention_heads'),
+    "mamba2": (REFUSED, 'has no num_attention_heads'),
+    "marian": (REFUSED, 'attention layer_idx 2 outside'),
+    "mbart": (REFUSED, 'attention layer_idx 2 outside'),
+    "megatron-bert": (REFUSED, "does not attend through transformers' attention interface"),
+    "mellum": SAME,
+    "mimo_v2_flash": SAME,
+    "minicpm3": SAME,
+    "minimax": (REFUSED, "layers of type ['linear_attention']"),
+    "minimax_m2": SAME,
+    "minimax_m3_vl_text": SAME,
+    "ministral": SAME,
+    "ministral3": SAME,
+    "mistral": SAME,
+    "mixtral": SAME,
+    "mllama": SAME,
+    "modernbert-decoder": SAME,
+    "moshi": (REFUSED, 'cache keeps a window'),
+    "moss_transcribe_diarize": SAME,
+    "mpt": (REFUSED, "does not attend through transformers' attention interface"),
+    "musicgen": (BUILD, "has no attribute 'dropout'"),
+    "musicgen_melody": (BUILD, "has no attribute 'dropout'"),
+    "mvp": (REFUSED, "does not attend through transformers' attention interface"),
+    "nanochat": SAME,
+    "nemotron": SAME,
+    "nemotron_h": (REFUSED, "layers of type ['linear_attention', 'mlp', 'moe']"),
+    "olmo": SAME,
+    "olmo2": SAME,
+    "olmo3": SAME,
+    "olmo_hybrid": (REFUSED, "layers of type ['linear_attention']"),
+    "olmoe": SAME,
+    "openai-gpt": (REFUSED, "does not attend through transformers' attention interface"),
+    "opt": SAME,
+    "pegasus": (REFUSED, 'attention layer_idx 2 outside'),
+    "persimmon": SAME,
+    "phi": SAME,
+    "phi3": SAME,
+    "phi4_multimodal": SAME,
+    "phimoe": SAME,
+    "plbart": (REFUSED, 'attention layer_idx 2 outside'),
+    "prophetnet": (REFUSED, "does not attend through transformers' attention interface"),
+    "qwen2": SAME,
+    "qwen2_moe": SAME,
+    "qwen3": SAME,
+    "qwen3_5": (REFUSED, "layers of type ['linear_attention']"),
+    "qwen3_5_moe": (REFUSED, "layers of type ['linear_attention']"),
+    "qwen3_5_moe_text": (REFUSED, "layers of type ['linear_attention']"),
+    "qwen3_5_text": (REFUSED, "layers of type ['linear_attention']"),
+    "qwen3_moe": SAME,
+    "qwen3_next": (REFUSED, "layers of type ['linear_attention']"),
+    "qwen4_exp": (REFUSED, "layers of type ['linear_attention']"),
+    "qwen4_exp_text": (REFUSED, "layers of type ['linear_attention']"),
+    "recurrent_gemma": (REFUSED, "layers of type ['linear_attention']"),
+    "reformer": (BUILD, 'axial_pos_embds'),
+    "rembert": (REFUSED, "does not attend through transformers' attention interface"),
+    "roberta": (REFUSED, 'attends bidirectionally'),
+    "roberta-prelayernorm": (REFUSED, 'attends bidirectionally'),
+    "roc_bert": (REFUSED, 'attends bidirectionally'),
+    "roformer": (REFUSED, "does not attend through transformers' attention interface"),
+    "rwkv": (REFUSED, 'has no num_attention_heads'),
+    "sarvam_mla": SAME,
+    "sarvam_moe": SAME,
+    "seed_oss": SAME,
+    "smollm3": SAME,
+    "solar_open": SAME,
+    "stablelm": SAME,
+    "starcoder2": SAME,
+    "trocr": (REFUSED, "does not attend through transformers' attention interface"),
+    "vaultgemma": SAME,
+    "whisper": (REFUSED, 'attention layer_idx 2 outside'),
+    "xglm": (REFUSED, "does not attend through transformers' attention interface"),
+    "xlm": (REFUSED, "does not attend through transformers' attention interface"),
+    "xlm-roberta": (REFUSED, 'attends bidirectionally'),
+    "xlm-roberta-xl": (REFUSED, 'attends bidirectionally'),
+    "xlnet": (REFUSED, "does not attend through transformers' attention interface"),
+    "xlstm": (REFUSED, 'has no num_attention_heads'),
+    "xmod": (REFUSED, "forward fails under cb_kernels' attention"),
+    "youtu": SAME,
+    "zamba": (BUILD, 'tie_weights_keys'),
+    "zamba2": (REFUSED, "layers of type ['hybrid', 'linear_attention']"),
+    "zaya": (REFUSED, "layers of type ['hybrid']"),
+}
+
+
+def _all_types() -> list:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def _params():
+    for t in _all_types():
+        marks = [pytest.mark.slow] if t in SLOW else []
+        yield pytest.param(t, id=t, marks=marks)
+
+
+@pytest.mark.one_thread
+@pytest.mark.parametrize("model_type", list(_params()))
+def test_model_type_has_its_status(model_type):
+    want = EXPECTED.get(model_type)
+    assert want is not None, (f"{model_type!r} is new in this transformers: run "
+                              "tests/model_sweep.check on it and add its status to EXPECTED")
+    if model_type == "gemma3n" and importlib.util.find_spec("timm") is not None:
+        pytest.skip("gemma3n builds its vision tower with timm; its status with timm installed "
+                    "is not recorded")
+    status, detail = check(model_type)
+    if want == SAME:
+        assert status == SAME, f"{model_type}: {status}: {detail}"
+    else:
+        kind, words = want
+        assert status == kind and words in detail, f"{model_type}: {status}: {detail}"
+
