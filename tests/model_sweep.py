@@ -44,7 +44,7 @@ _SMALL = dict(
 _EXTRA = {
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]], window_size=5),
     "dbrx": dict(d_model=32, n_heads=4, n_layers=2,
-                 attn_config=dict(kv_n_heads=2, rope_theta=10000.0),
+                 attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
                  ffn_config=dict(moe_num_experts=4, moe_top_k=2, ffn_hidden_size=48)),
     "zaya": dict(num_experts_per_tok=1),
     "mamba2": dict(num_heads=8, head_dim=8),

@@ -55,7 +55,7 @@ EXPECTED = {
     "ctrl": SAME,
     "cwm": SAME,
     "data2vec-text": (REFUSED, 'attends bidirectionally'),
-    "dbrx": (REFUSED, "forward fails under cb_kernels' attention"),
+    "dbrx": SAME,
     "deepseek_v2": SAME,
     "deepseek_v3": SAME,
     "deepseek_v32": (REFUSED, "layers of type ['indexed_attention']"),
