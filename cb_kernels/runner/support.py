@@ -29,6 +29,9 @@ from typing import Optional
 
 import torch
 
+from cb_kernels.runner.attention import model_lock
+from cb_kernels.runner.masks import mask_pattern, tensor_is_causal
+
 
 class UnsupportedModelError(NotImplementedError):
     """The model uses a feature the engine does not handle; the message names it."""
@@ -60,7 +63,7 @@ _KNOWN_KWARGS = frozenset({
     "use_cache", "sliding_window", "softcap", "scaling", "dropout", "cu_seq_lens_q",
     "cu_seq_lens_k", "max_length_q", "max_length_k", "is_causal", "s_aux", "head_mask",
     "layer_head_mask", "past_key_values", "cache", "layer_idx", "output_hidden_states",
-    "return_dict", "attention_type", "position_bias", "output_router_logits",
+    "return_dict", "attention_type", "output_router_logits",
     "logits_to_keep",
 })
 # Class names of layers whose output depends on state carried from earlier tokens outside the
@@ -195,8 +198,15 @@ def record_calls(model, configs, num_tokens: int = 6) -> _Recording:
     vocab = model.get_input_embeddings().num_embeddings
     ids = (torch.arange(num_tokens, device=device)[None] * 7 + 3) % vocab
     pos = torch.arange(num_tokens, device=device)[None]
-    saved = [cfg._attn_implementation_internal for cfg in configs]
     _PROBE.rec = rec
+    # The model's lock: another engine's step must not switch its attention meanwhile.
+    with model_lock(model):
+        _record(model, configs, ids, pos)
+    return rec
+
+
+def _record(model, configs, ids, pos) -> None:
+    saved = [cfg._attn_implementation_internal for cfg in configs]
     try:
         for cfg in configs:
             cfg._attn_implementation_internal = PROBE_NAME
@@ -212,109 +222,10 @@ def record_calls(model, configs, num_tokens: int = 6) -> _Recording:
         for cfg, name in zip(configs, saved):
             cfg._attn_implementation_internal = name
         _PROBE.rec = None
-    return rec
 
 
 _SENTINEL = object()
 _PROBE_TOKENS = 6
-
-
-# -- masks --------------------------------------------------------------------------------------
-def _allowed(fn, q: int, kv: torch.Tensor) -> torch.Tensor:
-    zero = torch.zeros((), dtype=torch.long)
-    out = fn(zero, zero, torch.tensor(q, dtype=torch.long), kv)
-    return torch.as_tensor(out).to(torch.bool).expand(kv.shape)
-
-
-def _first_allowed(fn, q: int) -> int:
-    """The smallest kv position a query at q attends to (allowed sets are suffixes [lo, q])."""
-    lo, hi = 0, q
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if bool(_allowed(fn, q, torch.tensor([mid]))[0]):
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
-
-
-def _grid(fn, n: int) -> torch.Tensor:
-    kv = torch.arange(n)
-    return torch.stack([_allowed(fn, q, kv) for q in range(n)])
-
-
-def _without_input_overlays(fn, n: int):
-    """`fn` less the parts of an or_masks() union that read the probe's inputs (block or token
-    type ids: they cannot be evaluated past the probe) and add no pair there: for text prompts
-    such an overlay is empty, and the engine never builds it."""
-    parts = None
-    if getattr(fn, "__name__", "") == "or_mask" and fn.__closure__:
-        for cell in fn.__closure__:
-            value = cell.cell_contents
-            if isinstance(value, tuple) and all(callable(f) for f in value):
-                parts = value
-    if not parts:
-        return fn
-    probe = torch.tensor([n + 1000])
-    kept, dropped = [], []
-    for part in parts:
-        try:
-            _allowed(part, n + 1000, probe)
-            kept.append(part)
-        except (IndexError, RuntimeError):
-            dropped.append(part)
-    if not dropped or not kept:
-        return fn
-
-    def union(b, h, q, kv):
-        out = torch.zeros((), dtype=torch.bool)
-        for part in kept:
-            out = out | torch.as_tensor(part(b, h, q, kv)).to(torch.bool)
-        return out
-
-    base = _grid(union, n)
-    for part in dropped:
-        if bool((_grid(part, n) & ~base).any()):
-            return fn
-    return union
-
-
-def mask_pattern(fn, max_positions: int, num_probe_tokens: int):
-    """('full', None), ('window', W) or ('chunk', C) for a mask function, else ('other', why)."""
-    n = num_probe_tokens
-    fn = _without_input_overlays(fn, n)
-    try:
-        return _pattern(fn, max_positions)
-    except (IndexError, RuntimeError) as e:
-        return "other", f"its mask function cannot be evaluated past the probe ({e})"
-
-
-def _pattern(fn, max_positions: int):
-    n = 64
-    kv = torch.arange(n)
-    for q in range(n):
-        row = _allowed(fn, q, kv)
-        if bool(row[q + 1:].any()):
-            return "other", "a query attends to later tokens (bidirectional or prefix-LM mask)"
-        idx = torch.nonzero(row[:q + 1]).flatten()
-        if idx.numel() == 0 or int(idx[-1]) != q or idx.numel() != q + 1 - int(idx[0]):
-            return "other", "the keys a query attends to are not one range ending at itself"
-    top = max(n, min(max_positions, 1 << 30) - 1)
-    lo_top = _first_allowed(fn, top)
-    if lo_top == 0:
-        samples = [top // 2, top // 3 + 1, n, 1000]
-        if all(_first_allowed(fn, q) == 0 for q in samples if q <= top):
-            return "full", None
-        return "other", "the allowed keys follow no window or chunk pattern"
-    window = top - lo_top + 1
-    samples = sorted({q for q in (0, 1, 2, n - 1, n, window - 1, window, window + 1, lo_top - 1,
-                                  lo_top, top // 2, top - 1) if 0 <= q <= top})
-    if all(_first_allowed(fn, q) == max(0, q - window + 1) for q in samples):
-        return "window", window
-    chunk = lo_top - _first_allowed(fn, lo_top - 1)
-    if chunk > 0 and all(_first_allowed(fn, q) == q // chunk * chunk for q in samples):
-        return "chunk", chunk
-    return "other", "the allowed keys follow no window or chunk pattern"
 
 
 def _cache_windows(cfg, num_layers: int) -> list:
@@ -330,12 +241,6 @@ def _cache_windows(cfg, num_layers: int) -> list:
     layers = getattr(cache, "layers", None) or []
     return [getattr(layer, "sliding_window", None) if is_sliding else None
             for is_sliding, layer in zip(sliding, layers)][:num_layers]
-
-
-def _tensor_is_causal(mask: torch.Tensor) -> bool:
-    m = mask[0, 0] if mask.dim() == 4 else mask
-    allowed = m if m.dtype == torch.bool else m == 0
-    return torch.equal(allowed, torch.ones_like(allowed).tril())
 
 
 # -- the plan -----------------------------------------------------------------------------------
@@ -409,7 +314,7 @@ def layer_plans(model, configs, num_layers: int) -> list:
                 raise UnsupportedModelError(f"{name}: layer {idx}'s attention mask is not "
                                             f"supported: {value}")
         elif call.mask[0] == "tensor":
-            if not _tensor_is_causal(call.mask[1]):
+            if not tensor_is_causal(call.mask[1]):
                 raise UnsupportedModelError(
                     f"{name}: layer {idx} gets an attention mask the model built or changed "
                     "itself (an ALiBi or other bias, or a non-causal pattern), which cb_kernels' "
