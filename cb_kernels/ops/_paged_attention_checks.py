@@ -88,9 +88,8 @@ def check_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
     return float(scale), window, cap
 
 
-def check_sinks(sinks, q: torch.Tensor, backend: str) -> None:
-    """sinks: None or fp32 [num_heads] on q's device with unit stride; not on the 'cuda'
-    backend (its decode kernel has no sink term; the 'triton' one has)."""
+def check_sinks(sinks, q: torch.Tensor) -> None:
+    """sinks: None or fp32 [num_heads] on q's device, contiguous."""
     if sinks is None:
         return
     check_tensor(sinks, "sinks", ndim=1, dtype=torch.float32, contiguous=True)
@@ -98,9 +97,6 @@ def check_sinks(sinks, q: torch.Tensor, backend: str) -> None:
     if sinks.shape[0] != q.shape[1]:
         raise ValueError(f"sinks must have one logit per q head ({q.shape[1]}), got "
                          f"{sinks.shape[0]}")
-    if backend == "cuda":
-        raise ValueError("sinks are not implemented by the 'cuda' paged_attention backend; use "
-                         "backend='triton' (the CUDA default) or 'cpu'")
 
 
 def check_values(num_tokens: int, k_cache: torch.Tensor, block_tables: torch.Tensor,

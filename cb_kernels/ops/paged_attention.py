@@ -55,7 +55,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     backend : "cpu", "triton", "cuda", "torch" or None (fastest for the device).
     sinks : optional float32 ``[num_heads]``: attention sinks, one extra logit per q head in
         every softmax (after scale and softcap) whose value row is zero, as gpt-oss uses them.
-        Not on the "cuda" backend (ValueError).
 
     Returns ``out`` (a new tensor when not given). Index values (block ids, lengths) are checked
     for CPU tensors only; on CUDA that would sync the host with the device on every call.
@@ -67,7 +66,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         check_values(q.shape[0], k_cache, block_tables, seq_lens, cu_seqlens_q)
     name = _backend.resolve_backend(backend, q.device, SUPPORTED_BACKENDS, DEFAULT_CUDA_BACKEND,
                                     "paged_attention")
-    check_sinks(sinks, q, name)
+    check_sinks(sinks, q)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     # Eager calls skip the dispatcher: a 1-token decode on one thread takes ~7 us through
@@ -141,11 +140,6 @@ def run_backend(name: str, q, k_cache, v_cache, block_tables, seq_lens, cu_seqle
             from cb_kernels.ops.paged_attention_cuda import paged_attention_cuda as fn
         except ImportError as e:
             raise RuntimeError(f"the 'cuda' paged_attention kernel is not available: {e}") from e
-        if sinks is not None:      # checked before; a direct caller of run_backend gets this
-            raise ValueError("sinks are not implemented by the 'cuda' paged_attention backend")
-        fn(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale, sliding_window,
-           softcap)
-        return
     fn(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale, sliding_window,
        softcap, sinks=sinks)
 

@@ -345,14 +345,6 @@ def layer_plans(model, configs, num_layers: int) -> list:
     return [plans[i] for i in range(num_layers)]
 
 
-def check_backend(layers: list, backend) -> None:
-    """The 'cuda' kernel has no sink term: refuse a model with sinks on it at construction."""
-    if backend == "cuda" and any(p.sinks for p in layers):
-        raise UnsupportedModelError(
-            "the model uses attention sinks, which the 'cuda' attention backend does not "
-            "implement: use attention_backend=None or 'triton'")
-
-
 def check_chunk_blocks(layers: list, block_size: int) -> None:
     """Chunked layers read the cache from their chunk's first block: the chunk size must be a
     multiple of the block size (raises UnsupportedModelError naming both)."""

@@ -101,7 +101,6 @@ class TransformersRunner:
         self.chunk_size = next((p.chunk for p in self.layers if p.chunk), None)
         self.softcap = getattr(cfg, "attn_logit_softcapping", None)
         self.attention_backend = attention_backend
-        support.check_backend(self.layers, attention_backend)
         self.cuda_graphs = cuda_graphs
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         # None off CPU fp32 or when the packed copy does not fit (runner/packed_linears.py).

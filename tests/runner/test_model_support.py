@@ -68,12 +68,6 @@ def test_chunk_size_must_be_a_multiple_of_block_size():
         Engine(model, EngineConfig(block_size=16, num_blocks=16))
 
 
-def test_sinks_refused_on_the_cuda_backend_at_construction():
-    model = tiny_model("gpt_oss")
-    with pytest.raises(UnsupportedModelError, match="sinks.*'cuda'"):
-        Engine(model, EngineConfig(block_size=4, num_blocks=16, attention_backend="cuda"))
-
-
 def test_refusal_is_a_not_implemented_error_naming_the_feature():
     model = tiny_model("diffllama")
     with pytest.raises(NotImplementedError, match="repeated layer indices"):

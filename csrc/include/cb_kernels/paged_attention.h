@@ -40,15 +40,17 @@ struct PagedAttentionParams {
   float scale = 1.0f;          // applied to q.k before softcap
   int32_t sliding_window = 0;  // W > 0: a query at p sees p-W+1 .. p; 0: off
   float softcap = 0.0f;        // c > 0: scores become c * tanh(scores / c); 0: off
-  // CPU only: [num_heads] fp32, one extra logit per q head in every softmax (after scale and
-  // softcap) with a zero value row (attention sinks, gpt-oss); null: off.
-  const float* sinks = nullptr;
   // CUDA only: num_tokens == num_seqs and no other launch covers q_len > 1 rows, so the decode
   // kernel computes them too.
   bool all_decode = false;
 
   // Read by paged_attention_index_error and the CPU kernel; the CUDA kernel needs none of them.
   int64_t num_tokens = 0, num_blocks = 0, max_blocks_per_seq = 0;
+
+  // [num_heads] fp32: one extra logit per q head in every softmax (after scale and softcap)
+  // whose value row is zero (attention sinks, gpt-oss); null: off. Last, so that mirrors of the
+  // fields above (the CUDA emulation test) keep their layout.
+  const float* sinks = nullptr;
 };
 
 // Checks the index values a kernel trusts: cu_seqlens_q runs from 0 to num_tokens without going
