@@ -84,3 +84,25 @@ def test_mistral_window_comes_from_its_mask():
     ps = random_prompts([40, 7])
     outs = engine.generate(ps, SamplingParams(max_new_tokens=5, ignore_eos=True))
     assert [o.token_ids for o in outs] == reference_tokens(model, ps, 5)
+
+
+@pytest.mark.one_thread
+def test_the_sweep_sees_an_ignored_window_chunk_or_sink(monkeypatch):
+    """The sweep's tiny models and prompts are long enough that dropping a window, a chunk or
+    the sinks changes the tokens: SAME in tests/test_model_sweep.py is not vacuous."""
+    from cb_kernels.runner import attention, support
+    from model_sweep import check
+
+    monkeypatch.setattr(support, "mask_pattern", lambda fn, mp, n: ("full", None))
+    monkeypatch.setattr(support, "_cache_windows", lambda cfg, n: [])
+    assert check("phimoe")[0] == "wrong"          # its window
+    assert check("llama4_text")[0] == "wrong"     # its chunks
+    monkeypatch.undo()
+
+    real = attention.ops.paged_attention
+
+    def without_sinks(*args, sinks=None, **kwargs):
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention.ops, "paged_attention", without_sinks)
+    assert check("gpt_oss")[0] == "wrong"
