@@ -34,6 +34,9 @@ _SMALL = dict(
     state_size=8, ssm_state_size=8, mamba_d_state=8, mamba_n_heads=8, mamba_d_head=8,
     mamba_headdim=8, mamba_d_conv=4, mamba_expand=2, linear_num_key_heads=2,
     linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+    # the decoder of encoder-decoder families (their *ForCausalLM runs it alone)
+    decoder_layers=2, encoder_layers=2, decoder_attention_heads=4, encoder_attention_heads=4,
+    decoder_ffn_dim=48, encoder_ffn_dim=48,
     # embedding / misc sizes
     n_positions=256, n_ctx=256, rotary_dim=4, partial_rotary_factor=0.5,
     hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB, altup_num_inputs=2,
@@ -61,6 +64,16 @@ _EXTRA = {
     "lfm2": dict(layer_types=["conv", "full_attention"]),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
 }
+# Encoder families and encoder-decoder decoders whose *ForCausalLM class is meant to run as a
+# causal decoder (transformers warns when it is not): built that way. Built as encoders they are
+# refused (bidirectional attention; tests/runner/test_model_support.py checks that).
+_AS_DECODER = {"bert", "bert-generation", "big_bird", "camembert", "data2vec-text", "electra",
+               "ernie", "megatron-bert", "rembert", "roberta", "roberta-prelayernorm", "roc_bert",
+               "roformer", "xlm-roberta", "xlm-roberta-xl", "xmod", "bart", "bigbird_pegasus",
+               "blenderbot", "blenderbot-small", "marian", "mbart", "mvp", "pegasus", "plbart",
+               "prophetnet", "trocr", "whisper"}
+for _t in _AS_DECODER:
+    _EXTRA.setdefault(_t, {}).update(is_decoder=True, is_encoder_decoder=False)
 # Special token ids above the tiny vocabulary would index out of range.
 _TOKEN_FIELDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
 

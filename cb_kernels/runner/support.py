@@ -151,6 +151,7 @@ class _Call:
     v_head_dim: int
     mask: object          # ("fn", mask_function) | ("tensor", tensor) | None
     kwargs: dict
+    query: Optional[torch.Tensor] = None     # [num_heads, num_tokens, head_dim], a copy
 
 
 class _Recording:
@@ -170,7 +171,7 @@ def _probe_attention(module, query, key, value, attention_mask, scaling=None, dr
         mask = ("other", type(attention_mask).__name__)
     rec.calls.append(_Call(module, getattr(module, "layer_idx", None), query.shape[1],
                            key.shape[1], key.shape[-1], value.shape[-1], mask,
-                           {k: v for k, v in kwargs.items()}))
+                           {k: v for k, v in kwargs.items()}, query[0].detach().float().clone()))
     out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1])
     return out, None
 
@@ -190,19 +191,44 @@ def _register_probe() -> None:
     AttentionMaskInterface.register(PROBE_NAME, _probe_mask)
 
 
-def record_calls(model, configs, num_tokens: int = 6) -> _Recording:
-    """One forward of `num_tokens` tokens with the recording attention; the calls it made."""
+def record_calls(model, configs, num_tokens: int = 6, ids=None, offset: int = 0) -> _Recording:
+    """One forward of `num_tokens` tokens (ids, default a fixed mix) at positions offset ..
+    offset + num_tokens - 1 with the recording attention; the calls it made."""
     _register_probe()
     rec = _Recording()
     device = next(model.parameters()).device
     vocab = model.get_input_embeddings().num_embeddings
-    ids = (torch.arange(num_tokens, device=device)[None] * 7 + 3) % vocab
-    pos = torch.arange(num_tokens, device=device)[None]
+    if ids is None:
+        ids = (torch.arange(num_tokens, device=device)[None] * 7 + 3) % vocab
+    pos = torch.arange(offset, offset + num_tokens, device=device)[None]
     _PROBE.rec = rec
     # The model's lock: another engine's step must not switch its attention meanwhile.
     with model_lock(model):
         _record(model, configs, ids, pos)
     return rec
+
+
+def check_positions(model, configs, num_tokens: int) -> None:
+    """Refuses a model whose positions do not come from position_ids (the engine's only way to
+    tell a layer where its tokens are; e.g. BART-style decoders count them from the cache).
+
+    Two probe forwards of one repeated token at positions 0.. and 7..: a layer whose queries are
+    the same in both runs ignores position_ids; if its queries still differ from row to row, the
+    positions came from somewhere else. (A layer without positions at all, NoPE, has equal rows:
+    the probe's attention returns zeros, so no position reaches it through earlier layers.)"""
+    device = next(model.parameters()).device
+    ids = torch.full((1, num_tokens), 3 % model.get_input_embeddings().num_embeddings,
+                     device=device)
+    a = record_calls(model, configs, num_tokens, ids, offset=0).calls
+    b = record_calls(model, configs, num_tokens, ids, offset=7).calls
+    for ca, cb in zip(a, b):
+        same_across = torch.equal(ca.query, cb.query)
+        rows_differ = not torch.equal(ca.query, ca.query[:, :1].expand_as(ca.query))
+        if same_across and rows_differ:
+            raise UnsupportedModelError(
+                f"{type(model).__name__}: layer {ca.layer_idx}'s positions do not come from "
+                "position_ids (the model counts them itself, e.g. from its cache), so "
+                "cb_kernels cannot tell it where a step's tokens are")
 
 
 def _record(model, configs, ids, pos) -> None:
@@ -333,6 +359,7 @@ def layer_plans(model, configs, num_layers: int) -> list:
                 f"transformers' cache keeps a window of {cw} keys (config.sliding_window): "
                 "generate() then attends to all keys in the prompt and to the last window "
                 "while decoding, which cb_kernels does not reproduce")
+    check_positions(model, configs, _PROBE_TOKENS)
     missing = [i for i in range(num_layers) if i not in plans]
     if missing:
         raise UnsupportedModelError(

@@ -106,3 +106,9 @@ def test_the_sweep_sees_an_ignored_window_chunk_or_sink(monkeypatch):
 
     monkeypatch.setattr(attention.ops, "paged_attention", without_sinks)
     assert check("gpt_oss")[0] == "wrong"
+
+
+def test_an_encoder_is_refused_as_bidirectional():
+    model = tiny_model("bert", is_decoder=False)
+    with pytest.raises(UnsupportedModelError, match="attends bidirectionally"):
+        Engine(model, EngineConfig(block_size=4, num_blocks=16))
