@@ -17,9 +17,11 @@ import os  # noqa: E402
 if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "2000")
 
-from cb_kernels import models, ops  # noqa: E402
-from cb_kernels.engine import Engine, EngineConfig, RequestOutput, SamplingParams  # noqa: E402
 from cb_kernels.runner.support import UnsupportedModelError  # noqa: E402
 
+from cb_kernels import models, ops  # noqa: E402
+from cb_kernels.engine import Engine, EngineConfig, RequestOutput, SamplingParams  # noqa: E402
+
 __all__ = ["models", "ops", "__version__"]
-__all__ += ["Engine", "EngineConfig", "SamplingParams", "RequestOutput", "UnsupportedModelError"]
+__all__ += ["Engine", "EngineConfig", "SamplingParams", "RequestOutput"]
+__all__ += ["UnsupportedModelError"]
