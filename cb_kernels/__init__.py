@@ -17,9 +17,12 @@ import os  # noqa: E402
 if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "2000")
 
+from cb_kernels.runner.support import UnsupportedModelError  # noqa: E402
+
 from cb_kernels import models, ops  # noqa: E402
 from cb_kernels.engine import (CompletionOutput, Engine, EngineConfig, RequestOutput,  # noqa: E402
                                SamplingParams)
 
 __all__ = ["models", "ops", "__version__"]
 __all__ += ["Engine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ += ["UnsupportedModelError"]

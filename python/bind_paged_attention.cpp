@@ -40,7 +40,7 @@ void bind_paged_attention(py::module_& m) {
          int64_t k_stride_block, int64_t k_stride_token, int64_t k_stride_head,
          int64_t v_stride_block, int64_t v_stride_token, int64_t v_stride_head,
          int64_t block_table_stride, int dtype, double scale, int64_t sliding_window,
-         double softcap, const std::string& isa) {
+         double softcap, const std::string& isa, uintptr_t sinks) {
         cbk::PagedAttentionParams p;
         p.q = cbk::as_ptr<const void>(q);
         p.k_cache = cbk::as_ptr<const void>(k_cache);
@@ -72,6 +72,7 @@ void bind_paged_attention(py::module_& m) {
         p.scale = static_cast<float>(scale);
         p.sliding_window = static_cast<int32_t>(sliding_window);
         p.softcap = static_cast<float>(softcap);
+        p.sinks = sinks ? cbk::as_ptr<const float>(sinks) : nullptr;
         const cbk::Isa body = cbk::as_isa(isa);
         cbk::Status s;
         {
@@ -81,7 +82,8 @@ void bind_paged_attention(py::module_& m) {
         cbk::throw_if_error(s);
       },
       "Paged attention on CPU tensors (see cb_kernels.ops.paged_attention). `isa` caps the body "
-      "('auto': the best here; 'portable': the plain C++ one, for tests).",
+      "('auto': the best here; 'portable': the plain C++ one, for tests). `sinks`: address of "
+      "fp32 [num_heads] sink logits, 0 for none.",
       py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
       py::arg("seq_lens"), py::arg("cu_seqlens_q"), py::arg("out"), py::arg("num_tokens"),
       py::arg("num_heads"), py::arg("head_dim"), py::arg("num_seqs"),
@@ -91,5 +93,5 @@ void bind_paged_attention(py::module_& m) {
       py::arg("k_stride_token"), py::arg("k_stride_head"), py::arg("v_stride_block"),
       py::arg("v_stride_token"), py::arg("v_stride_head"), py::arg("block_table_stride"),
       py::arg("dtype"), py::arg("scale"), py::arg("sliding_window"), py::arg("softcap"),
-      py::arg("isa") = "auto");
+      py::arg("isa") = "auto", py::arg("sinks") = 0);
 }

@@ -19,7 +19,7 @@ void bind_paged_attention_cuda(py::module_& m) {
          int64_t q_stride_token, int64_t q_stride_head, int64_t out_stride_token, int64_t out_stride_head, int64_t k_stride_block,
          int64_t k_stride_token, int64_t k_stride_head, int64_t v_stride_block, int64_t v_stride_token, int64_t v_stride_head,
          int64_t block_table_stride, int64_t max_splits, int dtype, float scale, int32_t sliding_window, float softcap,
-         bool all_decode, uintptr_t stream) {
+         bool all_decode, uintptr_t stream, uintptr_t sinks) {
 #if CBK_WITH_CUDA
         cbk::PagedAttentionParams p;
         p.q = cbk::as_ptr<const void>(q);
@@ -53,6 +53,7 @@ void bind_paged_attention_cuda(py::module_& m) {
         p.sliding_window = sliding_window;
         p.softcap = softcap;
         p.all_decode = all_decode;
+        p.sinks = sinks ? cbk::as_ptr<const float>(sinks) : nullptr;
         cbk::Status st;
         {
           py::gil_scoped_release release;
@@ -66,10 +67,12 @@ void bind_paged_attention_cuda(py::module_& m) {
         (void)out_stride_token, (void)out_stride_head, (void)k_stride_block, (void)k_stride_token, (void)k_stride_head;
         (void)v_stride_block, (void)v_stride_token, (void)v_stride_head, (void)block_table_stride, (void)max_splits;
         (void)dtype, (void)scale, (void)sliding_window, (void)softcap, (void)all_decode, (void)stream;
+        (void)sinks;
         throw std::runtime_error(
             "cb_kernels was built without CUDA kernels (no nvcc at build time, or CBK_CUDA=off): "
             "paged_attention_cuda is unavailable; rebuild with CBK_CUDA=on or use backend='triton'");
 #endif
       },
-      "Split-KV decode attention over a paged KV cache on `stream` (see paged_attention_cuda.h).");
+      "Split-KV decode attention over a paged KV cache on `stream` (see paged_attention_cuda.h); "
+      "`sinks`: address of fp32 [num_heads] sink logits, 0 for none.");
 }

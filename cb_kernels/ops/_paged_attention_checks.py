@@ -88,6 +88,17 @@ def check_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
     return float(scale), window, cap
 
 
+def check_sinks(sinks, q: torch.Tensor) -> None:
+    """sinks: None or fp32 [num_heads] on q's device, contiguous."""
+    if sinks is None:
+        return
+    check_tensor(sinks, "sinks", ndim=1, dtype=torch.float32, contiguous=True)
+    same_device([("q", q), ("sinks", sinks)])
+    if sinks.shape[0] != q.shape[1]:
+        raise ValueError(f"sinks must have one logit per q head ({q.shape[1]}), got "
+                         f"{sinks.shape[0]}")
+
+
 def check_values(num_tokens: int, k_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor) -> None:
     """Index checks on CPU tensors (see the module docstring for why CUDA skips them)."""

@@ -1,5 +1,5 @@
 """`paged_attention`: causal varlen attention over a paged KV cache (prefill, chunked prefill and
-decode mixed in one call), with GQA, sliding window and logit softcap.
+decode mixed in one call), with GQA, sliding window, logit softcap and attention sinks.
 
 Backends: "cpu" (C++ in csrc/cpu/paged_attention.cpp), "triton" (cb_kernels/triton), "cuda"
 (csrc/cuda), "torch" (the reference in ops/reference.py).
@@ -10,7 +10,7 @@ import torch
 
 from cb_kernels import _C
 from cb_kernels.ops import _backend
-from cb_kernels.ops._paged_attention_checks import check_args, check_values
+from cb_kernels.ops._paged_attention_checks import check_args, check_sinks, check_values
 from cb_kernels.ops.reference import ref_paged_attention
 
 # Default backend for CUDA tensors: reasoned, not yet measured (bench/gpu_check.sh's attention
@@ -33,7 +33,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, *, scale: float | None = None,
                     sliding_window: int | None = None, softcap: float | None = None,
-                    out: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, backend: str | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of each sequence's new tokens over its whole KV, read through its block table.
 
     Parameters
@@ -52,6 +53,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     softcap : c; scores become ``c * tanh(scores / c)`` after scaling.
     out : optional ``[num_tokens, num_heads, head_dim]`` in q's dtype, written in place.
     backend : "cpu", "triton", "cuda", "torch" or None (fastest for the device).
+    sinks : optional float32 ``[num_heads]``: attention sinks, one extra logit per q head in
+        every softmax (after scale and softcap) whose value row is zero, as gpt-oss uses them.
 
     Returns ``out`` (a new tensor when not given). Index values (block ids, lengths) are checked
     for CPU tensors only; on CUDA that would sync the host with the device on every call.
@@ -63,6 +66,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         check_values(q.shape[0], k_cache, block_tables, seq_lens, cu_seqlens_q)
     name = _backend.resolve_backend(backend, q.device, SUPPORTED_BACKENDS, DEFAULT_CUDA_BACKEND,
                                     "paged_attention")
+    check_sinks(sinks, q)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     # Eager calls skip the dispatcher: a 1-token decode on one thread takes ~7 us through
@@ -71,23 +75,24 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     # torch.compile must see the registered op to trace it, so traced calls take it.
     if compiling:
         torch.ops.cb_kernels.paged_attention(q, k_cache, v_cache, block_tables, seq_lens,
-                                             cu_seqlens_q, out, scale_f, window, cap, name)
+                                             cu_seqlens_q, out, scale_f, window, cap, name, sinks)
     else:
         run_backend(name, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale_f,
-                    window, cap)
+                    window, cap, sinks)
     return out
 
 
 def paged_attention_unchecked(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, *,
                               scale: float, sliding_window: int | None = None,
-                              softcap: float | None = None, backend: str) -> torch.Tensor:
+                              softcap: float | None = None, backend: str,
+                              sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The engine's hot path: `paged_attention` without checks or backend choice (~7 us a call
     instead of ~25 us). Only for arguments that passed `paged_attention` once with the same
     shapes, dtypes and index tensors (e.g. layer 0 of a step checks, the other layers skip);
     `backend` must be a concrete name ("cpu", "triton", "cuda", "torch"). Writes and returns out.
     """
     run_backend(backend, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale,
-                sliding_window or 0, softcap or 0.0)
+                sliding_window or 0, softcap or 0.0, sinks)
     return out
 
 
@@ -95,31 +100,35 @@ def paged_attention_unchecked(q, k_cache, v_cache, block_tables, seq_lens, cu_se
 def _paged_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor,
                         cu_seqlens_q: torch.Tensor, out: torch.Tensor, scale: float,
-                        sliding_window: int, softcap: float, backend: str) -> None:
+                        sliding_window: int, softcap: float, backend: str,
+                        sinks: torch.Tensor | None = None) -> None:
     """The registered op: arguments as `run_backend` takes them (0 = off), `out` written."""
     run_backend(backend, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale,
-                sliding_window, softcap)
+                sliding_window, softcap, sinks)
 
 
 @_paged_attention_op.register_fake
 def _(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale, sliding_window,
-      softcap, backend) -> None:
+      softcap, backend, sinks=None) -> None:
     return None
 
 
 def run_backend(name: str, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out,
-                scale: float, window: int, cap: float) -> None:
-    """Write attention into `out` with one backend; arguments already checked (0 = off)."""
+                scale: float, window: int, cap: float, sinks=None) -> None:
+    """Write attention into `out` with one backend; arguments already checked (0 = off,
+    sinks None = off)."""
     if q.shape[0] == 0:
         return
     if name == "cpu":
-        _run_cpu(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale, window, cap)
+        _run_cpu(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale, window, cap,
+                 sinks=sinks)
         return
     sliding_window = window or None
     softcap = cap or None
     if name == "torch":
         out.copy_(ref_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
-                                      scale=scale, sliding_window=sliding_window, softcap=softcap))
+                                      scale=scale, sliding_window=sliding_window, softcap=softcap,
+                                      sinks=sinks))
         return
     if name == "triton":
         try:
@@ -132,11 +141,11 @@ def run_backend(name: str, q, k_cache, v_cache, block_tables, seq_lens, cu_seqle
         except ImportError as e:
             raise RuntimeError(f"the 'cuda' paged_attention kernel is not available: {e}") from e
     fn(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale, sliding_window,
-       softcap)
+       softcap, sinks=sinks)
 
 
 def _run_cpu(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale, window, cap,
-             isa: str = "auto"):
+             isa: str = "auto", sinks=None):
     """The C++ kernel; `isa` caps its body ("auto", "portable", "avx2", ...: one of
     _C.cpu_isas(); ValueError otherwise), for tests."""
     if not hasattr(_C, "paged_attention"):
@@ -151,4 +160,5 @@ def _run_cpu(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, sca
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        _backend.DTYPE_CODES[q.dtype], scale, window, cap, isa)
+        _backend.DTYPE_CODES[q.dtype], scale, window, cap, isa,
+        sinks.data_ptr() if sinks is not None else 0)

@@ -37,12 +37,13 @@ def check_cuda_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def paged_attention_cuda(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale,
-                         sliding_window, softcap) -> None:
+                         sliding_window, softcap, sinks=None) -> None:
     """Write attention into out. Arguments were checked by cb_kernels.ops.paged_attention;
     shapes: q/out [num_tokens, num_heads, head_dim], k_cache/v_cache [num_blocks, block_size,
     num_kv_heads, head_dim], block_tables int32 [num_seqs, max_blocks_per_seq], seq_lens int32
-    [num_seqs], cu_seqlens_q int32 [num_seqs + 1]. Never reads device values on the host, so a
-    CUDA graph can capture it (the grid comes from shapes only)."""
+    [num_seqs], cu_seqlens_q int32 [num_seqs + 1]; sinks None or fp32 [num_heads]. Never
+    reads device values on the host, so a CUDA graph can capture it (the grid comes from shapes
+    only)."""
     check_cuda_args(q, k_cache, v_cache)
     num_tokens, num_heads, head_dim = q.shape
     num_seqs, max_blocks = block_tables.shape
@@ -56,7 +57,7 @@ def paged_attention_cuda(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens
             raise RuntimeError("backend='cuda' runs q_len > 1 sequences with the Triton kernel, "
                                f"which cannot be imported here: {e}") from e
         paged_attention_prefill_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
-                                       out, scale, sliding_window, softcap)
+                                       out, scale, sliding_window, softcap, sinks)
     span = max_blocks * block_size
     if sliding_window is not None:
         span = min(span, sliding_window)
@@ -77,4 +78,5 @@ def paged_attention_cuda(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens
         *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0), max_splits,
         dtype_code(q, "q"), float(scale), sliding_window or 0,
         float(softcap) if softcap is not None else 0.0, num_tokens <= num_seqs,
-        torch.cuda.current_stream(q.device).cuda_stream)
+        torch.cuda.current_stream(q.device).cuda_stream,
+        sinks.data_ptr() if sinks is not None else 0)

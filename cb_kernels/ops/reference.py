@@ -10,14 +10,17 @@ def ref_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         block_tables: torch.Tensor, seq_lens: torch.Tensor,
                         cu_seqlens_q: torch.Tensor, *, scale: float | None = None,
                         sliding_window: int | None = None,
-                        softcap: float | None = None) -> torch.Tensor:
+                        softcap: float | None = None,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of varlen queries over a paged KV cache, one sequence at a time, fp32 math.
 
     q:            [num_tokens, num_heads, head_dim]
     k_cache:      [num_blocks, block_size, num_kv_heads, head_dim] (v_cache the same)
     block_tables: int [num_seqs, max_blocks_per_seq]; seq_lens: int [num_seqs] (KV length,
     new tokens included); cu_seqlens_q: int [num_seqs + 1]. The q tokens of sequence i are its
-    last q_len positions. Returns [num_tokens, num_heads, head_dim] in q.dtype.
+    last q_len positions. sinks: fp32 [num_heads] or None, one extra logit per head in every
+    softmax (after scale and softcap) whose value row is zero (gpt-oss' attention sinks).
+    Returns [num_tokens, num_heads, head_dim] in q.dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -44,7 +47,12 @@ def ref_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         if sliding_window is not None:
             allowed &= k_pos > q_pos - sliding_window
         scores = scores.masked_fill(~allowed, float("-inf"))
-        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
+        if sinks is not None:
+            sink = sinks.float()[:, None, None].expand(num_heads, q_len, 1)
+            probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+        else:
+            probs = scores.softmax(dim=-1)
+        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v)
     return out.to(q.dtype)
 
 

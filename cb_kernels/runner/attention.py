@@ -8,7 +8,11 @@ return None at their first check (5.17 .. 5.24), before `find_packed_sequence_in
 reads the position ids on the host (one device sync per mask type and step on CUDA).
 
 The per-step metadata (`AttentionMetadata`) travels as the forward kwarg `cbk_step`; transformers
-hands unknown forward kwargs down to every attention call (5.17 .. 5.24). Without a cache object
+hands unknown forward kwargs down to every attention call (5.17 .. 5.24). Some decoder layers do
+not pass them on (stablelm, nemotron): for those the runner also holds the step in a
+thread-local for the duration of the forward (`step_context`), which our function reads when
+the kwarg is missing. Each layer's window, K/V head sizes and sinks come from the construction
+probe (runner/support.py), not from the call. Without a cache object
 the 5.23 -> 5.24 change (who calls cache.update) does not reach us: both versions pass the new,
 rotated K/V to the attention function.
 
@@ -21,9 +25,12 @@ under the other's running forward (its later layers would then run sdpa without 
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from typing import Optional
+
+import torch
 
 from cb_kernels import ops
 from cb_kernels.runner.step_inputs import AttentionMetadata
@@ -34,6 +41,20 @@ ATTN_NAME = "cb_kernels_engine"
 # pickled or deep-copied.
 _MODEL_LOCKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _MODEL_LOCKS_GUARD = threading.Lock()
+# The step of the forward running in this thread, for decoder layers that drop the cbk_step
+# kwarg; set only inside `step_context`, so no step outlives its forward.
+_CURRENT = threading.local()
+
+
+@contextlib.contextmanager
+def step_context(step: AttentionMetadata):
+    """Inside it, engine_attention finds `step` even when a layer drops the cbk_step kwarg."""
+    prev = getattr(_CURRENT, "step", None)
+    _CURRENT.step = step
+    try:
+        yield
+    finally:
+        _CURRENT.step = prev
 
 
 def model_lock(model) -> threading.RLock:
@@ -49,27 +70,42 @@ def engine_attention(module, query, key, value, attention_mask, scaling=None, dr
                      **kwargs):
     """query: [1, num_heads, num_tokens, head_dim]; key/value: [1, num_kv_heads, num_tokens,
     head_dim] (new tokens only). Returns ([1, num_tokens, num_heads, head_dim], None)."""
-    step: Optional[AttentionMetadata] = kwargs.get("cbk_step")
+    step: Optional[AttentionMetadata] = kwargs.get("cbk_step") or getattr(_CURRENT, "step", None)
     if step is None:
         raise RuntimeError(f"attention implementation {ATTN_NAME!r} runs only inside "
                            "cb_kernels.Engine steps")
-    if kwargs.get("s_aux") is not None:
-        raise NotImplementedError("attention sinks (s_aux) are not supported by cb_kernels' "
-                                  "paged attention")
     layer = module.layer_idx
     k_cache, v_cache = step.k_caches[layer], step.v_caches[layer]
-    window = kwargs["sliding_window"] if "sliding_window" in kwargs else step.sliding_windows[layer]
     softcap = kwargs["softcap"] if "softcap" in kwargs else step.softcap
+    sinks = kwargs.get("s_aux")              # gpt-oss' per-head sink logits [num_heads]
+    if sinks is not None:
+        sinks = sinks.detach().float().contiguous()
     # [1, H, T, D] -> [T, H, D] views: the kernels take any strides with head_dim packed, so
     # no copy unless the KV cache has another dtype than the model.
-    q = query[0].transpose(0, 1).to(k_cache.dtype)
-    k = key[0].transpose(0, 1).to(k_cache.dtype)
+    q = _packed(query[0].transpose(0, 1).to(k_cache.dtype))
+    k = _packed(key[0].transpose(0, 1).to(k_cache.dtype))
     v = value[0].transpose(0, 1).to(k_cache.dtype)
-    ops.write_kv_unchecked(k, v, k_cache, v_cache, step.slot_mapping)
-    out = ops.paged_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens,
-                              step.cu_seqlens_q, scale=scaling, sliding_window=window,
-                              softcap=softcap, backend=step.backend)
+    v_dim = v.shape[-1]
+    if v_dim != v_cache.shape[-1]:
+        # Latent attention: V is stored padded with zeros to K's head size; the padded output
+        # columns are sums of zeros and are cut off, so the kept ones are exact.
+        v = torch.nn.functional.pad(v, (0, v_cache.shape[-1] - v_dim))
+    ops.write_kv_unchecked(k, _packed(v), k_cache, v_cache, step.slot_mapping)
+    view = step.chunked if layer < len(step.chunked_layers) and step.chunked_layers[layer] \
+        else step
+    out = ops.paged_attention(q, k_cache, v_cache, view.block_tables, view.seq_lens,
+                              view.cu_seqlens_q, scale=scaling,
+                              sliding_window=step.sliding_windows[layer], softcap=softcap,
+                              backend=step.backend, sinks=sinks)
+    if v_dim != out.shape[-1]:
+        out = out[..., :v_dim]
     return out.to(query.dtype).unsqueeze(0), None
+
+
+def _packed(x: torch.Tensor) -> torch.Tensor:
+    """x itself when head_dim is packed (stride 1), the kernels' one layout need; else a copy
+    (a model whose K is a slice along head_dim, e.g. inkling)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def register_attention() -> None:

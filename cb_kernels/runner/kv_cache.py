@@ -50,3 +50,16 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
         return host_zeros(shape, dtype)
 
     return [zeros() for _ in range(num_layers)], [zeros() for _ in range(num_layers)]
+
+
+def allocate_layer_caches(shapes: list, num_blocks: int, block_size: int, dtype: torch.dtype,
+                          device: torch.device):
+    """Like allocate_kv_cache, one shape per layer: shapes[i] = (num_kv_heads, head_dim) of
+    layer i (K and V alike; models whose layers differ, e.g. Gemma 4 or a padded latent V)."""
+    def zeros(num_kv_heads, head_dim):
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        if device.type != "cpu":
+            return torch.zeros(shape, dtype=dtype, device=device)
+        return host_zeros(shape, dtype)
+
+    return [zeros(*s) for s in shapes], [zeros(*s) for s in shapes]

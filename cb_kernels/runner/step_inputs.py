@@ -31,6 +31,22 @@ class AttentionMetadata:
     sliding_windows: list        # per layer, from the model config (fallback when not passed)
     softcap: Optional[float]
     backend: Optional[str]
+    # Chunked attention (llama4): the layers marked True attend through `chunked` instead.
+    chunked_layers: tuple = ()
+    chunked: Optional["ChunkedView"] = None
+
+
+@dataclass
+class ChunkedView:
+    """The step as chunked-attention layers see it: each sequence's new tokens split where a
+    chunk of chunk_size positions ends, each piece one sequence whose KV starts at its chunk's
+    first position (a block boundary: chunk_size % block_size == 0). Same token order as the
+    step, so the output rows line up. block_tables: int32 [num_pieces, max_blocks_per_piece];
+    seq_lens: int32 [num_pieces]; cu_seqlens_q: int32 [num_pieces + 1]."""
+
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    cu_seqlens_q: torch.Tensor
 
 
 @dataclass
@@ -102,11 +118,34 @@ def check_slots(slots: list, num_slots: int) -> None:
                            "are corrupt")
 
 
+def chunked_view(seqs: list, num_new_tokens: list, block_size: int, chunk_size: int,
+                 device: torch.device) -> ChunkedView:
+    """The ChunkedView of a step (see there)."""
+    tables, lens, cu = [], [], [0]
+    for seq, n in zip(seqs, num_new_tokens):
+        a, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+        while a < end:
+            first = a // chunk_size * chunk_size
+            b = min(end, first + chunk_size)
+            tables.append(seq.block_table[first // block_size:-(-b // block_size)])
+            lens.append(b - first)
+            cu.append(cu[-1] + b - a)
+            a = b
+    width = max([len(t) for t in tables] + [1])
+    flat = []
+    for t in tables:
+        flat += t
+        flat += [0] * (width - len(t))
+    tables_t, lens_t, cu_t = upload([array("i", flat), array("i", lens), array("i", cu)], device)
+    return ChunkedView(tables_t.view(len(tables), width), lens_t, cu_t)
+
+
 def pack(seqs: list, num_new_tokens: list, block_size: int, num_slots: int,
-         device: torch.device, **attention) -> StepInputs:
+         device: torch.device, chunk_size: Optional[int] = None, **attention) -> StepInputs:
     """Pack seqs[i]'s next num_new_tokens[i] tokens (from seq.num_computed_tokens on) into one
     varlen step. `attention`: the AttentionMetadata fields that do not depend on the batch
-    (k_caches, v_caches, sliding_windows, softcap, backend)."""
+    (k_caches, v_caches, sliding_windows, softcap, backend, chunked_layers); `chunk_size`: the
+    chunk of chunked-attention layers, if any (adds the ChunkedView)."""
     bs = block_size
     ids, positions, slots, seq_lens, cu, logits_idx, sampled = [], [], [], [], [0], [], []
     max_blocks = 1
@@ -144,4 +183,6 @@ def pack(seqs: list, num_new_tokens: list, block_size: int, num_slots: int,
     ids_t, pos_t, logits_t, slots_t, tables_t, lens_t, cu_t = upload(parts, device)
     attn = AttentionMetadata(slot_mapping=slots_t, block_tables=tables_t.view(len(seqs), max_blocks),
                              seq_lens=lens_t, cu_seqlens_q=cu_t, **attention)
+    if chunk_size:
+        attn.chunked = chunked_view(seqs, num_new_tokens, block_size, chunk_size, device)
     return StepInputs(ids_t, pos_t, logits_t, attn, sampled, len(seqs))

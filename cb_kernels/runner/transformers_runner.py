@@ -24,12 +24,12 @@ from typing import Optional
 import torch
 
 from cb_kernels import ops
-from cb_kernels.runner import step_inputs
-from cb_kernels.runner.attention import AttentionSwitch, model_lock
+from cb_kernels.runner import step_inputs, support
+from cb_kernels.runner.attention import AttentionSwitch, model_lock, step_context
 from cb_kernels.runner.base import StepOutput
 from cb_kernels.runner.cuda_graphs import decode_graph_runner, graphs_enabled
 from cb_kernels.runner.fused import FusedForward
-from cb_kernels.runner.kv_cache import allocate_kv_cache
+from cb_kernels.runner.kv_cache import allocate_layer_caches
 from cb_kernels.runner.lm_head import GreedyTokensHead, LogitsHead, choose_lm_head, wants_greedy_head
 from cb_kernels.runner.packed_linears import PackedLinears, has_hooks
 
@@ -81,24 +81,28 @@ class TransformersRunner:
             raise TypeError(f"model must be a transformers causal LM, got {type(model).__name__}")
         self.model = model
         cfg = _text_config(model)
-        self.num_layers = cfg.num_hidden_layers
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.num_layers = getattr(cfg, "num_hidden_layers", None) or 0
+        self._switch = AttentionSwitch(model)
+        # Refuses, with UnsupportedModelError, what the engine cannot run exactly; else the
+        # real per-layer K/V shapes and windows, found by one probe forward.
+        self.layers = support.layer_plans(model, self._switch.configs, self.num_layers)
+        self.num_heads = support.num_heads_of(cfg)
+        # Sizing reads one (num_kv_heads, head_dim) for every layer: the largest layer's, so a
+        # block never holds more than the engine counted.
+        widest = max(self.layers, key=lambda p: p.num_kv_heads * p.head_dim)
+        self.num_kv_heads, self.head_dim = widest.num_kv_heads, widest.head_dim
         self.max_positions = getattr(cfg, "max_position_embeddings", None) or (1 << 31) - 1
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.eos_token_ids = eos_ids_of(model)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        layer_types = getattr(cfg, "layer_types", None) or ["full_attention"] * self.num_layers
-        window = getattr(cfg, "sliding_window", None)
-        self.sliding_windows = [window if t == "sliding_attention" else None for t in layer_types]
+        self.sliding_windows = [p.window for p in self.layers]
+        self.chunked_layers = tuple(p.chunk is not None for p in self.layers)
+        self.chunk_size = next((p.chunk for p in self.layers if p.chunk), None)
         self.softcap = getattr(cfg, "attn_logit_softcapping", None)
         self.attention_backend = attention_backend
         self.cuda_graphs = cuda_graphs
-        self._switch = AttentionSwitch(model)
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self._check_layers()
         # None off CPU fp32 or when the packed copy does not fit (runner/packed_linears.py).
         self.packed = PackedLinears.build(model, pack_weights, available_host_bytes)
         self.fused = FusedForward.build(model, self.packed, self.num_layers, self.num_heads,
@@ -109,18 +113,6 @@ class TransformersRunner:
         self.k_caches: list = []
         self.v_caches: list = []
         self.block_size = 0
-
-    def _check_layers(self) -> None:
-        found = {getattr(m, "layer_idx", None) for m in self.model.modules()
-                 if hasattr(m, "layer_idx") and hasattr(m, "num_key_value_groups")}
-        found.discard(None)
-        if not found:
-            raise TypeError(f"{type(self.model).__name__} has no attention modules with a "
-                            "layer_idx: cb_kernels runs models that use transformers' "
-                            "attention interface (Llama, Qwen2/3, Mistral, Gemma, ...)")
-        if max(found) >= self.num_layers:
-            raise TypeError(f"attention layer index {max(found)} >= num_hidden_layers "
-                            f"{self.num_layers}")
 
     def _choose_head(self, mode):
         """(head, decoder). head: None when the output embedding is no nn.Linear (the model's
@@ -149,11 +141,13 @@ class TransformersRunner:
     # -- the cache ------------------------------------------------------------------------------
     def allocate_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype,
                        max_num_seqs: int) -> None:
-        self.k_caches, self.v_caches = allocate_kv_cache(
-            self.num_layers, num_blocks, block_size, self.num_kv_heads, self.head_dim, dtype,
+        support.check_chunk_blocks(self.layers, block_size)
+        self.k_caches, self.v_caches = allocate_layer_caches(
+            [(p.num_kv_heads, p.head_dim) for p in self.layers], num_blocks, block_size, dtype,
             self.device)
         self.block_size = block_size
-        if graphs_enabled(self.cuda_graphs, self.device):
+        # The decode graphs carry no chunked view.
+        if graphs_enabled(self.cuda_graphs, self.device) and self.chunk_size is None:
             max_blocks = min(num_blocks, -(-self.max_positions // block_size))
             self.graphs = decode_graph_runner(self, max_num_seqs, max_blocks)
 
@@ -168,7 +162,8 @@ class TransformersRunner:
             seqs, num_new_tokens, self.block_size, self.k_caches[0].shape[0] * self.block_size,
             self.device, k_caches=self.k_caches, v_caches=self.v_caches,
             sliding_windows=self.sliding_windows, softcap=self.softcap,
-            backend=self.attention_backend)
+            backend=self.attention_backend, chunk_size=self.chunk_size,
+            chunked_layers=self.chunked_layers)
 
     @torch.inference_mode()
     def execute(self, inputs: step_inputs.StepInputs, greedy: bool = False) -> StepOutput:
@@ -201,7 +196,8 @@ class TransformersRunner:
 
     def _hidden_rows(self, input_ids, positions, logits_indices, attn) -> torch.Tensor:
         """transformers' decoder up to the final hidden state: [num_sampled, hidden]."""
-        with self._switch, self.packed if self.packed is not None else contextlib.nullcontext():
+        with self._switch, step_context(attn), \
+                self.packed if self.packed is not None else contextlib.nullcontext():
             hidden = self._decoder(input_ids=input_ids[None], position_ids=positions[None],
                                    use_cache=False, cbk_step=attn).last_hidden_state
         return hidden[0].index_select(0, logits_indices)
@@ -211,7 +207,8 @@ class TransformersRunner:
         """transformers' forward with our attention: fp32 logits [num_sampled, vocab_size].
         input_ids, positions: int64 [num_tokens]; logits_indices: int64 [num_sampled]."""
         ids, pos = input_ids[None], positions[None]
-        with self._switch, self.packed if self.packed is not None else contextlib.nullcontext():
+        with self._switch, step_context(attn), \
+                self.packed if self.packed is not None else contextlib.nullcontext():
             if self._keeps_logits:
                 out = self.model(input_ids=ids, position_ids=pos, use_cache=False,
                                  logits_to_keep=logits_indices, cbk_step=attn)

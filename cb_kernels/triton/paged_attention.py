@@ -64,7 +64,7 @@ def _tiles(group: int, head_dim_pad: int, is_decode: bool, on_gpu: bool,
 
 
 def _launch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale, sliding_window,
-            softcap, is_decode: bool) -> None:
+            softcap, is_decode: bool, sinks=None) -> None:
     num_tokens, num_heads, head_dim = q.shape
     num_seqs, max_blocks = block_tables.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -91,11 +91,13 @@ def _launch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scal
     else:
         part_out = part_ml = out  # never written: every decode sequence has a single split
     common = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, USE_WINDOW=use_window,
-                  TILE_N=tile_n, SPLIT_MIN=SPLIT_MIN, MAX_SPLITS=MAX_SPLITS)
+                  TILE_N=tile_n, SPLIT_MIN=SPLIT_MIN, MAX_SPLITS=MAX_SPLITS,
+                  USE_SINKS=sinks is not None)
+    sinks_arg = sinks if sinks is not None else seq_lens   # never read without USE_SINKS
     window = sliding_window if use_window else 0
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q, part_out, part_ml,
-        num_seqs, num_heads, num_splits_bound, float(scale),
+        sinks_arg, num_seqs, num_heads, num_splits_bound, float(scale),
         float(softcap) if softcap is not None else 0.0, window,
         *q.stride(), *k_cache.stride()[:4], *v_cache.stride()[:4], *out.stride(),
         block_tables.stride(0),
@@ -109,23 +111,24 @@ def _launch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scal
         num_warps=4 if head_dim_pad <= 128 else 8, **common)
     if num_splits_bound > 1:
         _reduce_splits_kernel[(num_seqs, num_heads)](
-            out, seq_lens, cu_seqlens_q, part_out, part_ml, num_heads, num_splits_bound, window,
+            out, seq_lens, cu_seqlens_q, part_out, part_ml, sinks_arg, num_heads,
+            num_splits_bound, window,
             *out.stride(), SPLITS_PAD=_next_pow2(num_splits_bound), **common)
 
 
 def paged_attention_prefill_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
-                                   out, scale, sliding_window, softcap) -> None:
+                                   out, scale, sliding_window, softcap, sinks=None) -> None:
     """Attention for the sequences with q_len > 1 only (the CUDA backend's prefill path)."""
     if q.shape[0] > block_tables.shape[0]:
         _launch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale,
-                sliding_window, softcap, is_decode=False)
+                sliding_window, softcap, is_decode=False, sinks=sinks)
 
 
 def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale,
-                           sliding_window, softcap) -> None:
+                           sliding_window, softcap, sinks=None) -> None:
     """Writes attention of every query token into out. Arguments are validated by
     cb_kernels.ops.paged_attention (shapes in this module's docstring); `sliding_window` and
-    `softcap` are None or positive numbers.
+    `softcap` are None or positive numbers; `sinks` None or fp32 [num_heads] sink logits.
     """
     if block_tables.shape[0] == 0 or q.shape[0] == 0:
         return
@@ -134,6 +137,6 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_seqle
     # e.g. q_lens [0, 0, 0, 1, 3], where testing num_tokens == num_seqs left the 3 rows unwritten.
     # Shapes only: no host read of device values.
     paged_attention_prefill_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out,
-                                   scale, sliding_window, softcap)
+                                   scale, sliding_window, softcap, sinks)
     _launch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale, sliding_window,
-            softcap, is_decode=True)
+            softcap, is_decode=True, sinks=sinks)

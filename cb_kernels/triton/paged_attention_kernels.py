@@ -83,14 +83,14 @@ def _attend_rows(q_ptr, tok, head, m_row, pos_q, lo, hi, p_bt, k_ptr, v_ptr, i_k
 @triton.jit(do_not_specialize=["num_seqs"])
 def _paged_attention_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, seq_lens_ptr, cu_q_ptr, part_out_ptr, part_ml_ptr,
-        num_seqs, num_heads, num_splits_bound, scale, softcap, window,
+        sinks_ptr, num_seqs, num_heads, num_splits_bound, scale, softcap, window,
         stride_qt, stride_qh, stride_qd, stride_kb, stride_kt, stride_kh, stride_kd,
         stride_vb, stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_od, stride_bt,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
         IS_DECODE: tl.constexpr, ALL_DECODE: tl.constexpr, USE_WINDOW: tl.constexpr,
         USE_SOFTCAP: tl.constexpr, SPLIT_MIN: tl.constexpr, MAX_SPLITS: tl.constexpr,
-        DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_SINKS: tl.constexpr):
     i_kvh = tl.program_id(1)
     if IS_DECODE:
         i_seq = tl.program_id(0)
@@ -152,8 +152,8 @@ def _paged_attention_kernel(
                 tl.store(part_ml_ptr + row * 2, b_m, mask=m_row)
                 tl.store(part_ml_ptr + row * 2 + 1, b_l, mask=m_row)
             else:
-                _store_out(out_ptr, tok, head, b_acc, b_l, m_out, stride_ot, stride_oh, stride_od,
-                           HEAD_DIM_PAD)
+                _store_out(out_ptr, tok, head, b_acc, b_m, b_l, m_out, m_row, sinks_ptr,
+                           stride_ot, stride_oh, stride_od, HEAD_DIM_PAD, USE_SINKS)
     else:
         if (q_len > 1) & (i_qblock * BLOCK_Q < q_len):
             q_tok = i_qblock * BLOCK_Q + o_m // GROUP    # index among this sequence's q tokens
@@ -169,26 +169,36 @@ def _paged_attention_kernel(
                 softcap, window, stride_qt, stride_qh, stride_qd, stride_kb, stride_kt, stride_kh,
                 stride_kd, stride_vb, stride_vt, stride_vh, stride_vd, HEAD_DIM, HEAD_DIM_PAD,
                 BLOCK_SIZE, BLOCK_M, TILE_N, USE_WINDOW, USE_SOFTCAP, DOT_FP32, DOT_PRECISION)
-            _store_out(out_ptr, tok, head, b_acc, b_l, m_row[:, None] & m_d[None, :], stride_ot,
-                       stride_oh, stride_od, HEAD_DIM_PAD)
+            _store_out(out_ptr, tok, head, b_acc, b_m, b_l, m_row[:, None] & m_d[None, :], m_row,
+                       sinks_ptr, stride_ot, stride_oh, stride_od, HEAD_DIM_PAD, USE_SINKS)
 
 
 @triton.jit
-def _store_out(out_ptr, tok, head, b_acc, b_l, m_out, stride_ot, stride_oh, stride_od,
-               HEAD_DIM_PAD: tl.constexpr):
+def _sink_term(sinks_ptr, head, b_m, m_row):
+    """exp(sink - max) of each row, in the log2 units of b_m: the sink's share of the softmax
+    denominator (its value row is zero, so the numerator does not change)."""
+    b_sink = tl.load(sinks_ptr + head, mask=m_row, other=0.0) * LOG2E
+    return tl.where(m_row & (b_m > float("-inf")), tl.exp2(b_sink - b_m), 0.0)
+
+
+@triton.jit
+def _store_out(out_ptr, tok, head, b_acc, b_m, b_l, m_out, m_row, sinks_ptr, stride_ot, stride_oh,
+               stride_od, HEAD_DIM_PAD: tl.constexpr, USE_SINKS: tl.constexpr):
     o_d = tl.arange(0, HEAD_DIM_PAD)
+    if USE_SINKS:
+        b_l = b_l + _sink_term(sinks_ptr, head, b_m, m_row)
     b_o = b_acc / tl.where(b_l == 0.0, 1.0, b_l)[:, None]
     p_o = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + o_d[None, :] * stride_od
     tl.store(p_o, b_o.to(out_ptr.dtype.element_ty), mask=m_out)
 
 
 @triton.jit
-def _reduce_splits_kernel(out_ptr, seq_lens_ptr, cu_q_ptr, part_out_ptr, part_ml_ptr, num_heads,
-                          num_splits_bound, window, stride_ot, stride_oh, stride_od,
+def _reduce_splits_kernel(out_ptr, seq_lens_ptr, cu_q_ptr, part_out_ptr, part_ml_ptr, sinks_ptr,
+                          num_heads, num_splits_bound, window, stride_ot, stride_oh, stride_od,
                           HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                           SPLITS_PAD: tl.constexpr, USE_WINDOW: tl.constexpr,
                           TILE_N: tl.constexpr, SPLIT_MIN: tl.constexpr,
-                          MAX_SPLITS: tl.constexpr):
+                          MAX_SPLITS: tl.constexpr, USE_SINKS: tl.constexpr):
     """Merge the decode splits of one (sequence, head) in split order into out."""
     i_seq = tl.program_id(0)
     i_head = tl.program_id(1)
@@ -210,6 +220,9 @@ def _reduce_splits_kernel(out_ptr, seq_lens_ptr, cu_q_ptr, part_out_ptr, part_ml
     b_w = tl.where(m_s & (b_m > float("-inf")), tl.exp2(b_m - m_max), 0.0)
     b_acc = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + o_d[None, :],
                     mask=m_s[:, None] & (o_d < HEAD_DIM)[None, :], other=0.0)
-    b_o = tl.sum(b_acc * b_w[:, None], 0) / tl.sum(b_l * b_w, 0)
+    b_den = tl.sum(b_l * b_w, 0)
+    if USE_SINKS:
+        b_den += tl.exp2(tl.load(sinks_ptr + i_head) * LOG2E - m_max)
+    b_o = tl.sum(b_acc * b_w[:, None], 0) / b_den
     p_o = out_ptr + q_start.to(tl.int64) * stride_ot + i_head * stride_oh + o_d * stride_od
     tl.store(p_o, b_o.to(out_ptr.dtype.element_ty), mask=o_d < HEAD_DIM)

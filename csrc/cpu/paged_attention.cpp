@@ -115,6 +115,16 @@ inline int64_t row_offset(const Ctx& c, const Item& it, int64_t r, int64_t strid
   return tok * stride_token + head * stride_head;
 }
 
+// The softmax denominator of row r of item `it`: its running sum, plus the row's sink term
+// exp(sink - max) where attention sinks are on (the sink's value row is zero, so only the
+// denominator changes; max is the row's running max, which the sink need not raise).
+inline float denominator(const Ctx& c, const Item& it, int64_t r, float m, float l) {
+  if (c.p.sinks == nullptr) return l;
+  const int64_t per_head = (it.i1 - it.i0) * c.group;
+  const int64_t head = (it.h0 + r / per_head) * c.group + r % per_head % c.group;
+  return l + std::exp(c.p.sinks[head] - m);
+}
+
 // Online-softmax step of rows [r0, r1) over one tile: scores in ss become probabilities,
 // alphas get the rescale of the earlier tiles, the running max and sum move on. Keys [j0, j1) of
 // the tile are the ones a row at position pos sees; masking runs only where that is not the
@@ -329,7 +339,7 @@ CBK_ALWAYS_INLINE void write_item(const Ctx& c, const Item& it, int64_t rows, co
     char* ob = static_cast<char*>(p.out);
     for (int64_t r = 0; r < rows; ++r) {
       float* o = s.os + r * dim8;
-      const float inv = 1.0f / s.ls[r];
+      const float inv = 1.0f / denominator(c, it, r, s.ms[r], s.ls[r]);
       for (int64_t d = 0; d < dim; ++d) o[d] *= inv;
       from_float(o, dim, p.dtype,
                  ob + row_offset(c, it, r, p.out_stride_token, p.out_stride_head) * c.esize);
@@ -623,7 +633,7 @@ void run_merge(const Ctx& c, const Plan& plan, const Merge& mg, float* acc) {
       l += w * part[rows * dim + rows + r];
       for (int64_t d = 0; d < dim; ++d) acc[d] += w * part[r * dim + d];
     }
-    const float inv = 1.0f / l;
+    const float inv = 1.0f / denominator(c, first, r, m, l);
     for (int64_t d = 0; d < dim; ++d) acc[d] *= inv;
     from_float(acc, dim, p.dtype,
                ob + row_offset(c, first, r, p.out_stride_token, p.out_stride_head) * c.esize);

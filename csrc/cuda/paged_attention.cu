@@ -305,7 +305,8 @@ __device__ __forceinline__ void attend(const PagedAttentionParams& p, Shared<T, 
         p.part_ml[row * 2 + 1] = s.l[h];
       }
     } else {
-      const float l = s.l[h];
+      // A sink adds exp(sink - max) to the denominator only (its value row is zero).
+      const float l = s.l[h] + (p.sinks ? exp2f(p.sinks[head] * kLog2e - s.m[h]) : 0.f);
       out[tok * p.out_stride_token + head * p.out_stride_head + d] = Elem<T>::from_float(l > 0.f ? sum / l : 0.f);
     }
   }
@@ -375,6 +376,7 @@ __global__ void __launch_bounds__(kThreads) reduce_kernel(const PagedAttentionPa
   float denom = 0.f;
   for (int i = 0; i < num_splits; ++i)
     denom += exp2f(p.part_ml[(base + i) * 2] - m_max) * p.part_ml[(base + i) * 2 + 1];
+  if (p.sinks) denom += exp2f(p.sinks[head] * kLog2e - m_max);
   T* out = static_cast<T*>(p.out);
   for (int d = threadIdx.x; d < p.head_dim; d += kThreads) {
     float sum = 0.f;

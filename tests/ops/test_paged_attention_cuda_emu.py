@@ -46,7 +46,8 @@ class Params(ctypes.Structure):  # mirrors cbk::PagedAttentionParams
             "v_stride_head", "block_table_stride", "max_splits")]
         + [("dtype", ctypes.c_int32), ("scale", ctypes.c_float), ("sliding_window", ctypes.c_int32),
            ("softcap", ctypes.c_float), ("all_decode", ctypes.c_bool)]
-        + [(n, ctypes.c_int64) for n in ("num_tokens", "num_blocks", "max_blocks_per_seq")])
+        + [(n, ctypes.c_int64) for n in ("num_tokens", "num_blocks", "max_blocks_per_seq")]
+        + [("sinks", ctypes.c_void_p)])
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +72,7 @@ def emulated(tmp_path_factory):
     return dll
 
 
-def run_emulated(dll, c: Case) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+def run_emulated(dll, c: Case, sinks=None) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """(out, reference, rows the kernel owns: q_len == 1 ones, or every row at num_tokens <=
     num_seqs, where the launcher starts no prefill kernel)."""
     q, k_cache, v_cache, bt, seq_lens, cu = build(c)
@@ -88,11 +89,12 @@ def run_emulated(dll, c: Case) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
                num_seqs, num_heads, k_cache.shape[2], head_dim, c.block_size, q.stride(0),
                q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3],
                *v_cache.stride()[:3], bt.stride(0), max_splits, DTYPE_CODES[c.dtype],
-               head_dim ** -0.5, c.sliding_window or 0, c.softcap or 0.0, num_tokens <= num_seqs)
+               head_dim ** -0.5, c.sliding_window or 0, c.softcap or 0.0, num_tokens <= num_seqs,
+               0, 0, 0, sinks.data_ptr() if sinks is not None else None)
     err = dll.emu_paged_attention_decode(ctypes.byref(p))
     assert err is None, err.decode()
     ref = ref_paged_attention(q, k_cache, v_cache, bt, seq_lens, cu,
-                              sliding_window=c.sliding_window, softcap=c.softcap)
+                              sliding_window=c.sliding_window, softcap=c.softcap, sinks=sinks)
     q_lens = (cu[1:] - cu[:-1]).tolist()
     rows = (list(range(num_tokens)) if num_tokens <= num_seqs
             else [int(cu[i]) for i, n in enumerate(q_lens) if n == 1])
@@ -127,5 +129,17 @@ CASES = [
 def test_emulated_cuda_decode_matches_reference(emulated, c):
     out, ref, rows = run_emulated(emulated, c)
     assert rows
+    assert not out[rows].isnan().any()
+    torch.testing.assert_close(out[rows].float(), ref[rows].float(), **c.tolerance)
+
+
+# Attention sinks: one split, several splits with their merge, with a window and softcap.
+SINK_CASES = [c for c in CASES if c.id in ("decode-1", "gqa2-d64-fp32-splits", "window-softcap")]
+
+
+@pytest.mark.parametrize("c", SINK_CASES, ids=lambda c: c.id)
+def test_emulated_cuda_decode_with_sinks_matches_reference(emulated, c):
+    sinks = torch.randn(c.num_heads, generator=torch.Generator().manual_seed(3)) * 2.0 + 4.0
+    out, ref, rows = run_emulated(emulated, c, sinks)
     assert not out[rows].isnan().any()
     torch.testing.assert_close(out[rows].float(), ref[rows].float(), **c.tolerance)

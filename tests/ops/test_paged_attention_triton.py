@@ -160,12 +160,13 @@ for dt, is_decode, group, head_dim in [("bf16", True, 8, 128), ("bf16", False, 8
     sig = {n: "i32" for n in fn.arg_names}
     sig.update({n: "*" + dt for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")})
     sig.update({n: "*i32" for n in ("bt_ptr", "seq_lens_ptr", "cu_q_ptr")})
-    sig.update({"part_out_ptr": "*fp32", "part_ml_ptr": "*fp32", "scale": "fp32",
+    sig.update({"part_out_ptr": "*fp32", "part_ml_ptr": "*fp32", "sinks_ptr": "*fp32",
+                "scale": "fp32",
                 "softcap": "fp32", "stride_kb": "i64", "stride_vb": "i64"})
     const = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=pad, BLOCK_SIZE=16, GROUP=group, BLOCK_M=block_m,
                  BLOCK_Q=block_q, TILE_N=tile_n, IS_DECODE=is_decode, ALL_DECODE=is_decode,
                  USE_WINDOW=True, USE_SOFTCAP=True, SPLIT_MIN=pa.SPLIT_MIN,
-                 MAX_SPLITS=pa.MAX_SPLITS, DOT_FP32=False,
+                 MAX_SPLITS=pa.MAX_SPLITS, DOT_FP32=False, USE_SINKS=True,
                  DOT_PRECISION="tf32x3" if dt == "fp32" else "tf32",
                  stride_qd=1, stride_kd=1, stride_vd=1, stride_od=1)
     sig.update({k: "constexpr" for k in const})
@@ -230,7 +231,7 @@ def test_cuda_kernel_without_cuda_build_raises():
         pytest.skip("this build has CUDA kernels (the GPU tests cover them)")
     with pytest.raises(RuntimeError, match="built without CUDA"):
         _C.paged_attention_cuda(*([0] * 9), 1, 1, 1, 64, 16, *([0] * 11), 1, 0, 1.0, 0, 0.0,
-                                True, 0)
+                                True, 0, 0)
 
 
 # ---- GPU: the CUDA kernel and Triton on the device (skipped where no GPU exists).

@@ -46,6 +46,11 @@ struct PagedAttentionParams {
 
   // Read by paged_attention_index_error and the CPU kernel; the CUDA kernel needs none of them.
   int64_t num_tokens = 0, num_blocks = 0, max_blocks_per_seq = 0;
+
+  // [num_heads] fp32: one extra logit per q head in every softmax (after scale and softcap)
+  // whose value row is zero (attention sinks, gpt-oss); null: off. Last, so that mirrors of the
+  // fields above (the CUDA emulation test) keep their layout.
+  const float* sinks = nullptr;
 };
 
 // Checks the index values a kernel trusts: cu_seqlens_q runs from 0 to num_tokens without going
