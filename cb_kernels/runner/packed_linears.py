@@ -15,7 +15,9 @@ Either way batch composition cannot change a sequence's tokens. `GEMM` (module a
 "auto", "cbk", "onednn" or "torch") picks one for groups packed after it is set (benchmarks, tests).
 
 bf16 weights: "cbk" (ops.PackedLinear's bf16 kernel, csrc/cpu/linear_bf16.cpp: vdpbf16ps,
-fp32 sums, each output's adds in k order whatever the batch) where the CPU has AVX512-BF16;
+fp32 sums, each output's adds in k order whatever the batch) where the CPU has AVX512-BF16 but
+no AMX (2-core Zen 4, SmolLM2's linears, quiet: 16 rows 9.5 ms against oneDNN's 10.8 ms a step
+on 2 threads, 17.1 against 18.1 on one; equal at 64 and 256 rows; both 1.8-2x our fp32 kernel);
 else "onednn" (its bf16 matmul: AMX tiles on Sapphire Rapids and later, fp32 accumulation, bf16
 out) wherever oneDNN runs bf16 natively (`torch.ops.mkldnn._is_mkldnn_bf16_supported()`), else
 "torch": F.linear on the concatenated bf16 weight (also what GEMM = "torch" forces, for tests).
@@ -97,11 +99,14 @@ def gemm(dtype: torch.dtype = torch.float32) -> Optional[str]:
     if GEMM not in GEMMS:
         raise ValueError(f"packed_linears.GEMM must be one of {GEMMS}, got {GEMM!r}")
     if dtype == torch.bfloat16:
-        if GEMM == "cbk" or (GEMM == "auto" and PackedLinear.fast(torch.bfloat16)):
+        # With AMX, oneDNN's tiles do 16x the bf16 products of a vdpbf16ps per instruction:
+        # ours is taken where the CPU has AVX512-BF16 and no AMX (measured on Zen 4 only).
+        ours = PackedLinear.fast(torch.bfloat16) and not torch.cpu._is_amx_tile_supported()
+        if GEMM == "cbk" or (GEMM == "auto" and ours):
             return "cbk"      # forced: its portable body runs on any CPU
-        if GEMM == "torch" or not onednn_bf16_native():
-            return "torch"
-        return "onednn" if _onednn_ok() else "torch"
+        if GEMM == "onednn":
+            return "onednn" if _onednn_ok() else "torch"
+        return "onednn" if GEMM == "auto" and onednn_bf16_native() else "torch"
     if dtype != torch.float32:
         return None
     if GEMM == "cbk" or (GEMM == "auto" and PackedLinear.fast()):

@@ -164,3 +164,24 @@ def test_bf16_greedy_head_gives_the_bf16_logits_tokens(kind):
     assert with_head.num_greedy_head_steps > 0
     want = [o.token_ids for o in _engine(model, greedy_head=False).generate(prompts, params)]
     assert got == want
+
+
+def test_bf16_gemm_choice_follows_the_cpu(monkeypatch):
+    """auto: our vdpbf16ps kernel where the CPU has AVX512-BF16 and no AMX, oneDNN (its AMX
+    tiles) where it has AMX, F.linear where oneDNN has no native bf16; each can be forced."""
+    from cb_kernels.ops.linear import PackedLinear
+
+    monkeypatch.setattr(packed_linears, "GEMM", "auto")
+    monkeypatch.setattr(PackedLinear, "fast", staticmethod(lambda dtype=torch.float32: True))
+    monkeypatch.setattr(packed_linears, "onednn_bf16_native", lambda: True)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert packed_linears.gemm(torch.bfloat16) == "cbk"
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert packed_linears.gemm(torch.bfloat16) == "onednn"
+    monkeypatch.setattr(PackedLinear, "fast", staticmethod(lambda dtype=torch.float32: False))
+    monkeypatch.setattr(packed_linears, "onednn_bf16_native", lambda: False)
+    assert packed_linears.gemm(torch.bfloat16) == "torch"
+    for forced in ("cbk", "onednn", "torch"):
+        monkeypatch.setattr(packed_linears, "GEMM", forced)
+        assert packed_linears.gemm(torch.bfloat16) == forced
+    assert packed_linears.gemm(torch.float16) is None
