@@ -48,9 +48,14 @@ struct F32 {
 struct BF16 {
   using T = uint16_t;
   static v8f load(const T* p) {
+#if defined(__AVX2__)
+    return _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+#else
     v8u w;
     for (int i = 0; i < 8; ++i) w[i] = static_cast<uint32_t>(p[i]) << 16;
     return (v8f)w;
+#endif
   }
   // Round to nearest even into the high 16 bits; NaN stays NaN (quiet), as float_to_bf16.
   static v8u rne(v8f v) {
@@ -61,7 +66,13 @@ struct BF16 {
   }
   static void store(T* p, v8f v) {
     const v8u r = rne(v) >> 16;
+#if defined(__AVX2__)
+    const __m256i b = (__m256i)r;      // each lane < 2^16: the unsigned pack is exact
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+#else
     for (int i = 0; i < 8; ++i) p[i] = static_cast<uint16_t>(r[i]);
+#endif
   }
   static float get(const T* p) { return bf16_to_float(*p); }
   static void put(T* p, float x) { *p = float_to_bf16(x); }
