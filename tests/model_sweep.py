@@ -131,6 +131,9 @@ def tiny_model(model_type: str, seed: int = 0, **extra):
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     gen = model.generation_config
     gen.eos_token_id, gen.pad_token_id = None, 0
+    # Logits processors of a generation config are not the engine's (BART-style configs force
+    # EOS at max_length): the sweep compares the model's own greedy tokens.
+    gen.forced_eos_token_id = gen.forced_bos_token_id = None
     return model
 
 

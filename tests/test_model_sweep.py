@@ -8,8 +8,9 @@ Statuses: SAME (the engine's tokens equal generate's), (REFUSED, words of the re
 (BUILD, words of transformers' own error: the tiny config does not build, nothing of ours runs).
 Encoder models (bert, roberta, ...) and the decoders of encoder-decoder families (bart, whisper,
 ...) are in transformers' causal-LM mapping too and are built as causal decoders (is_decoder=True,
-how their *ForCausalLM is meant to run): BERT-style ones run, BART-style ones are refused (they
-count positions themselves). The model's generation config is generate's default except that
+how their *ForCausalLM is meant to run): BERT-style ones run, and BART-style ones, which count
+positions themselves, run with the step's positions handed to their positional embedding
+(runner/positions.py). The model's generation config is generate's default except that
 EOS is off (tests/model_sweep.py): logits processors a generation config may add
 (forced_eos_token_id, bad_words_ids, ...) are not the engine's and are not compared here.
 """
@@ -36,7 +37,7 @@ EXPECTED = {
     "axk2": (REFUSED, "(config.layer_types) that cb_kernels does not run"),
     "bailing_hybrid": (REFUSED, "(config.layer_types) that cb_kernels does not run"),
     "bamba": (REFUSED, "(config.layer_types) that cb_kernels does not run"),
-    "bart": (REFUSED, 'positions do not come from position_ids'),
+    "bart": SAME,
     "beam": SAME,
     "bert": SAME,
     "bert-generation": SAME,
@@ -44,8 +45,8 @@ EXPECTED = {
     "bigbird_pegasus": (REFUSED, 'attends bidirectionally'),
     "biogpt": SAME,
     "bitnet": SAME,
-    "blenderbot": (REFUSED, 'positions do not come from position_ids'),
-    "blenderbot-small": (REFUSED, 'positions do not come from position_ids'),
+    "blenderbot": SAME,
+    "blenderbot-small": SAME,
     "bloom": (REFUSED, "does not attend through transformers' attention interface"),
     "blt": (REFUSED, 'has no num_attention_heads'),
     "camembert": SAME,
@@ -144,8 +145,8 @@ EXPECTED = {
     "longcat_flash": SAME,
     "mamba": (REFUSED, 'has no num_attention_heads'),
     "mamba2": (REFUSED, 'has no num_attention_heads'),
-    "marian": (REFUSED, 'positions do not come from position_ids'),
-    "mbart": (REFUSED, 'positions do not come from position_ids'),
+    "marian": SAME,
+    "mbart": SAME,
     "megatron-bert": (REFUSED, "does not attend through transformers' attention interface"),
     "mellum": SAME,
     "mimo_v2_flash": SAME,
@@ -175,13 +176,13 @@ EXPECTED = {
     "olmoe": SAME,
     "openai-gpt": (REFUSED, "does not attend through transformers' attention interface"),
     "opt": SAME,
-    "pegasus": (REFUSED, 'positions do not come from position_ids'),
+    "pegasus": SAME,
     "persimmon": SAME,
     "phi": SAME,
     "phi3": SAME,
     "phi4_multimodal": SAME,
     "phimoe": SAME,
-    "plbart": (REFUSED, 'positions do not come from position_ids'),
+    "plbart": SAME,
     "prophetnet": (REFUSED, "does not attend through transformers' attention interface"),
     "qwen2": SAME,
     "qwen2_moe": SAME,

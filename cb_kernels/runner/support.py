@@ -31,6 +31,7 @@ import torch
 
 from cb_kernels.runner.attention import model_lock
 from cb_kernels.runner.masks import mask_pattern, tensor_is_causal
+from cb_kernels.runner.positions import explicit_positions, position_modules
 
 
 class UnsupportedModelError(NotImplementedError):
@@ -236,7 +237,7 @@ def _record(model, configs, ids, pos) -> None:
     try:
         for cfg in configs:
             cfg._attn_implementation_internal = PROBE_NAME
-        with torch.inference_mode():
+        with torch.inference_mode(), explicit_positions(position_modules(model), pos):
             model(input_ids=ids, position_ids=pos, use_cache=False, cbk_step=_SENTINEL)
     except UnsupportedModelError:
         raise

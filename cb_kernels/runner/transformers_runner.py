@@ -26,6 +26,7 @@ import torch
 from cb_kernels import ops
 from cb_kernels.runner import step_inputs, support
 from cb_kernels.runner.attention import AttentionSwitch, model_lock, step_context
+from cb_kernels.runner.positions import explicit_positions, position_modules
 from cb_kernels.runner.base import StepOutput
 from cb_kernels.runner.cuda_graphs import decode_graph_runner, graphs_enabled
 from cb_kernels.runner.fused import FusedForward
@@ -83,6 +84,7 @@ class TransformersRunner:
         cfg = _text_config(model)
         self.num_layers = getattr(cfg, "num_hidden_layers", None) or 0
         self._switch = AttentionSwitch(model)
+        self._positions = position_modules(model)   # BART-style decoders (runner/positions.py)
         # Refuses, with UnsupportedModelError, what the engine cannot run exactly; else the
         # real per-layer K/V shapes and windows, found by one probe forward.
         self.layers = support.layer_plans(model, self._switch.configs, self.num_layers)
@@ -196,7 +198,7 @@ class TransformersRunner:
 
     def _hidden_rows(self, input_ids, positions, logits_indices, attn) -> torch.Tensor:
         """transformers' decoder up to the final hidden state: [num_sampled, hidden]."""
-        with self._switch, step_context(attn), \
+        with self._switch, step_context(attn), explicit_positions(self._positions, positions), \
                 self.packed if self.packed is not None else contextlib.nullcontext():
             hidden = self._decoder(input_ids=input_ids[None], position_ids=positions[None],
                                    use_cache=False, cbk_step=attn).last_hidden_state
@@ -207,7 +209,7 @@ class TransformersRunner:
         """transformers' forward with our attention: fp32 logits [num_sampled, vocab_size].
         input_ids, positions: int64 [num_tokens]; logits_indices: int64 [num_sampled]."""
         ids, pos = input_ids[None], positions[None]
-        with self._switch, step_context(attn), \
+        with self._switch, step_context(attn), explicit_positions(self._positions, positions), \
                 self.packed if self.packed is not None else contextlib.nullcontext():
             if self._keeps_logits:
                 out = self.model(input_ids=ids, position_ids=pos, use_cache=False,
