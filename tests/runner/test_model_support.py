@@ -112,3 +112,21 @@ def test_an_encoder_is_refused_as_bidirectional():
     model = tiny_model("bert", is_decoder=False)
     with pytest.raises(UnsupportedModelError, match="attends bidirectionally"):
         Engine(model, EngineConfig(block_size=4, num_blocks=16))
+
+
+def test_bart_style_positions_come_from_the_step_and_the_model_is_restored():
+    """BART-style decoders count positions themselves; the engine hands its step's positions to
+    their positional embedding (runner/positions.py) only inside a forward."""
+    from cb_kernels.runner.positions import position_modules
+
+    model = tiny_model("bart")
+    mods = position_modules(model)
+    assert len(mods) == 1 and type(mods[0]).__name__ == "BartLearnedPositionalEmbedding"
+    ps = prompts()
+    engine = Engine(model, EngineConfig(block_size=4, num_blocks=64, prefix_caching=False))
+    outs = engine.generate(ps, SamplingParams(max_new_tokens=5, ignore_eos=True))
+    with torch.no_grad():
+        for out, p in zip(outs, ps):
+            ref = model.generate(torch.tensor([p]), max_new_tokens=5, do_sample=False)
+            assert out.token_ids == ref[0, len(p):].tolist()
+    assert not any("forward" in m.__dict__ for m in model.modules())
