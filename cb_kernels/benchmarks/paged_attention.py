@@ -155,8 +155,9 @@ def bench_rows(args, threads):
             fp32 = make_batch(seqs, args.heads, args.kv_heads, args.head_dim, args.block_size,
                               torch.float32, device)
             out32 = torch.empty_like(fp32[0])
+            # With the copy between repetitions, as the rows it is compared with.
             t_fp32 = best_time(lambda: run_backend("cpu", *fp32, out32, scale, 0, 0.0), device,
-                               args.reps)[0]
+                               args.reps, copy)[0]
             del fp32
         for backend in backends:
             t, t_copy = best_time(lambda: run_backend(backend, *inputs, out, scale, 0, 0.0),
