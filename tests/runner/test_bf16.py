@@ -185,3 +185,17 @@ def test_bf16_gemm_choice_follows_the_cpu(monkeypatch):
         monkeypatch.setattr(packed_linears, "GEMM", forced)
         assert packed_linears.gemm(torch.bfloat16) == forced
     assert packed_linears.gemm(torch.float16) is None
+
+
+def test_a_norm_kept_in_fp32_beside_bf16_linears_is_not_fused():
+    """The fused passes take every tensor in x's dtype: a norm left in fp32 beside bf16 linears
+    (as `_keep_in_fp32_modules` leaves some) must not reach them (its weight would be read as
+    bf16)."""
+    from cb_kernels.runner.fused import FusedForward
+
+    model = make_model("llama", seed=2).to(torch.bfloat16)
+    runner = _engine(model).runner
+    args = (runner.packed, runner.num_layers, runner.num_heads, runner.num_kv_heads)
+    assert FusedForward.build(model, *args) is not None
+    model.model.layers[1].post_attention_layernorm.float()
+    assert FusedForward.build(model, *args) is None

@@ -150,6 +150,16 @@ class FusedForward:
         final_norm = _rms_norm(decoder.norm)
         if final_norm is None or not all(layer.ok for layer in layers):
             return None
+        # One dtype through every pass: the kernels take all their tensors in x's dtype (a norm
+        # kept in fp32 beside bf16 linears, `_keep_in_fp32_modules`, keeps transformers' path).
+        dtype = decoder.embed_tokens.weight.dtype
+        norms = [final_norm] + [n for layer in layers
+                                for n in (layer.in_norm, layer.post_norm, layer.q_norm, layer.k_norm)
+                                if n is not None]
+        if any(n.module.weight.dtype != dtype for n in norms) or \
+                any(g.dtype != dtype for layer in layers
+                    for g in (layer.qkv, layer.gate_up, layer.o, layer.down)):
+            return None
         return cls(model, decoder, layers, final_norm)
 
     def usable(self) -> bool:
