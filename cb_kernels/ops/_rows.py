@@ -35,10 +35,5 @@ def as_rows(name: str, t, dim: Optional[int] = None, dtype: Optional[torch.dtype
     return r
 
 
-def dtype_code(t: torch.Tensor) -> int:
-    """The kernels' DType code of a float32 (0) or bfloat16 (2) tensor."""
-    return 2 if t.dtype == torch.bfloat16 else 0
-
-
 def row_stride(r: torch.Tensor) -> int:
     return r.stride(0) if r.shape[0] > 1 else r.shape[1]

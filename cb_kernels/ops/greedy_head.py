@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 
 from cb_kernels import _C
+from cb_kernels.ops._backend import DTYPE_CODES
 
 # A hidden dim joins the head's exact dims when some row has it above this many times the row's
 # RMS (SmolLM2-135M: rows with one dim at 16x; a Gaussian row passes 5x once in ~10^6 dims).
@@ -103,7 +104,7 @@ class GreedyHead:
             raise ValueError(f"weight changed shape: packed as [{self.vocab}, {self.hidden}], "
                              f"now {list(w.shape)}; build a new GreedyHead")
         _C.greedy_head_pack(w.data_ptr(), self.vocab, self.hidden, w.stride(0),
-                            self.packed.data_ptr(), self.row_stats.data_ptr(), _dtype_code(w))
+                            self.packed.data_ptr(), self.row_stats.data_ptr(), DTYPE_CODES[w.dtype])
         for e in range(self.num_exact):
             self._gather_column(e)
         # Holding the storage packed from keeps its address from being reused by a later
@@ -156,7 +157,7 @@ class GreedyHead:
             w.data_ptr(), self.vocab, self.hidden, w.stride(0), self.exact_dims.data_ptr(),
             self.exact_cols.data_ptr(), self.num_exact, out.data_ptr(),
             self.max_rescored_per_row, OUTLIER_RATIO if room else 0.0,
-            self._outliers.data_ptr(), room, isa, _dtype_code(w))
+            self._outliers.data_ptr(), room, isa, DTYPE_CODES[w.dtype])
         if found:           # exact from the next call on (this one's result is exact anyway)
             self._add_exact_dims(self._outliers[:found].tolist())
         wide = (out < 0).nonzero().flatten()
@@ -168,10 +169,6 @@ class GreedyHead:
                 logits = h.index_select(0, wide).to(w.dtype) @ w.detach().t()
             out[wide] = logits.argmax(dim=-1)
         return out
-
-
-def _dtype_code(w: torch.Tensor) -> int:
-    return 2 if w.dtype == torch.bfloat16 else 0
 
 
 def greedy_head_tokens(hidden_states: torch.Tensor, weight: torch.Tensor,

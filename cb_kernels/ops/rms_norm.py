@@ -12,8 +12,8 @@ from typing import Optional
 import torch
 
 from cb_kernels import _C
-from cb_kernels.ops._backend import sync_threads
-from cb_kernels.ops._rows import as_rows, dtype_code, row_stride
+from cb_kernels.ops._backend import DTYPE_CODES, sync_threads
+from cb_kernels.ops._rows import as_rows, row_stride
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -57,7 +57,7 @@ def _run(x, rx, w, rr, eps, isa: str = "auto") -> torch.Tensor:
     sync_threads()
     _C.rms_norm(rx.data_ptr(), 0 if rr is None else rr.data_ptr(), w.data_ptr(), out.data_ptr(),
                 rx.shape[0], dim, row_stride(rx), 0 if rr is None else row_stride(rr), dim, float(eps),
-                isa, dtype_code(x))
+                isa, DTYPE_CODES[x.dtype])
     return out.view(x.shape)
 
 
@@ -78,7 +78,7 @@ def rms_norm_unchecked(x: torch.Tensor, weight: torch.Tensor, eps: float,
     out = torch.empty_like(x)
     _C.rms_norm(x.data_ptr(), 0 if residual is None else residual.data_ptr(), weight.data_ptr(),
                 out.data_ptr(), rows, dim, dim, dim, dim, float(eps), "auto",
-                2 if x.dtype == torch.bfloat16 else 0)
+                DTYPE_CODES[x.dtype])
     return out
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from cb_kernels import _C
-from cb_kernels.ops._backend import sync_threads
+from cb_kernels.ops._backend import DTYPE_CODES, sync_threads
 
 
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, isa: str = "auto") -> torch.Tensor:
@@ -49,7 +49,7 @@ def _check(x, cos, sin) -> None:
 def _run(x, cos, sin, isa: str = "auto") -> None:
     sync_threads()
     _C.rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), x.shape[0], x.shape[1], x.shape[2],
-            x.stride(0), x.stride(1), isa, 2 if x.dtype == torch.bfloat16 else 0)
+            x.stride(0), x.stride(1), isa, DTYPE_CODES[x.dtype])
 
 
 @torch.library.custom_op("cb_kernels::rope_", mutates_args=("x",))

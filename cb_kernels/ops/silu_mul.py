@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from cb_kernels import _C
-from cb_kernels.ops._backend import sync_threads
-from cb_kernels.ops._rows import as_rows, dtype_code, row_stride
+from cb_kernels.ops._backend import DTYPE_CODES, sync_threads
+from cb_kernels.ops._rows import as_rows, row_stride
 
 
 def silu_mul(gate_up: torch.Tensor, *, isa: str = "auto") -> torch.Tensor:
@@ -40,7 +40,7 @@ def _run(gate_up, r, isa: str = "auto") -> torch.Tensor:
     out = torch.empty((r.shape[0], dim), dtype=r.dtype)
     sync_threads()
     _C.silu_mul(r.data_ptr(), out.data_ptr(), r.shape[0], dim, row_stride(r), dim, isa,
-                dtype_code(r))
+                DTYPE_CODES[r.dtype])
     return out.view(*gate_up.shape[:-1], dim)
 
 
