@@ -93,15 +93,14 @@ def _sha(value) -> str:
 def settings_fingerprint(args: argparse.Namespace, device: str) -> str:
     """Of every option that can change a result (the --dtype option as given; without it the dtype
     follows the device and, on CPU, whether it has native bf16: both are in it too)."""
-    import torch
+    from cb_kernels.models import native_bf16
 
     settings = {k: v for k, v in vars(args).items() if k not in _NOT_IN_FINGERPRINT}
     model = Path(args.model).expanduser()
     settings.update(model=str(model.resolve()) if model.is_dir() else args.model.lower(),
                     device=device)
     if args.dtype is None and device == "cpu":      # models.fast_dtype's choice depends on it
-        settings["native_bf16"] = bool(torch.cpu._is_avx512_bf16_supported()
-                                       or torch.cpu._is_amx_tile_supported())
+        settings["native_bf16"] = native_bf16()
     return _sha(settings)
 
 

@@ -122,20 +122,25 @@ def load(name_or_path, *, dtype=None, cache_dir=None, trust_remote_code: bool = 
     return _load_folder(path, torch_dtype, trust_remote_code, allow_missing_weights)
 
 
+def native_bf16() -> bool:
+    """This CPU computes bf16 natively (AVX512-BF16 or AMX)."""
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
 def fast_dtype(checkpoint_dtype: torch.dtype, device: str = "cpu") -> tuple:
     """(dtype, reason): the dtype the engine runs fastest in here for a checkpoint of
     `checkpoint_dtype` (what the CLI and the demo take when --dtype is not given).
 
     CUDA: the checkpoint's half dtype, bf16 for an fp32 checkpoint. CPU: bf16 where the CPU
-    computes it natively (AVX512-BF16 or AMX: oneDNN's bf16 matmul, ~2x the fp32 linears on
-    SmolLM2 at 16 rows, bench/RESULTS.md), for a bf16 or fp16 checkpoint, and fp32 for an fp32
+    computes it natively (`native_bf16`: the bf16 linears run ~2x the fp32 ones on SmolLM2,
+    bench/RESULTS.md), for a bf16 or fp16 checkpoint, and fp32 for an fp32
     one (converting it would change its numerics); fp32 elsewhere (bf16 emulated, fp16 not
     packed on CPU)."""
     if device == "cuda":
         if checkpoint_dtype in (torch.bfloat16, torch.float16):
             return checkpoint_dtype, "the checkpoint's dtype"
         return torch.bfloat16, "CUDA: bf16 tensor cores"
-    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    native = native_bf16()
     if checkpoint_dtype == torch.float32:
         return torch.float32, "the checkpoint's dtype"
     if native:
