@@ -190,46 +190,31 @@ Status linear(const LinearParams& p) {
     return Status::Error("linear: need m >= 0, k > 0, n > 0, x_stride >= k, y_stride >= n");
   if (p.m == 0) return Status::Ok();
   if (!p.x || !p.packed || !p.y) return Status::Error("linear: null pointer");
-  const int64_t panels = (p.n + kP - 1) / kP;
-  // Equal chunks of at most kChunkRows rows (128 rows: 2 x 64, not 96 + 32, which would leave
-  // one of two threads a third of the work).
-  const int64_t chunks = (p.m + kChunkRows - 1) / kChunkRows;
-  const int64_t chunk_rows = (p.m + chunks - 1) / chunks;
-  const int64_t items = chunks * panels;
-  const bool serial = p.m * p.n * p.k < kSerialWork;
+  // Each thread packs its chunk's rows of x (k-major per register block) once per chunk.
+  thread_local std::vector<float> xpack;
   constexpr int64_t mr = CBK_LINEAR_BODY == 2 ? 12 : 6;
-#pragma omp parallel num_threads(max_threads()) if (!serial)
-  {
-    // Each thread takes a run of items, row chunks outermost, so it walks the panels in memory
-    // order and packs its chunk's rows of x (k-major per register block) once per chunk.
-    thread_local std::vector<float> xpack;
-    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-    int64_t packed_chunk = -1;
-    for (int64_t item = items * t / nt; item < items * (t + 1) / nt; ++item) {
-      const int64_t chunk = item / panels, pi = item % panels;
-      const int64_t r0 = chunk * chunk_rows, rows = std::min(chunk_rows, p.m - r0);
-      const int64_t col0 = pi * kP, cols = std::min(kP, p.n - col0);
-      const float* x = p.x + r0 * p.x_stride;
-      const float* wp = p.packed + pi * p.k * kP;
-      float* y = p.y + r0 * p.y_stride + col0;
+  auto pack = [&](int64_t r0, int64_t rows) {
 #if CBK_LINEAR_BODY == 0
-      panel_generic(p, x, rows, wp, col0, cols, y);
-      (void)packed_chunk;
-      (void)mr;
+    (void)r0, (void)rows, (void)mr;     // the plain loops read x in place
 #else
-      if (chunk != packed_chunk) {
-        if (xpack.size() < static_cast<size_t>(rows * p.k)) xpack.resize(rows * p.k);
-        pack_rows(x, p.x_stride, rows, p.k, mr, xpack.data());
-        packed_chunk = chunk;
-      }
-#if CBK_LINEAR_BODY == 2
-      panel_avx512(p, xpack.data(), rows, wp, col0, cols, y);
+    if (xpack.size() < static_cast<size_t>(rows * p.k)) xpack.resize(rows * p.k);
+    pack_rows(p.x + r0 * p.x_stride, p.x_stride, rows, p.k, mr, xpack.data());
+#endif
+  };
+  auto run = [&](int64_t r0, int64_t rows, int64_t pi) {
+    const int64_t col0 = pi * kP, cols = std::min(kP, p.n - col0);
+    const float* wp = p.packed + pi * p.k * kP;
+    float* y = p.y + r0 * p.y_stride + col0;
+#if CBK_LINEAR_BODY == 0
+    panel_generic(p, p.x + r0 * p.x_stride, rows, wp, col0, cols, y);
+#elif CBK_LINEAR_BODY == 2
+    panel_avx512(p, xpack.data(), rows, wp, col0, cols, y);
 #else
-      panel_avx2(p, xpack.data(), rows, wp, col0, cols, y);
+    panel_avx2(p, xpack.data(), rows, wp, col0, cols, y);
 #endif
-#endif
-    }
-  }
+  };
+  for_each_panel_item(p.m, (p.n + kP - 1) / kP, kChunkRows, p.m * p.n * p.k < kSerialWork,
+                      max_threads(), pack, run);
   return Status::Ok();
 }
 

@@ -136,30 +136,19 @@ Status linear_bf16(const LinearBf16Params& p) {
     return Status::Error("linear_bf16: need m >= 0, k > 0, n > 0, x_stride >= k, y_stride >= n");
   if (p.m == 0) return Status::Ok();
   if (!p.x || !p.packed || !p.y) return Status::Error("linear_bf16: null pointer");
-  const int64_t panels = (p.n + kP - 1) / kP, pairs = (p.k + 1) / 2;
-  const int64_t chunks = (p.m + kChunkRows - 1) / kChunkRows;
-  const int64_t chunk_rows = (p.m + chunks - 1) / chunks;
-  const int64_t items = chunks * panels;
-  const bool serial = p.m * p.n * p.k < kSerialWork;
-#pragma omp parallel num_threads(max_threads()) if (!serial)
-  {
-    // As linear.cpp: a run of items per thread, row chunks outermost, x packed once per chunk.
-    thread_local std::vector<uint32_t> xpack;
-    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-    int64_t packed_chunk = -1;
-    for (int64_t item = items * t / nt; item < items * (t + 1) / nt; ++item) {
-      const int64_t chunk = item / panels, pi = item % panels;
-      const int64_t r0 = chunk * chunk_rows, rows = std::min(chunk_rows, p.m - r0);
-      const int64_t col0 = pi * kP, cols = std::min(kP, p.n - col0);
-      if (chunk != packed_chunk) {
-        if (xpack.size() < static_cast<size_t>(rows * pairs)) xpack.resize(rows * pairs);
-        pack_rows(p.x + r0 * p.x_stride, p.x_stride, rows, p.k, xpack.data());
-        packed_chunk = chunk;
-      }
-      panel(p, xpack.data(), rows, p.packed + pi * pairs * kP * 2, col0, cols,
-            p.y + r0 * p.y_stride + col0);
-    }
-  }
+  const int64_t pairs = (p.k + 1) / 2;
+  thread_local std::vector<uint32_t> xpack;     // as linear.cpp: x packed once per chunk
+  auto pack = [&](int64_t r0, int64_t rows) {
+    if (xpack.size() < static_cast<size_t>(rows * pairs)) xpack.resize(rows * pairs);
+    pack_rows(p.x + r0 * p.x_stride, p.x_stride, rows, p.k, xpack.data());
+  };
+  auto run = [&](int64_t r0, int64_t rows, int64_t pi) {
+    const int64_t col0 = pi * kP, cols = std::min(kP, p.n - col0);
+    panel(p, xpack.data(), rows, p.packed + pi * pairs * kP * 2, col0, cols,
+          p.y + r0 * p.y_stride + col0);
+  };
+  for_each_panel_item(p.m, (p.n + kP - 1) / kP, kChunkRows, p.m * p.n * p.k < kSerialWork,
+                      max_threads(), pack, run);
   return Status::Ok();
 }
 
