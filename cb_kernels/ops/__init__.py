@@ -13,10 +13,12 @@ from cb_kernels.ops.linear import PackedLinear
 from cb_kernels.ops.paged_attention import paged_attention, paged_attention_unchecked
 from cb_kernels.ops.rms_norm import rms_norm, rms_norm_unchecked
 from cb_kernels.ops.rope import rope_
+from cb_kernels.ops.rope_write_kv import rope_write_kv_, rope_write_kv_unchecked
 from cb_kernels.ops.silu_mul import silu_mul
 from cb_kernels.ops.swap_blocks import swap_blocks
 from cb_kernels.ops.write_kv import write_kv, write_kv_unchecked
 
 __all__ = ["available_backends", "paged_attention", "paged_attention_unchecked", "write_kv",
            "write_kv_unchecked", "copy_blocks", "swap_blocks", "HostPool", "greedy_tokens",
-           "GreedyHead", "PackedLinear", "rms_norm", "rms_norm_unchecked", "silu_mul", "rope_"]
+           "GreedyHead", "PackedLinear", "rms_norm", "rms_norm_unchecked", "silu_mul", "rope_",
+           "rope_write_kv_", "rope_write_kv_unchecked"]

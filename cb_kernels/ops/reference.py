@@ -135,3 +135,10 @@ def ref_greedy_head(hidden_states: torch.Tensor, weight: torch.Tensor) -> torch.
     argmax of the logits hidden_states @ weight.T computed in float64 (exact enough to order
     near-ties fp32 cannot), the lowest index on a tie."""
     return (hidden_states.double() @ weight.double().t()).argmax(dim=-1)
+
+
+def ref_rope_write_kv_(q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> None:
+    """ref_rope_ of q and of k in place, then ref_write_kv of the rotated k and of v."""
+    ref_rope_(q, cos, sin)
+    ref_rope_(k, cos, sin)
+    ref_write_kv(k, v, k_cache, v_cache, slot_mapping)

@@ -18,6 +18,7 @@
   Status rms_norm(const RmsNormParams&);              \
   Status silu_mul(const SiluMulParams&);              \
   Status rope(const RopeParams&);                     \
+  Status rope_write_kv(const RopeWriteKvParams&);     \
   Status argmax_rows(const ArgmaxParams&);            \
   Status linear(const LinearParams&);                 \
   Status linear_bf16(const LinearBf16Params&);        \
@@ -134,6 +135,9 @@ Status paged_attention(const PagedAttentionParams& p, Isa isa) {
 Status rms_norm(const RmsNormParams& p, Isa isa) { CBK_RUN_AVX2_OR_PORTABLE(rms_norm, p, isa); }
 Status silu_mul(const SiluMulParams& p, Isa isa) { CBK_RUN_AVX2_OR_PORTABLE(silu_mul, p, isa); }
 Status rope(const RopeParams& p, Isa isa) { CBK_RUN_AVX2_OR_PORTABLE(rope, p, isa); }
+Status rope_write_kv(const RopeWriteKvParams& p, Isa isa) {
+  CBK_RUN_AVX2_OR_PORTABLE(rope_write_kv, p, isa);
+}
 Status argmax_rows(const ArgmaxParams& p, Isa isa) {
   CBK_RUN_AVX2_OR_PORTABLE(argmax_rows, p, isa);
 }

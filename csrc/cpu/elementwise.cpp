@@ -12,6 +12,7 @@
 #include <omp.h>
 
 #include <cmath>
+#include <cstring>
 
 #include "attention_vec.h"
 #include "threads.h"
@@ -204,6 +205,49 @@ Status rope(const RopeParams& p) {
 #pragma omp parallel for schedule(static) num_threads(cpu::max_threads()) \
     if (parallel(p.tokens, p.heads * p.head_dim))
   for (int64_t t = 0; t < p.tokens; ++t) bf16 ? rope_token<BF16>(p, t) : rope_token<F32>(p, t);
+  return Status::Ok();
+}
+
+Status rope_write_kv(const RopeWriteKvParams& p) {
+  const RopeParams &q = p.q, &k = p.k;
+  if (q.tokens != k.tokens || q.head_dim != k.head_dim || q.dtype != k.dtype || q.cos != k.cos ||
+      q.sin != k.sin)
+    return Status::Error("rope_write_kv: q and k need the same tokens, head_dim, dtype, cos and sin");
+  if (q.tokens < 0 || q.heads <= 0 || k.heads <= 0 || q.head_dim <= 0 || q.head_dim % 2 != 0)
+    return Status::Error("rope_write_kv: need tokens >= 0, heads > 0 and an even head_dim > 0");
+  if (q.tokens == 0) return Status::Ok();
+  if (q.x == nullptr || k.x == nullptr || p.value == nullptr || q.cos == nullptr ||
+      q.sin == nullptr || p.k_cache == nullptr || p.v_cache == nullptr || p.slot_mapping == nullptr)
+    return Status::Error("rope_write_kv: null pointer");
+  if (!taken(q.dtype)) return Status::Error("rope_write_kv: dtype must be float32 or bfloat16");
+  if (p.block_size <= 0) return Status::Error("rope_write_kv: block_size must be > 0");
+  const bool bf16 = q.dtype == DType::kBFloat16;
+  const int64_t es = dtype_size(q.dtype), row = q.head_dim * es;
+  char* kc = static_cast<char*>(p.k_cache);
+  char* vc = static_cast<char*>(p.v_cache);
+  const char* kx = static_cast<const char*>(k.x);
+  const char* vx = static_cast<const char*>(p.value);
+#pragma omp parallel for schedule(static) num_threads(cpu::max_threads()) \
+    if (parallel(q.tokens, (q.heads + k.heads) * q.head_dim))
+  for (int64_t t = 0; t < q.tokens; ++t) {
+    if (bf16) {
+      rope_token<BF16>(q, t);
+      rope_token<BF16>(k, t);
+    } else {
+      rope_token<F32>(q, t);
+      rope_token<F32>(k, t);
+    }
+    const int64_t slot = p.slot_mapping[t];
+    if (slot < 0 || slot >= p.num_slots) continue;
+    const int64_t block = slot / p.block_size, off = slot % p.block_size;
+    char* kd = kc + (block * p.k_cache_stride[0] + off * p.k_cache_stride[1]) * es;
+    char* vd = vc + (block * p.v_cache_stride[0] + off * p.v_cache_stride[1]) * es;
+    for (int64_t h = 0; h < k.heads; ++h) {
+      std::memcpy(kd + h * p.k_cache_stride[2] * es, kx + (t * k.token_stride + h * k.head_stride) * es, row);
+      std::memcpy(vd + h * p.v_cache_stride[2] * es,
+                  vx + (t * p.value_token_stride + h * p.value_head_stride) * es, row);
+    }
+  }
   return Status::Ok();
 }
 

@@ -185,10 +185,10 @@ class FusedForward:
             v = v.view(num_tokens, layer.num_kv_heads, layer.head_dim)
             if layer.q_norm is not None:
                 q, k = layer.q_norm(q), layer.k_norm(k)
-            ops.rope_(q, cos, sin)
-            ops.rope_(k, cos, sin)
             k_cache, v_cache = step.k_caches[i], step.v_caches[i]
-            ops.write_kv_unchecked(k, v, k_cache, v_cache, step.slot_mapping)
+            # rope_(q), rope_(k), write_kv in one pass; layer 0 checks the shapes all layers share
+            ops.rope_write_kv_unchecked(q, k, v, cos, sin, k_cache, v_cache, step.slot_mapping,
+                                        check_metadata=i == 0)
             if i == 0:      # one full check of the step's metadata; the other layers share it
                 out = ops.paged_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens,
                                           step.cu_seqlens_q, scale=layer.scaling,

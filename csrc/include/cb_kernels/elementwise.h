@@ -44,7 +44,23 @@ struct RopeParams {
   DType dtype = DType::kFloat32;
 };
 
+// rope(q), rope(k) in place, then k and v written into their cache slots: rope_ twice and write_kv
+// in one pass (the fused forward's three calls per layer after the qkv projection). q and k are
+// RopeParams over the same tokens and cos/sin; the rotated k is what reaches the cache.
+struct RopeWriteKvParams {
+  RopeParams q, k;
+  const void* value = nullptr;       // [tokens, k.heads, k.head_dim], head_dim packed
+  int64_t value_token_stride = 0, value_head_stride = 0;   // elements
+  void* k_cache = nullptr;           // [num_blocks, block_size, k.heads, k.head_dim]
+  void* v_cache = nullptr;           // same shape as k_cache
+  int64_t k_cache_stride[3] = {0, 0, 0};   // elements between blocks, offsets, heads
+  int64_t v_cache_stride[3] = {0, 0, 0};
+  const int64_t* slot_mapping = nullptr;   // [tokens]; slots outside [0, num_slots) are skipped
+  int64_t block_size = 0, num_slots = 0;
+};
+
 namespace cpu {
+Status rope_write_kv(const RopeWriteKvParams& p, Isa isa = Isa::kAuto);
 // Bodies: portable, avx2 (see cb_kernels/isa.h).
 Status rms_norm(const RmsNormParams& p, Isa isa = Isa::kAuto);
 Status silu_mul(const SiluMulParams& p, Isa isa = Isa::kAuto);
