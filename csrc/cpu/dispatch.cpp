@@ -75,6 +75,7 @@ Isa pick(Isa cap, const Isa (&bodies)[N]) {
 
 constexpr Isa kAvx2Bodies[] = {Isa::kPortable, Isa::kAvx2};
 constexpr Isa kBf16AttentionBodies[] = {Isa::kPortable, Isa::kAvx2, Isa::kAvx512Bf16};
+constexpr Isa kElementwiseBodies[] = {Isa::kPortable, Isa::kAvx2, Isa::kAvx512Bf16};
 }  // namespace
 
 const char* isa_name(Isa isa) {
@@ -133,7 +134,13 @@ Status paged_attention(const PagedAttentionParams& p, Isa isa) {
   CBK_RUN_AVX2_OR_PORTABLE(paged_attention, p, isa);
 }
 Status rms_norm(const RmsNormParams& p, Isa isa) { CBK_RUN_AVX2_OR_PORTABLE(rms_norm, p, isa); }
-Status silu_mul(const SiluMulParams& p, Isa isa) { CBK_RUN_AVX2_OR_PORTABLE(silu_mul, p, isa); }
+Status silu_mul(const SiluMulParams& p, Isa isa) {
+#if CBK_X86_BODIES
+  // 16 lanes and vcvtneps2bf16 where the CPU has AVX512-BF16; the avx2 body's bits (tests)
+  if (pick(isa, kElementwiseBodies) == Isa::kAvx512Bf16) return cpu_avx512_bf16::silu_mul(p);
+#endif
+  CBK_RUN_AVX2_OR_PORTABLE(silu_mul, p, isa);
+}
 Status rope(const RopeParams& p, Isa isa) { CBK_RUN_AVX2_OR_PORTABLE(rope, p, isa); }
 Status rope_write_kv(const RopeWriteKvParams& p, Isa isa) {
   CBK_RUN_AVX2_OR_PORTABLE(rope_write_kv, p, isa);

@@ -141,6 +141,107 @@ void silu_row(const SiluMulParams& p, int64_t r) {
   for (; i < p.dim; ++i) E::put(out + i, E::round(silu1(E::get(g + i))) * E::get(u + i));
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VL__)
+// The avx512_bf16 body's SiLU: 16 lanes, and bf16 rounding by vcvtneps2bf16 (one instruction for
+// the eight integer ops of BF16::rne). Each lane computes exactly what silu8 computes (the same
+// expressions, so the same contractions), and the hardware rounding is BF16::rne's for every
+// value but fp32 denormals (which it flushes) and NaNs (whose payload it may change): a vector
+// holding either takes the integer rounding instead. So this body's bits are the avx2 body's
+// (tested); it ran bf16 SiLU at 16 x 1536 ~2x faster than the 8-lane body on the Zen 4.
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+
+inline v16f splat16(float x) { return v16f{} + x; }
+
+inline v16f exp16(v16f x) {  // exp8's steps on 16 lanes
+  const v16i underflow = x < splat16(-87.3f);
+  x = x > splat16(-87.3f) ? x : splat16(-87.3f);
+  const v16f magic = splat16(12582912.0f);
+  const v16f n = (x * splat16(1.44269504088896341f) + magic) - magic;
+  const v16f r = x - n * splat16(0.693359375f) - n * splat16(-2.12194440e-4f);
+  v16f p = splat16(1.9875691500e-4f);
+  p = p * r + splat16(1.3981999507e-3f);
+  p = p * r + splat16(8.3334519073e-3f);
+  p = p * r + splat16(4.1665795894e-2f);
+  p = p * r + splat16(1.6666665459e-1f);
+  p = p * r + splat16(5.0000001201e-1f);
+  p = p * r * r + r + splat16(1.0f);
+  const v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
+  v16f scale;
+  __builtin_memcpy(&scale, &bits, sizeof(scale));
+  return underflow ? splat16(0.0f) : p * scale;
+}
+
+inline v16f silu16(v16f x) {
+  const v16f ax = x < 0 ? -x : x;
+  const v16f e = exp16(-ax);
+  const v16f one = splat16(1.0f);
+  const v16f sig = x < 0 ? e / (one + e) : one / (one + e);
+  return x * sig;
+}
+
+// Lanes whose bf16 rounding vcvtneps2bf16 does not do as BF16::rne: fp32 denormals and NaNs.
+inline bool bf16_special(v16f v) {
+  const v16u a = (v16u)v & 0x7fffffffu;
+  const v16i odd = ((a - 1u) < 0x007fffffu) | (a > 0x7f800000u);
+  return _mm512_test_epi32_mask((__m512i)odd, (__m512i)odd) != 0;
+}
+
+inline v16u rne16(v16f v) {  // BF16::rne on 16 lanes: the result in the high 16 bits
+  const v16u b = (v16u)v;
+  const v16u r = b + 0x7fffu + ((b >> 16) & 1u);
+  const v16u nan = (b & 0x7fffffffu) > 0x7f800000u;
+  return (nan & (b | 0x400000u)) | (~nan & r);
+}
+
+inline __m256i to_bf16x16(v16f v) {
+  if (__builtin_expect(bf16_special(v), 0))
+    return _mm512_cvtepi32_epi16((__m512i)(rne16(v) >> 16));
+  return (__m256i)_mm512_cvtneps_pbh((__m512)v);
+}
+
+inline v16f from_bf16x16(__m256i h) {
+  return (v16f)_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+}
+
+struct F32x16 {
+  using T = float;
+  static v16f load(const T* p) { return (v16f)_mm512_loadu_ps(p); }
+  static void store(T* p, v16f v) { _mm512_storeu_ps(p, (__m512)v); }
+  static v16f round(v16f v) { return v; }
+};
+
+struct BF16x16 {
+  using T = uint16_t;
+  static v16f load(const T* p) {
+    return from_bf16x16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static void store(T* p, v16f v) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16x16(v));
+  }
+  static v16f round(v16f v) { return from_bf16x16(to_bf16x16(v)); }
+};
+
+// silu_row with 16 lanes; the last dim % 16 elements go through silu_row's own 8-lane and
+// scalar steps, so every element has the avx2 body's bits.
+template <typename E16, typename E>
+void silu_row16(const SiluMulParams& p, int64_t r) {
+  using T = typename E::T;
+  const T* g = static_cast<const T*>(p.gate_up) + r * p.in_stride;
+  const T* u = g + p.dim;
+  T* out = static_cast<T*>(p.out) + r * p.out_stride;
+  int64_t i = 0;
+  for (; i + 16 <= p.dim; i += 16)
+    E16::store(out + i, E16::round(silu16(E16::load(g + i))) * E16::load(u + i));
+  for (; i + 8 <= p.dim; i += 8) E::store(out + i, E::round(silu8(E::load(g + i))) * E::load(u + i));
+  for (; i < p.dim; ++i) E::put(out + i, E::round(silu1(E::get(g + i))) * E::get(u + i));
+}
+#define CBK_SILU_ROW(E16, E) silu_row16<E16, E>
+#else
+#define CBK_SILU_ROW(E16, E) silu_row<E>
+#endif
+
 // x = round(round(x * cos) + round(rotate_half(x) * sin)), cos and sin in the dtype, as
 // transformers' apply_rotary_pos_emb computes it.
 template <typename E>
@@ -191,7 +292,8 @@ Status silu_mul(const SiluMulParams& p) {
   if (!taken(p.dtype)) return Status::Error("silu_mul: dtype must be float32 or bfloat16");
   const bool bf16 = p.dtype == DType::kBFloat16;
 #pragma omp parallel for schedule(static) num_threads(cpu::max_threads()) if (parallel(p.rows, p.dim, kParallelSiluElems))
-  for (int64_t r = 0; r < p.rows; ++r) bf16 ? silu_row<BF16>(p, r) : silu_row<F32>(p, r);
+  for (int64_t r = 0; r < p.rows; ++r)
+    bf16 ? CBK_SILU_ROW(BF16x16, BF16)(p, r) : CBK_SILU_ROW(F32x16, F32)(p, r);
   return Status::Ok();
 }
 

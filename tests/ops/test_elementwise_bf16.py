@@ -9,7 +9,7 @@ import torch
 from cb_kernels import _C, ops
 from cb_kernels.ops.reference import ref_rms_norm, ref_rope_, ref_silu_mul
 
-ISAS = [isa for isa in _C.cpu_isas() if isa in ("portable", "avx2")]
+ISAS = [isa for isa in _C.cpu_isas() if isa in ("portable", "avx2", "avx512_bf16")]
 
 
 def _r(*shape, seed=0, scale=1.0):

@@ -3,7 +3,7 @@ tails), large inputs (both exp branches), strided rows, the registered op, and t
 import pytest
 import torch
 
-from cb_kernels import ops
+from cb_kernels import _C, ops
 from cb_kernels.ops.reference import ref_silu_mul
 
 
@@ -45,3 +45,25 @@ def test_traces_under_torch_compile():
 def test_bad_input_raises_naming_it(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+# Every body this CPU runs above the portable one: the avx512_bf16 body (16 lanes, hardware bf16
+# rounding) must give the avx2 body's bits, special values included.
+_BODIES = [isa for isa in _C.cpu_isas() if isa in ("avx2", "avx512_bf16")]
+_SPECIAL = [float("nan"), float("inf"), -float("inf"), 1e-39, -1e-39, 1e-45, 0.0, -0.0, 88.0,
+            -88.0, -100.0, 100.0, 1e38, -1e38, 3e38, -3e38, 2.0 ** -126, -(2.0 ** -127)]
+
+
+@pytest.mark.parametrize("isa", [b for b in _BODIES if b != "avx2"] or ["avx2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows, dim", [(16, 1536), (3, 1544), (2, 13), (700, 64)])
+def test_every_body_gives_the_avx2_bits(isa, dtype, rows, dim):
+    gu = _r(rows, 2 * dim, scale=6.0, seed=5)
+    n = min(dim, len(_SPECIAL))
+    gu[0, :n] = torch.tensor(_SPECIAL[:n])
+    gu[-1, dim:dim + n] = torch.tensor(_SPECIAL[:n])                # in `up` too
+    gu = gu.to(dtype)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    want = ops.silu_mul(gu, isa="avx2").view(bits)
+    assert torch.equal(ops.silu_mul(gu, isa=isa).view(bits), want)
+    assert torch.equal(ops.silu_mul(gu).view(bits), want)             # the auto pick
