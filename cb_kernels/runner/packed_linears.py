@@ -163,8 +163,14 @@ class _Group:
         self.last_outputs: list = []
         self.forwards = [self._forward_of(i) for i in range(len(members))]
 
+    def current_key(self) -> tuple:
+        # _parameters, not m.weight: nn.Module.__getattr__ made this check 5x slower (every
+        # step checks every group); a parameter name can only hold a Parameter or None.
+        return tuple((_identity(m._parameters["weight"]), _identity(m._parameters.get("bias")))
+                     for m in self.members)
+
     def refresh(self, force: bool = False) -> None:
-        key = tuple((_identity(m.weight), _identity(m.bias)) for m in self.members)
+        key = self.current_key()
         if key == self.key and not force:
             return
         # Holding the storages packed from keeps their addresses from being reused by a later
@@ -317,8 +323,17 @@ class PackedLinears:
     def refresh(self, force: bool = False) -> None:
         """Repack the weights that were replaced or changed in place since the last step (all of
         them with `force`: after writes the version counter misses, see the module docstring)."""
+        # One pass over every member's parameters first (each step does this: 0.06 ms for
+        # SmolLM2's 210 linears on the loaded bench host, against 0.31 ms walking the groups).
+        if not hasattr(self, "_param_dicts"):
+            self._param_dicts, self._key = [m._parameters for g in self.groups
+                                            for m in g.members], None
+        key = [(_identity(d["weight"]), _identity(d.get("bias"))) for d in self._param_dicts]
+        if key == self._key and not force:
+            return
         for g in self.groups:
             g.refresh(force)
+        self._key = key
 
     def __enter__(self) -> "PackedLinears":
         self._depth += 1
