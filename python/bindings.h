@@ -17,6 +17,7 @@ void bind_sampling(pybind11::module_& m);          // greedy argmax over logits 
 void bind_elementwise(pybind11::module_& m);       // fused RMSNorm, SiLU*mul, rotary (CPU)
 void bind_greedy_head(pybind11::module_& m);       // argmax of hidden @ W^T (CPU, int8 + exact rescoring)
 void bind_linear(pybind11::module_& m);            // fp32 linear on a packed weight (CPU)
+void bind_decoder(pybind11::module_& m);           // the fused CPU decoder stack in one call
 void bind_paged_attention_cuda(pybind11::module_& m);  // CUDA kernels (stubs raise when built without CUDA)
 
 namespace cbk {

@@ -47,5 +47,6 @@ PYBIND11_MODULE(_C, m) {
   bind_elementwise(m);
   bind_greedy_head(m);
   bind_linear(m);
+  bind_decoder(m);
   bind_paged_attention_cuda(m);
 }

@@ -6,6 +6,7 @@ checks, for arguments the caller has checked once (their docstrings say what is 
 """
 from cb_kernels.ops._backend import available_backends
 from cb_kernels.ops.copy_blocks import copy_blocks
+from cb_kernels.ops.decoder import FusedDecoder
 from cb_kernels.ops.greedy_head import GreedyHead
 from cb_kernels.ops.greedy_tokens import greedy_tokens
 from cb_kernels.ops.host_pool import HostPool
@@ -21,4 +22,4 @@ from cb_kernels.ops.write_kv import write_kv, write_kv_unchecked
 __all__ = ["available_backends", "paged_attention", "paged_attention_unchecked", "write_kv",
            "write_kv_unchecked", "copy_blocks", "swap_blocks", "HostPool", "greedy_tokens",
            "GreedyHead", "PackedLinear", "rms_norm", "rms_norm_unchecked", "silu_mul", "rope_",
-           "rope_write_kv_", "rope_write_kv_unchecked"]
+           "rope_write_kv_", "rope_write_kv_unchecked", "FusedDecoder"]

@@ -7,6 +7,7 @@ import torch
 
 from cb_kernels import Engine, EngineConfig, SamplingParams
 from cb_kernels.runner import packed_linears
+from cb_kernels.runner.fused import forward
 from cb_kernels.runner.fused.families import SPECS
 from tests.helpers import make_model, random_prompts
 
@@ -119,3 +120,97 @@ def test_logits_match_transformers_forward(kind, overrides):
     engine.runner.fused = both
     engine.generate(random_prompts([30, 3, 12], seed=4), SamplingParams(max_new_tokens=6))
     assert len(both.equal) >= 8 and all(both.equal)
+
+
+class _NativeAndLoop:
+    """Runs each step through FusedDecoder (one C++ call) and through the Python loop it
+    replaces; records whether the rows are bit-identical (both write the same K/V)."""
+
+    def __init__(self, fused):
+        self.fused, self.equal = fused, []
+
+    def usable(self):
+        return True
+
+    def __call__(self, input_ids, positions, logits_indices, attn):
+        forward.NATIVE = False
+        try:
+            want = self.fused(input_ids, positions, logits_indices, attn)
+        finally:
+            forward.NATIVE = True
+        got = self.fused(input_ids, positions, logits_indices, attn)
+        self.equal.append(torch.equal(got, want))
+        return got
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kind, overrides", [
+    ("llama", {}), ("qwen2", WINDOWS), ("mistral", {"sliding_window": 8}),
+    ("llama", {"attention_bias": True, "mlp_bias": True}),
+    ("llama", {"tie_word_embeddings": True, "num_key_value_heads": 4, "head_dim": 32}),
+], ids=["llama", "qwen2-layer-windows", "mistral-window-8", "llama-biases", "llama-mha-32"])
+@pytest.mark.one_thread
+def test_fused_decoder_gives_the_python_loops_bits(kind, overrides, dtype):
+    model = make_model(kind, seed=6, **overrides).to(dtype)
+    engine = _engine(model, max_batch_tokens=16)       # chunked prefill, then decodes
+    assert engine.runner.fused.native is not None
+    both = _NativeAndLoop(engine.runner.fused)
+    engine.runner.fused = both
+    engine.generate(random_prompts([30, 3, 12], seed=4), SamplingParams(max_new_tokens=6))
+    assert len(both.equal) >= 8 and all(both.equal)
+    assert both.fused._table          # the native call ran
+
+
+def test_fused_decoder_is_not_used_where_it_does_not_fit():
+    # q/k norms (Qwen3): the Python loop
+    assert _engine(make_model("qwen3")).runner.fused.native is None
+    # our packed kernel switched off: the loop over oneDNN or F.linear
+    engine = _engine(make_model())
+    packed_linears.GEMM = "torch"
+    engine.runner.refresh_weights()
+    assert engine.runner.fused._native_table(_FakeStep(engine.runner)) is None
+
+
+class _FakeStep:
+    def __init__(self, runner):
+        self.k_caches, self.v_caches = runner.k_caches, runner.v_caches
+
+
+def test_fused_decoder_rebuilds_its_table_when_a_weight_is_replaced():
+    model = make_model(seed=2)
+    engine = _engine(model)
+    prompts = random_prompts([9, 5], seed=1)
+    engine.generate(prompts, SamplingParams(max_new_tokens=4))
+    table = list(engine.runner.fused._table)
+    layer = model.model.layers[1]
+    layer.post_attention_layernorm.weight = torch.nn.Parameter(
+        layer.post_attention_layernorm.weight.detach() * 2)
+    layer.mlp.down_proj.weight = torch.nn.Parameter(layer.mlp.down_proj.weight.detach() * 0.5)
+    engine.weights_updated()
+    got = engine.generate(prompts, SamplingParams(max_new_tokens=4))
+    assert engine.runner.fused._table != table
+    forward.NATIVE = False
+    try:
+        engine.weights_updated()
+        want = engine.generate(prompts, SamplingParams(max_new_tokens=4))
+    finally:
+        forward.NATIVE = True
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
+def test_fused_decoder_refuses_bad_tables_and_tensors():
+    from cb_kernels import ops
+    dec = ops.FusedDecoder(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128,
+                           eps=1e-6, scale=0.25, dtype=torch.float32)
+    lin = ops.PackedLinear(torch.randn(128, 64))
+    caches = [torch.zeros(4, 8, 2, 16)]
+    norm = torch.ones(64)
+    with pytest.raises(ValueError, match=r"layer 0 o must be a torch.float32 PackedLinear of \[n, k\] = \[64, 64\]"):
+        dec.layer_table([(norm, norm, lin, lin, lin, lin, None)], caches, caches)
+    with pytest.raises(ValueError, match="layer 0 in_norm weight"):
+        dec.layer_table([(norm[:32], norm, lin, lin, lin, lin, None)], caches, caches)
+    with pytest.raises(ValueError, match="one k and v cache per layer"):
+        dec.layer_table([(norm, norm, lin, lin, lin, lin, None)], caches * 2, caches)
+    with pytest.raises(ValueError, match="heads .4. must be a multiple of kv_heads .3."):
+        ops.FusedDecoder(hidden=64, heads=4, kv_heads=3, head_dim=16, intermediate=128,
+                         eps=1e-6, scale=0.25, dtype=torch.float32)

@@ -18,18 +18,31 @@ def _engine(device="cpu", num_layers=2, **config):
     return Engine(model, EngineConfig(**{**cfg, **config}))
 
 
-@pytest.mark.parametrize("pack", [True, False], ids=["fused-path", "transformers-path"])
-def test_layers_use_the_unchecked_write_kv(monkeypatch, pack):
-    engine = _engine(pack_weights=pack)
-    assert (engine.runner.fused is not None) == pack
-    unchecked, checked = [], []
-    real = ops.write_kv_unchecked
-    monkeypatch.setattr(ops, "write_kv_unchecked",
-                        lambda *a, **k: (unchecked.append(1), real(*a, **k)))
-    monkeypatch.setattr(ops, "write_kv", lambda *a, **k: checked.append(1))
+@pytest.mark.parametrize("path", ["fused-native", "fused-loop", "transformers"])
+def test_layers_use_the_unchecked_write_kv(monkeypatch, path):
+    """transformers' path writes through write_kv_unchecked, the fused loop through
+    rope_write_kv_unchecked, the fused decoder in its one C++ call (ops.FusedDecoder): once per
+    layer and step each, never through a checked write."""
+    from cb_kernels.runner.fused import forward
+    engine = _engine(pack_weights=path != "transformers")
+    assert (engine.runner.fused is not None) == (path != "transformers")
+    monkeypatch.setattr(forward, "NATIVE", path == "fused-native")
+    calls, checked = [], []
+    for name in ("write_kv_unchecked", "rope_write_kv_unchecked"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, _n=name, _r=real, **k: (calls.append(_n), _r(*a, **k)))
+    real_decoder = ops.FusedDecoder.__call__
+    monkeypatch.setattr(ops.FusedDecoder, "__call__",
+                        lambda *a, **k: (calls.append("decoder"), real_decoder(*a, **k))[1])
+    for name in ("write_kv", "rope_write_kv_"):
+        monkeypatch.setattr(ops, name, lambda *a, **k: checked.append(1))
     outs = engine.generate(random_prompts([9, 5], seed=2), SamplingParams(max_new_tokens=3))
     assert [len(o.token_ids) for o in outs] == [3, 3]
-    assert checked == [] and len(unchecked) == 2 * engine.stats()["steps"]
+    steps = engine.stats()["steps"]
+    want = {"fused-native": ["decoder"] * steps,
+            "fused-loop": ["rope_write_kv_unchecked"] * (2 * steps),
+            "transformers": ["write_kv_unchecked"] * (2 * steps)}[path]
+    assert checked == [] and calls == want
 
 
 def test_mask_builders_never_read_position_ids(monkeypatch):
