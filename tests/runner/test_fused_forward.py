@@ -214,3 +214,26 @@ def test_fused_decoder_refuses_bad_tables_and_tensors():
     with pytest.raises(ValueError, match="heads .4. must be a multiple of kv_heads .3."):
         ops.FusedDecoder(hidden=64, heads=4, kv_heads=3, head_dim=16, intermediate=128,
                          eps=1e-6, scale=0.25, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rotary_table_equals_the_module_and_grows(dtype):
+    model = make_model(seed=1).to(dtype)
+    table = _engine(model).runner.fused.rotary
+    assert table.cached
+    x = torch.zeros(1, 1, 64, dtype=dtype)
+    for positions in (torch.tensor([3, 0, 7]), torch.tensor([2047, 5, 1500]), torch.tensor([9])):
+        got = table(x, positions)
+        want = model.model.rotary_emb(x, positions[None])
+        assert torch.equal(got[0], want[0][0]) and torch.equal(got[1], want[1][0])
+    assert table.cos.shape[0] == 2048
+    with torch.no_grad():
+        model.model.rotary_emb.inv_freq.mul_(0.5)          # a new frequency: the table follows
+    got = table(x, torch.tensor([11]))
+    assert torch.equal(got[0], model.model.rotary_emb(x, torch.tensor([[11]]))[0][0])
+
+
+def test_rotary_table_is_not_used_for_length_dependent_rope():
+    model = make_model(rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0,
+                                        "factor": 2.0})
+    assert not _engine(model).runner.fused.rotary.cached
