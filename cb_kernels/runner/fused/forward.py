@@ -129,11 +129,13 @@ NATIVE = True
 
 
 def _native_decoder(layers: list, final_norm: _Norm, dtype) -> Optional[ops.FusedDecoder]:
-    """A FusedDecoder for these layers when they fit its one shape: no q/k norms, one eps and
-    one scale throughout, gate and up of equal width."""
+    """A FusedDecoder for these layers when they fit its one shape: no q/k norms, no
+    tensor-parallel split, one eps and one scale throughout, gate and up of equal width."""
     first = layers[0]
     norms = [final_norm] + [n for layer in layers for n in (layer.in_norm, layer.post_norm)]
-    if any(layer.q_norm is not None for layer in layers) or \
+    # (a tensor-parallel split, `layer.tp`, all-reduces between the passes: the loop does it)
+    if any(layer.q_norm is not None or getattr(layer, "tp", None) is not None
+           for layer in layers) or \
             len({n.eps for n in norms}) != 1 or len({layer.scaling for layer in layers}) != 1 or \
             any((layer.num_heads, layer.num_kv_heads, layer.head_dim, sum(layer.gate_up.splits))
                 != (first.num_heads, first.num_kv_heads, first.head_dim, sum(first.gate_up.splits))
