@@ -32,6 +32,7 @@ import torch
 from cb_kernels.runner.attention import model_lock
 from cb_kernels.runner.masks import mask_pattern, tensor_is_causal
 from cb_kernels.runner.positions import explicit_positions, position_modules
+from cb_kernels.runner.state_cache import StateSwitch
 
 
 class UnsupportedModelError(NotImplementedError):
@@ -73,8 +74,12 @@ _STATEFUL = re.compile(r"Mamba|SSM|Ssm|Mixer|LinearAttention|LinearAttn|DeltaNet
                        r"Rwkv|RWKV|xLSTM|Mlstm|Slstm|Recurrent|Rglru|RgLru|ShortConv|Conv1d|"
                        r"ConvLayer|Lfm2.*Conv|ShortConvolution")
 _INDEXER = re.compile(r"Indexer")
+# Classes named like a family's stateful mixer that hold no state themselves (MambaRMSNorm).
+_STATELESS_PARTS = re.compile(r"(Norm|MLP|Embeddings?|Experts)$")
 _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "attention",
                           None}
+# Layers with neither attention nor state (a bare MLP / MoE block between mixers, Nemotron-H).
+_STATELESS_LAYER_TYPES = {"mlp", "moe"}
 
 
 def _text_config(model):
@@ -105,29 +110,50 @@ def _decoder_layers(model, num_layers):
             yield name, module
 
 
-def static_check(model) -> None:
-    """Raises UnsupportedModelError for what the config and module tree already show."""
+def static_check(model, state_layers: Optional[dict] = None) -> None:
+    """Raises UnsupportedModelError for what the config and module tree already show.
+    `state_layers` (layer_idx -> module, runner/state_cache.state_modules): the stateful layers
+    the engine keeps state slots for; their modules and layer types are not refused."""
     cfg = _text_config(model)
     name = type(model).__name__
-    if not hasattr(cfg, "num_attention_heads"):
+    state_layers = state_layers or {}
+    if not hasattr(cfg, "num_attention_heads") and not state_layers:
         raise UnsupportedModelError(
-            f"{name}'s config has no num_attention_heads (pure state-space and recurrent "
-            "models such as Mamba, RWKV and xLSTM have none): cb_kernels runs models whose "
-            "layers attend through transformers' attention interface")
+            f"{name}'s config has no num_attention_heads and no layer keeps its state through "
+            "transformers' cache interface (RWKV and xLSTM have their own state objects): "
+            "cb_kernels runs layers that attend through transformers' attention interface or "
+            "keep conv / recurrent state through its linear-attention cache")
     layer_types = getattr(cfg, "layer_types", None) or []
-    odd = sorted({t for t in layer_types if t not in _ATTENTION_LAYER_TYPES}, key=str)
+    odd = sorted({t for i, t in enumerate(layer_types)
+                  if t not in _ATTENTION_LAYER_TYPES and i not in state_layers
+                  and t not in _STATELESS_LAYER_TYPES}, key=str)
     if odd:
         raise UnsupportedModelError(
             f"{name} has layers of type {odd} (config.layer_types) that cb_kernels does not "
-            "run: only full, sliding-window and chunked attention layers are supported; "
-            "stateful layers (state-space, convolution, linear attention) are refused for now")
+            "run: only full, sliding-window and chunked attention layers and layers that keep "
+            "their state through transformers' linear-attention cache interface (Mamba, gated "
+            "delta-net, short convolution mixers) are supported")
+    # The stateful modules, what they contain and what contains them (their decoder layers,
+    # e.g. JambaMambaDecoderLayer) are no unknown state.
+    inside_state = {id(m) for mod in state_layers.values() for m in mod.modules()}
+    if state_layers:
+        named = dict(model.named_modules())
+        state_ids = {id(m) for m in state_layers.values()}
+        for qual, mod in named.items():
+            if id(mod) in state_ids:
+                parts = qual.split(".")
+                inside_state.update(id(named[".".join(parts[:k])]) for k in range(len(parts)))
     for mod_name, module in _decoder_layers(model, getattr(cfg, "num_hidden_layers", None)):
+        if id(module) in inside_state:
+            continue
         cls = type(module).__name__
-        if isinstance(module, torch.nn.Conv1d) or _STATEFUL.search(cls):
+        if isinstance(module, torch.nn.Conv1d) or (_STATEFUL.search(cls)
+                                                    and not _STATELESS_PARTS.search(cls)):
             raise UnsupportedModelError(
-                f"{name} has a stateful layer {mod_name} ({cls}): state-space, convolution, "
-                "linear-attention and recurrent layers carry state between steps, which "
-                "cb_kernels does not keep yet")
+                f"{name} has a stateful layer {mod_name} ({cls}) that keeps its state outside "
+                "transformers' linear-attention cache interface (get_conv_state / "
+                "get_recurrent_state): cb_kernels keeps state slots only for layers using that "
+                "interface")
         if _INDEXER.search(cls):
             raise UnsupportedModelError(
                 f"{name} has a sparse-attention indexer {mod_name} ({cls}): it reads the "
@@ -192,7 +218,8 @@ def _register_probe() -> None:
     AttentionMaskInterface.register(PROBE_NAME, _probe_mask)
 
 
-def record_calls(model, configs, num_tokens: int = 6, ids=None, offset: int = 0) -> _Recording:
+def record_calls(model, configs, num_tokens: int = 6, ids=None, offset: int = 0,
+                 state_layers: Optional[dict] = None) -> _Recording:
     """One forward of `num_tokens` tokens (ids, default a fixed mix) at positions offset ..
     offset + num_tokens - 1 with the recording attention; the calls it made."""
     _register_probe()
@@ -204,12 +231,12 @@ def record_calls(model, configs, num_tokens: int = 6, ids=None, offset: int = 0)
     pos = torch.arange(offset, offset + num_tokens, device=device)[None]
     _PROBE.rec = rec
     # The model's lock: another engine's step must not switch its attention meanwhile.
-    with model_lock(model):
+    with model_lock(model), StateSwitch(state_layers or {})(None):
         _record(model, configs, ids, pos)
     return rec
 
 
-def check_positions(model, configs, num_tokens: int) -> None:
+def check_positions(model, configs, num_tokens: int, state_layers=None) -> None:
     """Refuses a model whose positions do not come from position_ids (the engine's only way to
     tell a layer where its tokens are; e.g. BART-style decoders count them from the cache).
 
@@ -220,8 +247,8 @@ def check_positions(model, configs, num_tokens: int) -> None:
     device = next(model.parameters()).device
     ids = torch.full((1, num_tokens), 3 % model.get_input_embeddings().num_embeddings,
                      device=device)
-    a = record_calls(model, configs, num_tokens, ids, offset=0).calls
-    b = record_calls(model, configs, num_tokens, ids, offset=7).calls
+    a = record_calls(model, configs, num_tokens, ids, offset=0, state_layers=state_layers).calls
+    b = record_calls(model, configs, num_tokens, ids, offset=7, state_layers=state_layers).calls
     for ca, cb in zip(a, b):
         same_across = torch.equal(ca.query, cb.query)
         rows_differ = not torch.equal(ca.query, ca.query[:, :1].expand_as(ca.query))
@@ -271,15 +298,17 @@ def _cache_windows(cfg, num_layers: int) -> list:
 
 
 # -- the plan -----------------------------------------------------------------------------------
-def layer_plans(model, configs, num_layers: int) -> list:
-    """Per layer_idx, its LayerAttention; raises UnsupportedModelError for anything the engine
-    cannot run exactly."""
-    static_check(model)
+def layer_plans(model, configs, num_layers: int, state_layers: Optional[dict] = None) -> list:
+    """Per layer_idx, its LayerAttention, or None for a layer without attention (a stateful one
+    of `state_layers`, or a bare MLP / MoE block); raises UnsupportedModelError for anything the
+    engine cannot run exactly."""
+    state_layers = state_layers or {}
+    static_check(model, state_layers)
     name = type(model).__name__
     cfg = _text_config(model)
     max_positions = getattr(cfg, "max_position_embeddings", None) or (1 << 30)
-    rec = record_calls(model, configs, _PROBE_TOKENS)
-    if not rec.calls:
+    rec = record_calls(model, configs, _PROBE_TOKENS, state_layers=state_layers)
+    if not rec.calls and not state_layers:
         raise UnsupportedModelError(
             f"{name} does not attend through transformers' attention interface (no call reached "
             "it): cb_kernels cannot run its attention on the paged cache")
@@ -360,8 +389,11 @@ def layer_plans(model, configs, num_layers: int) -> list:
                 f"transformers' cache keeps a window of {cw} keys (config.sliding_window): "
                 "generate() then attends to all keys in the prompt and to the last window "
                 "while decoding, which cb_kernels does not reproduce")
-    check_positions(model, configs, _PROBE_TOKENS)
-    missing = [i for i in range(num_layers) if i not in plans]
+    check_positions(model, configs, _PROBE_TOKENS, state_layers)
+    layer_types = getattr(cfg, "layer_types", None) or []
+    stateless = {i for i, t in enumerate(layer_types) if t in _STATELESS_LAYER_TYPES}
+    missing = [i for i in range(num_layers)
+               if i not in plans and i not in state_layers and i not in stateless]
     if missing:
         raise UnsupportedModelError(
             f"{name}: layers {missing} run no attention through transformers' attention "
@@ -370,7 +402,7 @@ def layer_plans(model, configs, num_layers: int) -> list:
     if len(chunks) > 1:
         raise UnsupportedModelError(f"{name}: chunked-attention layers with different chunk "
                                     f"sizes {sorted(chunks)}")
-    return [plans[i] for i in range(num_layers)]
+    return [plans.get(i) for i in range(num_layers)]
 
 
 def check_chunk_blocks(layers: list, block_size: int) -> None:

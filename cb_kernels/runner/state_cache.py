@@ -1,0 +1,381 @@
+"""Per-sequence state of stateful layers (state-space, gated delta-net, short convolutions, linear
+attention), kept in slots beside the paged KV cache.
+
+Which layers: every module whose class reads or writes transformers' linear-attention cache
+interface (`cache.get_conv_state` / `get_recurrent_state` / `update_*_state`, transformers 5.x's
+one interface for Mamba, Mamba2, gated delta-net, short-conv, ... mixers) and has an int
+`layer_idx` (`state_modules`). Their state shapes come from one probe forward of the model's own
+code with transformers' DynamicCache (`probe_specs`): per layer and state index a conv window
+[channels, kernel] and/or a recurrent state [...], per sequence.
+
+The pool (`StatePool`): per layer, state kind and state index one tensor [num_slots, *shape]; a
+running sequence owns one slot (the same index in every tensor). The engine's StateSlots
+(engine/state_slots.py) hands slots out and moves them (swap, fork copy) through `tensors`.
+
+A step: transformers' forward runs on one packed row of every scheduled sequence's new tokens.
+Inside it each stateful module's forward is replaced (`StateSwitch`, for the duration of the
+step only) by one that splits the row by sequence (`StateStep`, built by `plan` with the step's
+inputs), gathers the sequences' slots into a transformers `LinearAttentionLayer` behind a small
+cache object (`_SlotCache`) and calls the module's own forward on it:
+  * all decoding sequences (one new token after earlier ones) together, as a [B, 1, H] batch;
+  * each prefill or prefill chunk alone, as [1, n, H]: from zero state when it starts at token 0
+    (the layer's prefill path), else from its slot (a later chunk: the cache-continuation path);
+then writes the updated states back into the slots. So the model's own layer code computes every
+state; nothing of ours reimplements a scan.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import threading
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+_STATE_CALLS = (".get_conv_state(", ".get_recurrent_state(", ".update_conv_state(",
+                ".update_recurrent_state(")
+_SOURCE_USES_STATE: dict = {}       # class -> bool
+_CURRENT = threading.local()        # the StateStep of the forward running in this thread
+
+
+def _uses_state_interface(cls) -> bool:
+    hit = _SOURCE_USES_STATE.get(cls)
+    if hit is None:
+        hit = False
+        if not cls.__module__.startswith("torch."):
+            try:
+                src = inspect.getsource(cls)
+            except (OSError, TypeError):
+                src = ""
+            hit = any(call in src for call in _STATE_CALLS)
+        _SOURCE_USES_STATE[cls] = hit
+    return hit
+
+
+def state_modules(model) -> dict:
+    """layer_idx -> the module of `model` that keeps that layer's recurrent / conv state through
+    transformers' cache interface. Raises ValueError if two modules claim one layer_idx."""
+    out: dict = {}
+    for name, module in model.named_modules():
+        if not _uses_state_interface(type(module)):
+            continue
+        idx = getattr(module, "layer_idx", None)
+        if not isinstance(idx, int):
+            raise ValueError(f"stateful module {name} ({type(module).__name__}) has no int "
+                             "layer_idx")
+        if idx in out and out[idx] is not module:
+            raise ValueError(f"two stateful modules ({type(out[idx]).__name__}, "
+                             f"{type(module).__name__}) share layer_idx {idx}")
+        out[idx] = module
+    return out
+
+
+def module_names(model, modules: dict) -> set:
+    """The qualified names of `modules` (values of state_modules) inside `model`."""
+    ids = {id(m) for m in modules.values()}
+    return {n for n, m in model.named_modules() if id(m) in ids}
+
+
+@dataclass(frozen=True)
+class LayerStateSpec:
+    """One stateful layer: conv[state_idx] and recurrent[state_idx] = (per-sequence shape,
+    dtype)."""
+
+    conv: dict
+    recurrent: dict
+
+    def entries(self):
+        for kind, states in (("conv", self.conv), ("recurrent", self.recurrent)):
+            for si in sorted(states):
+                yield kind, si, states[si]
+
+
+def _find_cache(output):
+    from transformers.cache_utils import Cache
+
+    for key in ("cache", "past_key_values", "cache_params"):
+        value = getattr(output, key, None)
+        if isinstance(value, Cache):
+            return value
+    if isinstance(output, dict):
+        for value in output.values():
+            if isinstance(value, Cache):
+                return value
+    return None
+
+
+def probe_specs(model, modules: dict, num_tokens: int = 6) -> dict:
+    """layer_idx -> LayerStateSpec, read off the DynamicCache of one forward of `num_tokens`
+    tokens with the model's own attention and cache (what generate() runs). Raises RuntimeError
+    naming the problem if that forward fails or leaves no state for a layer."""
+    device = next(model.parameters()).device
+    vocab = model.get_input_embeddings().num_embeddings
+    ids = (torch.arange(num_tokens, device=device)[None] * 7 + 3) % vocab
+    with torch.inference_mode():
+        out = model(input_ids=ids, use_cache=True)
+    cache = _find_cache(out)
+    if cache is None:
+        raise RuntimeError("its forward with use_cache=True returns no transformers Cache")
+    specs = {}
+    for idx in sorted(modules):
+        layer = cache.layers[idx] if idx < len(cache.layers) else None
+        conv = {si: (tuple(t.shape[1:]), t.dtype)
+                for si, t in (getattr(layer, "conv_states", None) or {}).items() if t is not None}
+        rec = {si: (tuple(t.shape[1:]), t.dtype)
+               for si, t in (getattr(layer, "recurrent_states", None) or {}).items()
+               if t is not None}
+        if not conv and not rec:
+            raise RuntimeError(f"layer {idx} ({type(modules[idx]).__name__}) left no state in "
+                               "transformers' cache")
+        specs[idx] = LayerStateSpec(conv, rec)
+    return specs
+
+
+class StatePool:
+    """The slots: per layer, kind and state index a tensor [num_slots, *shape] (zeros)."""
+
+    def __init__(self, specs: dict, num_slots: int, device: torch.device):
+        self.specs = specs
+        self.num_slots = num_slots
+        self.by_layer: dict = {}       # layer_idx -> {(kind, si): tensor}
+        self.tensors: list = []        # every pool tensor, for the engine's copies
+        for idx, spec in specs.items():
+            entry = {}
+            for kind, si, (shape, dtype) in spec.entries():
+                t = torch.zeros((num_slots, *shape), dtype=dtype, device=device)
+                entry[(kind, si)] = t
+                self.tensors.append(t)
+            self.by_layer[idx] = entry
+
+    @staticmethod
+    def bytes_per_slot(specs: dict) -> int:
+        total = 0
+        for spec in specs.values():
+            for _, _, (shape, dtype) in spec.entries():
+                n = 1
+                for d in shape:
+                    n *= d
+                total += n * torch.empty((), dtype=dtype).element_size()
+        return total
+
+
+# -- one step -----------------------------------------------------------------------------------
+@dataclass
+class _Group:
+    """Sequences one module call runs: rows of the packed step (a slice for one prefill, an
+    index tensor for the decode batch), their slots, and whether they continue from a state."""
+
+    rows: object                      # slice | int64 tensor [B]
+    slots: torch.Tensor               # int64 [B]
+    continuing: bool
+
+
+@dataclass
+class StateStep:
+    groups: list = field(default_factory=list)
+    num_tokens: int = 0
+
+
+def plan(seqs: list, num_new_tokens: list, device: torch.device) -> StateStep:
+    """The groups of one step (see the module docstring). Every sequence must hold a slot
+    (seq.state_slot >= 0; the engine's StateSlots gave it one at admission)."""
+    step = StateStep()
+    dec_rows, dec_slots, row = [], [], 0
+    for seq, n in zip(seqs, num_new_tokens):
+        slot = seq.state_slot
+        if slot < 0:
+            raise RuntimeError(f"{seq} runs a stateful model without a state slot")
+        start = seq.num_computed_tokens
+        if n == 1 and start > 0:
+            dec_rows.append(row)
+            dec_slots.append(slot)
+        else:
+            step.groups.append(_Group(slice(row, row + n),
+                                      torch.tensor([slot], dtype=torch.int64, device=device),
+                                      start > 0))
+        row += n
+    if dec_rows:
+        step.groups.insert(0, _Group(torch.tensor(dec_rows, dtype=torch.int64, device=device),
+                                     torch.tensor(dec_slots, dtype=torch.int64, device=device),
+                                     True))
+    step.num_tokens = row
+    return step
+
+
+class _SlotCache:
+    """What a stateful layer's forward calls on its `cache` argument, for one layer and one group:
+    backed by a transformers LinearAttentionLayer whose states are the group's gathered slots."""
+
+    def __init__(self, layer_idx: int, layer):
+        self.layer_idx = layer_idx
+        self.layer = layer
+
+    def _check(self, layer_idx):
+        if layer_idx != self.layer_idx:
+            raise RuntimeError(f"layer {self.layer_idx}'s module asked for layer {layer_idx}'s "
+                               "state")
+
+    def get_conv_state(self, layer_idx, state_idx=0):
+        self._check(layer_idx)
+        if self.layer.has_previous_state[state_idx]:
+            return self.layer.conv_states[state_idx]
+        return None
+
+    def get_recurrent_state(self, layer_idx, state_idx=0):
+        self._check(layer_idx)
+        if self.layer.has_previous_state[state_idx]:
+            return self.layer.recurrent_states[state_idx]
+        return None
+
+    def update_conv_state(self, conv_states, layer_idx, state_idx=0, **kwargs):
+        self._check(layer_idx)
+        return self.layer.update_conv_state(conv_states, state_idx, **kwargs)
+
+    def update_recurrent_state(self, recurrent_states, layer_idx, state_idx=0, **kwargs):
+        self._check(layer_idx)
+        return self.layer.update_recurrent_state(recurrent_states, state_idx, **kwargs)
+
+    def has_previous_state(self, layer_idx=None, state_idx=None):
+        if state_idx is None:
+            return all(self.layer.has_previous_state.values())
+        return self.layer.has_previous_state[state_idx]
+
+    def is_recording_past(self, layer_idx=None) -> bool:
+        return False
+
+
+def _gathered_layer(entry: dict, slots: torch.Tensor, continuing: bool, number_of_states: int):
+    """A LinearAttentionLayer holding the group's states: copies of its slots when it continues,
+    zeros when it starts at token 0 (the layer's prefill path then fills them)."""
+    from transformers.cache_utils import LinearAttentionLayer
+
+    layer = LinearAttentionLayer(number_of_states=number_of_states)
+    for (kind, si), pool in entry.items():
+        if continuing:
+            state = pool.index_select(0, slots)
+        else:
+            state = pool.new_zeros((slots.shape[0], *pool.shape[1:]))
+        if kind == "conv":
+            layer.conv_states[si] = state
+            layer.is_conv_states_initialized[si] = True
+            layer.conv_kernel_size[si] = state.shape[-1]
+        else:
+            layer.recurrent_states[si] = state
+            layer.is_recurrent_states_initialized[si] = True
+        layer.has_previous_state[si] = continuing
+        layer.dtype, layer.device = state.dtype, state.device
+    return layer
+
+
+def _scatter(entry: dict, layer, slots: torch.Tensor, layer_idx: int) -> None:
+    for (kind, si), pool in entry.items():
+        state = (layer.conv_states if kind == "conv" else layer.recurrent_states)[si]
+        if state is None or tuple(state.shape) != (slots.shape[0], *pool.shape[1:]):
+            raise RuntimeError(
+                f"layer {layer_idx}'s {kind} state {si} came back with shape "
+                f"{None if state is None else tuple(state.shape)}, its slots hold "
+                f"{tuple(pool.shape[1:])} per sequence")
+        pool.index_copy_(0, slots, state.to(pool.dtype))
+
+
+def _cache_param(fn) -> Optional[str]:
+    params = inspect.signature(fn).parameters
+    for name in ("cache", "cache_params", "past_key_values"):
+        if name in params:
+            return name
+    return None
+
+
+def _explicit_params(fn) -> set:
+    return {n for n, p in inspect.signature(fn).parameters.items()
+            if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+
+
+class _Wrapped:
+    """The replacement forward of one stateful module (see the module docstring). Outside an
+    engine step (the construction probe) it runs the module's own forward with no cache, and
+    passes on only the keyword arguments that forward names (not the engine's cbk_step)."""
+
+    def __init__(self, module, pool: Optional[StatePool]):
+        self.module = module
+        self.pool = pool
+        self.original = type(module).forward.__get__(module)
+        self.cache_name = _cache_param(type(module).forward)
+        self.named = _explicit_params(type(module).forward) - {"self"}
+        self.layer_idx = module.layer_idx
+        entry = pool.by_layer.get(self.layer_idx) if pool is not None else None
+        self.entry = entry
+        self.number_of_states = 1 + max((si for _, si in entry), default=0) if entry else 1
+
+    def __call__(self, hidden_states=None, *args, **kwargs):
+        if hidden_states is None:
+            hidden_states = kwargs.pop("hidden_states")
+        kwargs = {k: v for k, v in kwargs.items() if k in self.named}
+        for name in ("cache", "cache_params", "past_key_values"):
+            kwargs.pop(name, None)
+        if "attention_mask" in kwargs:
+            kwargs["attention_mask"] = None     # the engine's rows hold no padding
+        step: Optional[StateStep] = getattr(_CURRENT, "step", None)
+        if step is None or self.entry is None:
+            return self.original(hidden_states, *args, **kwargs)
+        if hidden_states.shape[0] != 1 or hidden_states.shape[1] != step.num_tokens:
+            raise RuntimeError(f"layer {self.layer_idx} got hidden states "
+                               f"{tuple(hidden_states.shape)}, not the step's packed row "
+                               f"[1, {step.num_tokens}, ...]")
+        out = None
+        for g in step.groups:
+            if isinstance(g.rows, slice):
+                x = hidden_states[:, g.rows]
+            else:
+                x = hidden_states[0].index_select(0, g.rows)[:, None]
+            layer = _gathered_layer(self.entry, g.slots, g.continuing, self.number_of_states)
+            cache = _SlotCache(self.layer_idx, layer)
+            if self.cache_name is not None:
+                kwargs[self.cache_name] = cache
+            y = self.original(x, *args, **kwargs)
+            rest = None
+            if isinstance(y, tuple):
+                y, rest = y[0], y[1:]
+            _scatter(self.entry, layer, g.slots, self.layer_idx)
+            if out is None:
+                out = y.new_empty((1, step.num_tokens, *y.shape[2:]))
+            if isinstance(g.rows, slice):
+                out[:, g.rows] = y
+            else:
+                out[0].index_copy_(0, g.rows, y[:, 0])
+        return out if rest is None else (out, *rest)
+
+
+class StateSwitch:
+    """Context manager: inside it each stateful module of `modules` (layer_idx -> module) runs
+    through _Wrapped; `step` (a StateStep, or None for the probe) is the step it splits. Leaving
+    restores the modules' own forwards. Not reentrant per module."""
+
+    def __init__(self, modules: dict, pool: Optional[StatePool] = None):
+        self.modules = modules
+        self.pool = pool
+        self._wrapped = {idx: _Wrapped(m, pool) for idx, m in modules.items()}
+        self._saved: list = []
+
+    @contextlib.contextmanager
+    def __call__(self, step: Optional[StateStep]):
+        saved = []
+        for idx, module in self.modules.items():
+            saved.append((module, module.__dict__.get("forward", _MISSING)))
+            module.forward = self._wrapped[idx]
+        prev = getattr(_CURRENT, "step", None)
+        _CURRENT.step = step
+        try:
+            yield
+        finally:
+            _CURRENT.step = prev
+            for module, forward in saved:
+                if forward is _MISSING:
+                    del module.forward
+                else:
+                    module.forward = forward
+
+
+_MISSING = object()
