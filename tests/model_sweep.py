@@ -63,6 +63,17 @@ _EXTRA = {
     # the default 2-layer pattern would hold no convolution layer
     "lfm2": dict(layer_types=["conv", "full_attention"]),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
+    # hybrids: one stateful and one attention layer (an all-stateful 2-layer default fails in
+    # transformers' own forward with a cache: get_seq_length needs an attention layer)
+    "jamba": dict(attn_layer_offset=1, attn_layer_period=2),
+    "bamba": dict(attn_layer_indices=[1]),
+    "granitemoehybrid": dict(layer_types=["mamba", "attention"]),
+    "qwen3_next": dict(layer_types=["linear_attention", "full_attention"]),
+    "qwen3_5": dict(layer_types=["linear_attention", "full_attention"]),
+    "qwen3_5_text": dict(layer_types=["linear_attention", "full_attention"]),
+    "qwen3_5_moe": dict(layer_types=["linear_attention", "full_attention"]),
+    "qwen3_5_moe_text": dict(layer_types=["linear_attention", "full_attention"]),
+    "kimi_linear": dict(layer_types=["linear_attention", "full_attention"]),
 }
 # Encoder families and encoder-decoder decoders whose *ForCausalLM class is meant to run as a
 # causal decoder (transformers warns when it is not): built that way. Built as encoders they are

@@ -26,7 +26,6 @@ state; nothing of ours reimplements a scan.
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import threading
 from dataclasses import dataclass, field
@@ -280,64 +279,63 @@ def _scatter(entry: dict, layer, slots: torch.Tensor, layer_idx: int) -> None:
         pool.index_copy_(0, slots, state.to(pool.dtype))
 
 
-def _cache_param(fn) -> Optional[str]:
-    params = inspect.signature(fn).parameters
-    for name in ("cache", "cache_params", "past_key_values"):
-        if name in params:
-            return name
-    return None
-
-
-def _explicit_params(fn) -> set:
-    return {n for n, p in inspect.signature(fn).parameters.items()
-            if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+_CACHE_NAMES = ("cache", "cache_params", "past_key_values")
 
 
 class _Wrapped:
     """The replacement forward of one stateful module (see the module docstring). Outside an
-    engine step (the construction probe) it runs the module's own forward with no cache, and
-    passes on only the keyword arguments that forward names (not the engine's cbk_step)."""
+    engine step (the construction probe) it runs the module's own forward with no cache.
+    Arguments are passed on by name, and only those the module's forward names (not the
+    engine's cbk_step, which a decoder layer's **kwargs would hand down)."""
 
     def __init__(self, module, pool: Optional[StatePool]):
         self.module = module
         self.pool = pool
-        self.original = type(module).forward.__get__(module)
-        self.cache_name = _cache_param(type(module).forward)
-        self.named = _explicit_params(type(module).forward) - {"self"}
+        fn = type(module).forward
+        self.original = fn.__get__(module)
+        params = [p for n, p in inspect.signature(fn).parameters.items() if n != "self"]
+        self.positional = [p.name for p in params
+                           if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        self.named = {p.name for p in params
+                      if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+        self.cache_name = next((n for n in _CACHE_NAMES if n in self.named), None)
+        self.first = self.positional[0] if self.positional else None
         self.layer_idx = module.layer_idx
         entry = pool.by_layer.get(self.layer_idx) if pool is not None else None
         self.entry = entry
         self.number_of_states = 1 + max((si for _, si in entry), default=0) if entry else 1
 
-    def __call__(self, hidden_states=None, *args, **kwargs):
-        if hidden_states is None:
-            hidden_states = kwargs.pop("hidden_states")
-        kwargs = {k: v for k, v in kwargs.items() if k in self.named}
-        for name in ("cache", "cache_params", "past_key_values"):
-            kwargs.pop(name, None)
+    def __call__(self, *args, **kwargs):
+        if len(args) > len(self.positional):
+            raise TypeError(f"{type(self.module).__name__}.forward got {len(args)} positional "
+                            "arguments")
+        kwargs = {**dict(zip(self.positional, args)), **kwargs}
+        kwargs = {k: v for k, v in kwargs.items() if k in self.named and k not in _CACHE_NAMES}
         if "attention_mask" in kwargs:
             kwargs["attention_mask"] = None     # the engine's rows hold no padding
         step: Optional[StateStep] = getattr(_CURRENT, "step", None)
         if step is None or self.entry is None:
-            return self.original(hidden_states, *args, **kwargs)
+            return self.original(**kwargs)
+        hidden_states = kwargs.pop(self.first)
         if hidden_states.shape[0] != 1 or hidden_states.shape[1] != step.num_tokens:
             raise RuntimeError(f"layer {self.layer_idx} got hidden states "
                                f"{tuple(hidden_states.shape)}, not the step's packed row "
                                f"[1, {step.num_tokens}, ...]")
-        out = None
+        out = rest = None
         for g in step.groups:
             if isinstance(g.rows, slice):
                 x = hidden_states[:, g.rows]
             else:
                 x = hidden_states[0].index_select(0, g.rows)[:, None]
             layer = _gathered_layer(self.entry, g.slots, g.continuing, self.number_of_states)
-            cache = _SlotCache(self.layer_idx, layer)
             if self.cache_name is not None:
-                kwargs[self.cache_name] = cache
-            y = self.original(x, *args, **kwargs)
-            rest = None
+                kwargs[self.cache_name] = _SlotCache(self.layer_idx, layer)
+            y = self.original(**{self.first: x}, **kwargs)
             if isinstance(y, tuple):
                 y, rest = y[0], y[1:]
+            if not isinstance(y, torch.Tensor) or tuple(y.shape[:2]) != tuple(x.shape[:2]):
+                raise RuntimeError(f"layer {self.layer_idx}'s {type(self.module).__name__} "
+                                   "does not return one row per input token")
             _scatter(self.entry, layer, g.slots, self.layer_idx)
             if out is None:
                 out = y.new_empty((1, step.num_tokens, *y.shape[2:]))

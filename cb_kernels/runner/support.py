@@ -75,7 +75,18 @@ _STATEFUL = re.compile(r"Mamba|SSM|Ssm|Mixer|LinearAttention|LinearAttn|DeltaNet
                        r"ConvLayer|Lfm2.*Conv|ShortConvolution")
 _INDEXER = re.compile(r"Indexer")
 # Classes named like a family's stateful mixer that hold no state themselves (MambaRMSNorm).
-_STATELESS_PARTS = re.compile(r"(Norm|MLP|Embeddings?|Experts)$")
+_STATELESS_PARTS = re.compile(r"(Norm|NormGated|MLP|Embeddings?|Experts|Router|MoE|Moe|MoeBlock)$")
+
+
+def _attends(cls) -> bool:
+    """Whether the class calls transformers' attention interface (KimiLinearAttention: the
+    family's name, not linear attention); the probe checks those calls."""
+    import inspect
+
+    try:
+        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(cls)
+    except (OSError, TypeError):
+        return False
 _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "attention",
                           None}
 # Layers with neither attention nor state (a bare MLP / MoE block between mixers, Nemotron-H).
@@ -147,8 +158,9 @@ def static_check(model, state_layers: Optional[dict] = None) -> None:
         if id(module) in inside_state:
             continue
         cls = type(module).__name__
-        if isinstance(module, torch.nn.Conv1d) or (_STATEFUL.search(cls)
-                                                    and not _STATELESS_PARTS.search(cls)):
+        if isinstance(module, torch.nn.Conv1d) or (
+                _STATEFUL.search(cls) and not _STATELESS_PARTS.search(cls)
+                and not (state_layers and _attends(type(module)))):
             raise UnsupportedModelError(
                 f"{name} has a stateful layer {mod_name} ({cls}) that keeps its state outside "
                 "transformers' linear-attention cache interface (get_conv_state / "
@@ -244,6 +256,12 @@ def check_positions(model, configs, num_tokens: int, state_layers=None) -> None:
     the same in both runs ignores position_ids; if its queries still differ from row to row, the
     positions came from somewhere else. (A layer without positions at all, NoPE, has equal rows:
     the probe's attention returns zeros, so no position reaches it through earlier layers.)"""
+    if state_layers:
+        # A stateful layer mixes earlier tokens into every row, so a layer without positions
+        # (NoPE: Jamba's, Nemotron-H's attention) has rows that differ as well: this probe cannot
+        # tell it from one that counts positions itself. These families are checked against
+        # generate() by their tests instead.
+        return
     device = next(model.parameters()).device
     ids = torch.full((1, num_tokens), 3 % model.get_input_embeddings().num_embeddings,
                      device=device)
@@ -413,3 +431,73 @@ def check_chunk_blocks(layers: list, block_size: int) -> None:
         raise UnsupportedModelError(
             f"chunked attention with chunks of {chunk} tokens needs a block_size that divides "
             f"it (got block_size={block_size}): set EngineConfig(block_size=...) accordingly")
+
+
+# -- stateful layers ----------------------------------------------------------------------------
+class _ProbeSeq:
+    """What state_cache.plan reads of a sequence."""
+
+    def __init__(self, start: int):
+        self.state_slot = 0
+        self.num_computed_tokens = start
+
+
+def check_state_carry(model, configs, state_layers: dict, specs: dict,
+                      num_tokens: int = _PROBE_TOKENS) -> None:
+    """Refuses a model whose stateful layers do not carry their state through our slots the way
+    one forward over all tokens does. Three runs through the slot wrappers (runner/state_cache.py)
+    with the probe's attention (zeros), one sequence in a 1-slot pool: all `num_tokens` tokens
+    at once; the first n - 1 then the last as a decode; the first half then the rest as a later
+    prefill chunk. The last token's logits must agree (up to the rounding of a chunked scan
+    against a step-by-step one): else the layer reads something our slots do not give it (e.g.
+    its cache's sequence length), and a step would compute other tokens than generate()."""
+    from cb_kernels.runner.state_cache import StatePool, StateSwitch, plan
+
+    name = type(model).__name__
+    device = next(model.parameters()).device
+    vocab = model.get_input_embeddings().num_embeddings
+    ids = (torch.arange(num_tokens, device=device) * 5 + 2) % vocab
+    pool = StatePool(specs, 1, device)
+    switch = StateSwitch(state_layers, pool)
+
+    def run(pieces):
+        start, logits = 0, None
+        for n in pieces:
+            step = plan([_ProbeSeq(start)], [n], device)
+            pos = torch.arange(start, start + n, device=device)[None]
+            _register_probe()
+            _PROBE.rec = _Recording()
+            saved = [cfg._attn_implementation_internal for cfg in configs]
+            try:
+                for cfg in configs:
+                    cfg._attn_implementation_internal = PROBE_NAME
+                with switch(step), explicit_positions(position_modules(model), pos):
+                    out = model(input_ids=ids[None, start:start + n], position_ids=pos,
+                                use_cache=False, cbk_step=_SENTINEL)
+            finally:
+                for cfg, old in zip(configs, saved):
+                    cfg._attn_implementation_internal = old
+                _PROBE.rec = None
+            logits = out.logits[0, -1].float()
+            start += n
+        return logits
+
+    half = num_tokens // 2
+    try:
+        with model_lock(model), torch.inference_mode():
+            whole = run([num_tokens])
+            stepped = run([num_tokens - 1, 1])
+            chunked = run([half, num_tokens - half])
+    except Exception as e:                    # noqa: BLE001
+        raise UnsupportedModelError(
+            f"{name}'s stateful layers fail when run on cb_kernels' state slots "
+            f"({type(e).__name__}: {e})") from e
+    scale = whole.abs().max().item()
+    for what, got in (("a decode step", stepped), ("a later prefill chunk", chunked)):
+        err = (got - whole).abs().max().item()
+        if not err <= 1e-3 * scale + 1e-4:
+            raise UnsupportedModelError(
+                f"{name}: its stateful layers continued from cb_kernels' state slots in "
+                f"{what} give other logits than one forward over all tokens (max difference "
+                f"{err:.3g} of {scale:.3g}): the layers keep state outside transformers' "
+                "conv / recurrent cache state")

@@ -106,6 +106,8 @@ class TransformersRunner:
                 raise support.UnsupportedModelError(
                     f"{type(model).__name__}: the state of its stateful layers could not be "
                     f"read off transformers' cache ({type(e).__name__}: {e})") from e
+            support.check_state_carry(model, self._switch.configs, self.state_layers,
+                                      self.state_specs)
             self.state_bytes_per_seq = state_cache.StatePool.bytes_per_slot(self.state_specs)
             logger.info("stateful layers %s: %d B of state per sequence", sorted(self.state_specs),
                         self.state_bytes_per_seq)
