@@ -304,6 +304,17 @@ class _Wrapped:
         entry = pool.by_layer.get(self.layer_idx) if pool is not None else None
         self.entry = entry
         self.number_of_states = 1 + max((si for _, si in entry), default=0) if entry else 1
+        self.stepwise = False      # later prefill chunks one token at a time (StateSwitch)
+
+    def _groups(self, step: StateStep):
+        for g in step.groups:
+            rows = g.rows
+            if self.stepwise and g.continuing and isinstance(rows, slice) \
+                    and rows.stop - rows.start > 1:
+                for r in range(rows.start, rows.stop):
+                    yield _Group(slice(r, r + 1), g.slots, True)
+            else:
+                yield g
 
     def __call__(self, *args, **kwargs):
         if len(args) > len(self.positional):
@@ -322,7 +333,7 @@ class _Wrapped:
                                f"{tuple(hidden_states.shape)}, not the step's packed row "
                                f"[1, {step.num_tokens}, ...]")
         out = rest = None
-        for g in step.groups:
+        for g in self._groups(step):
             if isinstance(g.rows, slice):
                 x = hidden_states[:, g.rows]
             else:
@@ -351,11 +362,22 @@ class StateSwitch:
     through _Wrapped; `step` (a StateStep, or None for the probe) is the step it splits. Leaving
     restores the modules' own forwards. Not reentrant per module."""
 
-    def __init__(self, modules: dict, pool: Optional[StatePool] = None):
+    def __init__(self, modules: dict, pool: Optional[StatePool] = None, stepwise: bool = False):
         self.modules = modules
         self.pool = pool
         self._wrapped = {idx: _Wrapped(m, pool) for idx, m in modules.items()}
-        self._saved: list = []
+        self.stepwise = stepwise
+
+    @property
+    def stepwise(self) -> bool:
+        """Later prefill chunks run one token at a time (support.check_state_carry decides)."""
+        return self._stepwise
+
+    @stepwise.setter
+    def stepwise(self, value: bool) -> None:
+        self._stepwise = bool(value)
+        for w in self._wrapped.values():
+            w.stepwise = self._stepwise
 
     @contextlib.contextmanager
     def __call__(self, step: Optional[StateStep]):

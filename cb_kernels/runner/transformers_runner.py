@@ -98,6 +98,7 @@ class TransformersRunner:
                                           self.state_layers)
         self.state_specs: dict = {}
         self.state_bytes_per_seq = 0
+        self._stepwise_chunks = False
         if self.state_layers:
             try:
                 with model_lock(model):
@@ -106,8 +107,11 @@ class TransformersRunner:
                 raise support.UnsupportedModelError(
                     f"{type(model).__name__}: the state of its stateful layers could not be "
                     f"read off transformers' cache ({type(e).__name__}: {e})") from e
-            support.check_state_carry(model, self._switch.configs, self.state_layers,
-                                      self.state_specs)
+            self._stepwise_chunks = support.check_state_carry(
+                model, self._switch.configs, self.state_layers, self.state_specs)
+            if self._stepwise_chunks:
+                logger.info("stateful layers: later prefill chunks run one token at a time (the "
+                            "layers' multi-token path starts from zero state)")
             self.state_bytes_per_seq = state_cache.StatePool.bytes_per_slot(self.state_specs)
             logger.info("stateful layers %s: %d B of state per sequence", sorted(self.state_specs),
                         self.state_bytes_per_seq)
@@ -191,7 +195,8 @@ class TransformersRunner:
             # One slot per running sequence (the scheduler runs at most max_num_seqs).
             self.state_pool = state_cache.StatePool(self.state_specs, max_num_seqs, self.device)
             self.state_tensors = self.state_pool.tensors
-            self._states = state_cache.StateSwitch(self.state_layers, self.state_pool)
+            self._states = state_cache.StateSwitch(self.state_layers, self.state_pool,
+                                                   self._stepwise_chunks)
         # The decode graphs carry no chunked view, and no state slots.
         if graphs_enabled(self.cuda_graphs, self.device) and self.chunk_size is None \
                 and not self.state_layers:
