@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from cb_kernels import Engine, EngineConfig, SamplingParams, UnsupportedModelError
@@ -198,9 +198,20 @@ def workloads(draw):
                 host_gib=draw(st.sampled_from([1e-5, 0.01])))
 
 
+def pressure_example(family, preemption):
+    """Six 10-14-token requests (one forked, one cancelled mid-decode) in a pool for about two."""
+    reqs = [dict(length=10 + i % 5, seed=40 + i, max_new=6, n=2 if i == 1 else 1,
+                 cancel=6 if i == 3 else 99) for i in range(6)]
+    return dict(reqs=reqs, family=family, preemption=preemption, extra_blocks=1,
+                max_num_seqs=4, max_batch_tokens=8, host_gib=0.01)
+
+
 @settings(max_examples=12, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(w=workloads())
+@example(w=pressure_example("mamba", "swap"))
+@example(w=pressure_example("qwen3_next", "recompute"))
+@example(w=pressure_example("mamba", "auto"))
 def test_random_workloads_keep_state_exact(w):
     """Random arrivals, lengths, forks, cancellations, tight pools and both preemption modes:
     after every step the block, slot and host-pool invariants hold; at the end nothing is held
