@@ -151,7 +151,7 @@ EXPECTED = {
     "mellum": SAME,
     "mimo_v2_flash": SAME,
     "minicpm3": SAME,
-    "minimax": (REFUSED, "(config.layer_types) that cb_kernels does not run"),
+    "minimax": SAME,
     "minimax_m2": SAME,
     "minimax_m3_vl_text": SAME,
     "ministral": SAME,
@@ -222,7 +222,7 @@ EXPECTED = {
     "xmod": (REFUSED, "forward fails under cb_kernels' attention"),
     "youtu": SAME,
     "zamba": (BUILD, 'tie_weights_keys'),
-    "zamba2": (REFUSED, 'attention layer_idx -1'),
+    "zamba2": SAME,
     "zaya": (REFUSED, "forward fails under cb_kernels' attention"),
 }
 

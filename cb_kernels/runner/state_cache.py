@@ -34,7 +34,8 @@ from typing import Optional
 import torch
 
 _STATE_CALLS = (".get_conv_state(", ".get_recurrent_state(", ".update_conv_state(",
-                ".update_recurrent_state(")
+                ".update_recurrent_state(",
+                ".get_linear_cache(")     # MiniMax's lightning attention (MiniMaxCache)
 _SOURCE_USES_STATE: dict = {}       # class -> bool
 _CURRENT = threading.local()        # the StateStep of the forward running in this thread
 
@@ -125,6 +126,10 @@ def probe_specs(model, modules: dict, num_tokens: int = 6) -> dict:
         rec = {si: (tuple(t.shape[1:]), t.dtype)
                for si, t in (getattr(layer, "recurrent_states", None) or {}).items()
                if t is not None}
+        linear = getattr(cache, "linear_cache", None)      # MiniMaxCache: one state per layer
+        if not conv and not rec and linear is not None and idx < len(linear) \
+                and isinstance(linear[idx], torch.Tensor):
+            rec = {0: (tuple(linear[idx].shape[1:]), linear[idx].dtype)}
         if not conv and not rec:
             raise RuntimeError(f"layer {idx} ({type(modules[idx]).__name__}) left no state in "
                                "transformers' cache")
@@ -243,6 +248,15 @@ class _SlotCache:
 
     def is_recording_past(self, layer_idx=None) -> bool:
         return False
+
+    # MiniMaxCache's interface: the layer's one state is recurrent state 0.
+    def get_linear_cache(self, layer_idx):
+        return self.get_recurrent_state(layer_idx, 0)
+
+    def set_linear_cache(self, layer_idx, linear_cache):
+        self._check(layer_idx)
+        self.layer.update_recurrent_state(linear_cache, 0)
+        self.layer.has_previous_state[0] = True
 
 
 def _gathered_layer(entry: dict, slots: torch.Tensor, continuing: bool, number_of_states: int):

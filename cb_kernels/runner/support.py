@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from cb_kernels.runner.attention import model_lock
+from cb_kernels.runner.attention import PerCallLayerIdx, model_lock
 from cb_kernels.runner.masks import mask_pattern, tensor_is_causal
 from cb_kernels.runner.positions import explicit_positions, position_modules
 from cb_kernels.runner.state_cache import StateSwitch
@@ -282,7 +282,8 @@ def _record(model, configs, ids, pos) -> None:
     try:
         for cfg in configs:
             cfg._attn_implementation_internal = PROBE_NAME
-        with torch.inference_mode(), explicit_positions(position_modules(model), pos):
+        with torch.inference_mode(), explicit_positions(position_modules(model), pos), \
+                PerCallLayerIdx(model):
             model(input_ids=ids, position_ids=pos, use_cache=False, cbk_step=_SENTINEL)
     except UnsupportedModelError:
         raise
@@ -478,7 +479,8 @@ def check_state_carry(model, configs, state_layers: dict, specs: dict,
             try:
                 for cfg in configs:
                     cfg._attn_implementation_internal = PROBE_NAME
-                with switch(step), explicit_positions(position_modules(model), pos):
+                with switch(step), explicit_positions(position_modules(model), pos), \
+                        PerCallLayerIdx(model):
                     out = model(input_ids=ids[None, start:start + n], position_ids=pos,
                                 use_cache=False, cbk_step=_SENTINEL)
             finally:

@@ -139,16 +139,40 @@ def test_cancel_and_forks(family):
     assert_no_leak(engine)
 
 
-@pytest.mark.parametrize("family", ["minimax", "recurrent_gemma", "zamba2"])
+# Every other family the sweep runs (tests/test_model_sweep.py), with chunked prefills here.
+MORE = {
+    "mamba2": {}, "falcon_mamba": {}, "bamba": dict(attn_layer_indices=[1]),
+    "granitemoehybrid": dict(layer_types=["mamba", "attention"]), "falcon_h1": {},
+    "zamba2": dict(num_hidden_layers=4, layers_block_type=["mamba", "hybrid", "mamba", "hybrid"]),
+    "nemotron_h": {}, "lfm2": dict(layer_types=["conv", "full_attention"]),
+    "qwen3_5_text": dict(layer_types=["linear_attention", "full_attention"]),
+    "minimax": {}, "olmo_hybrid": {},
+    "kimi_linear": dict(layer_types=["linear_attention", "full_attention"]),
+}
+
+
+@pytest.mark.parametrize("family", list(MORE))
+def test_more_families_with_chunked_prefill(family):
+    """Three prompts in a 4-token budget (prefills in chunks beside decodes): generate's tokens.
+    Zamba2's one shared attention block serves two layers (each call its own KV)."""
+    torch.manual_seed(0)
+    model = tiny_model(family, seed=7, **MORE[family])
+    ps = prompts_of([2, 7, 11], seed=8)
+    engine = Engine(model, EngineConfig(block_size=4, num_blocks=32, max_batch_tokens=4,
+                                        max_num_seqs=3))
+    outs = drive(engine, [(p, greedy(5)) for p in ps])
+    assert [outs[i].token_ids for i in range(3)] == generate_tokens(model, ps, 5)
+    assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("family", ["recurrent_gemma", "inkling_text"])
 def test_unsupported_stateful_families_are_refused(family):
-    """Stateful layers outside transformers' conv / recurrent cache interface (MiniMax's
-    lightning attention, RecurrentGemma's RG-LRU) and Zamba2's shared attention block (one
-    module for several layers, layer_idx -1) are refused at Engine()."""
-    extra = dict(layers_block_type=["mamba", "hybrid"]) if family == "zamba2" else {}
+    """RecurrentGemma's RG-LRU keeps its state on the module, outside transformers' cache
+    interface; Inkling has two stateful modules in one layer (one slot set per layer here):
+    both are refused at Engine(), naming why."""
     with pytest.raises(UnsupportedModelError) as err:
-        Engine(tiny_model(family, **extra), EngineConfig(block_size=4, num_blocks=16))
-    words = {"minimax": "(config.layer_types)", "recurrent_gemma": "(config.layer_types)",
-             "zamba2": "layer_idx -1"}[family]
+        Engine(tiny_model(family), EngineConfig(block_size=4, num_blocks=16))
+    words = {"recurrent_gemma": "(config.layer_types)", "inkling_text": "share layer_idx"}[family]
     assert words in str(err.value)
 
 
