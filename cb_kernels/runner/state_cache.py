@@ -234,8 +234,11 @@ class _SlotCache:
         return None
 
     def update_conv_state(self, conv_states, layer_idx, state_idx=0, **kwargs):
+        """The window the layer convolves next, contiguous: the layers hand in a transposed
+        slice of their projection, on which torch's CPU depthwise conv1d takes a slow path
+        (32 ms against 0.064 ms for [1, 512, 103], same bits, 2 threads)."""
         self._check(layer_idx)
-        return self.layer.update_conv_state(conv_states, state_idx, **kwargs)
+        return self.layer.update_conv_state(conv_states, state_idx, **kwargs).contiguous()
 
     def update_recurrent_state(self, recurrent_states, layer_idx, state_idx=0, **kwargs):
         self._check(layer_idx)
