@@ -59,6 +59,8 @@ _EXTRA = {
     "whisper": dict(encoder_attention_heads=4, decoder_attention_heads=4),
     "plbart": dict(encoder_attention_heads=4, decoder_attention_heads=4),
     "zamba": dict(num_hidden_layers=3),
+    # two recurrent blocks and one attention block (transformers' forward with a cache needs one)
+    "recurrent_gemma": dict(num_hidden_layers=3, attention_window_size=5),
     "zamba2": dict(layers_block_type=["mamba", "hybrid"]),
     # the default 2-layer pattern would hold no convolution layer
     "lfm2": dict(layer_types=["conv", "full_attention"]),

@@ -195,7 +195,7 @@ EXPECTED = {
     "qwen3_next": SAME,
     "qwen4_exp": (REFUSED, "could not be read off transformers' cache"),
     "qwen4_exp_text": (REFUSED, "could not be read off transformers' cache"),
-    "recurrent_gemma": (REFUSED, "(config.layer_types) that cb_kernels does not run"),
+    "recurrent_gemma": SAME,
     "reformer": (BUILD, 'axial_pos_embds'),
     "rembert": (REFUSED, "does not attend through transformers' attention interface"),
     "roberta": SAME,

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import re
 import threading
 from dataclasses import dataclass, field
 from typing import Optional
@@ -37,6 +38,14 @@ _STATE_CALLS = (".get_conv_state(", ".get_recurrent_state(", ".update_conv_state
                 ".update_recurrent_state(",
                 ".get_linear_cache(")     # MiniMax's lightning attention (MiniMaxCache)
 _SOURCE_USES_STATE: dict = {}       # class -> bool
+# Stateful blocks that keep their state on the module instead of a cache (class name -> the
+# attribute paths of its conv window and recurrent state). RecurrentGemma's recurrent block: its
+# forward with use_cache=True continues from `conv1d_state` and `rg_lru.recurrent_states`.
+MODULE_STATE = {
+    "RecurrentGemmaRecurrentBlock": (("conv", "conv1d_state"),
+                                     ("recurrent", "rg_lru.recurrent_states")),
+}
+_LAYER_OF_NAME = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 _CURRENT = threading.local()        # the StateStep of the forward running in this thread
 
 
@@ -59,6 +68,13 @@ def state_modules(model) -> dict:
     transformers' cache interface. Raises ValueError if two modules claim one layer_idx."""
     out: dict = {}
     for name, module in model.named_modules():
+        if type(module).__name__ in MODULE_STATE:
+            m = _LAYER_OF_NAME.search(name)
+            if m is None:
+                raise ValueError(f"stateful module {name} ({type(module).__name__}) is in no "
+                                 "numbered layer")
+            out[int(m.group(1))] = module
+            continue
         if not _uses_state_interface(type(module)):
             continue
         idx = getattr(module, "layer_idx", None)
@@ -116,10 +132,20 @@ def probe_specs(model, modules: dict, num_tokens: int = 6) -> dict:
     with torch.inference_mode():
         out = model(input_ids=ids, use_cache=True)
     cache = _find_cache(out)
-    if cache is None:
+    if cache is None and not all(type(m).__name__ in MODULE_STATE for m in modules.values()):
         raise RuntimeError("its forward with use_cache=True returns no transformers Cache")
     specs = {}
     for idx in sorted(modules):
+        held = MODULE_STATE.get(type(modules[idx]).__name__)
+        if held is not None:
+            states = {kind: _get_path(modules[idx], path) for kind, path in held}
+            if any(not isinstance(t, torch.Tensor) for t in states.values()):
+                raise RuntimeError(f"layer {idx} ({type(modules[idx]).__name__}) holds no "
+                                   "state after a forward with use_cache=True")
+            specs[idx] = LayerStateSpec(
+                {0: (tuple(states["conv"].shape[1:]), states["conv"].dtype)},
+                {0: (tuple(states["recurrent"].shape[1:]), states["recurrent"].dtype)})
+            continue
         layer = cache.layers[idx] if idx < len(cache.layers) else None
         conv = {si: (tuple(t.shape[1:]), t.dtype)
                 for si, t in (getattr(layer, "conv_states", None) or {}).items() if t is not None}
@@ -296,6 +322,19 @@ def _scatter(entry: dict, layer, slots: torch.Tensor, layer_idx: int) -> None:
         pool.index_copy_(0, slots, state.to(pool.dtype))
 
 
+def _get_path(obj, path: str):
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def _set_path(obj, path: str, value) -> None:
+    *parents, last = path.split(".")
+    for part in parents:
+        obj = getattr(obj, part)
+    setattr(obj, last, value)
+
+
 _CACHE_NAMES = ("cache", "cache_params", "past_key_values")
 
 
@@ -303,9 +342,10 @@ class _Wrapped:
     """The replacement forward of one stateful module (see the module docstring). Outside an
     engine step (the construction probe) it runs the module's own forward with no cache.
     Arguments are passed on by name, and only those the module's forward names (not the
-    engine's cbk_step, which a decoder layer's **kwargs would hand down)."""
+    engine's cbk_step, which a decoder layer's **kwargs would hand down); per-token tensors
+    ([1, num_tokens, ...], e.g. position_ids) are split by sequence like the hidden states."""
 
-    def __init__(self, module, pool: Optional[StatePool]):
+    def __init__(self, module, layer_idx: int, pool: Optional[StatePool]):
         self.module = module
         self.pool = pool
         fn = type(module).forward
@@ -317,7 +357,8 @@ class _Wrapped:
                       if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
         self.cache_name = next((n for n in _CACHE_NAMES if n in self.named), None)
         self.first = self.positional[0] if self.positional else None
-        self.layer_idx = module.layer_idx
+        self.layer_idx = layer_idx
+        self.held = MODULE_STATE.get(type(module).__name__)    # state kept on the module
         entry = pool.by_layer.get(self.layer_idx) if pool is not None else None
         self.entry = entry
         self.number_of_states = 1 + max((si for _, si in entry), default=0) if entry else 1
@@ -345,20 +386,41 @@ class _Wrapped:
         if step is None or self.entry is None:
             return self.original(**kwargs)
         hidden_states = kwargs.pop(self.first)
-        if hidden_states.shape[0] != 1 or hidden_states.shape[1] != step.num_tokens:
+        n = step.num_tokens
+        if hidden_states.shape[0] != 1 or hidden_states.shape[1] != n:
             raise RuntimeError(f"layer {self.layer_idx} got hidden states "
                                f"{tuple(hidden_states.shape)}, not the step's packed row "
-                               f"[1, {step.num_tokens}, ...]")
+                               f"[1, {n}, ...]")
+        per_token = {k for k, v in kwargs.items() if isinstance(v, torch.Tensor)
+                     and v.dim() >= 2 and v.shape[0] == 1 and v.shape[1] == n}
+        if self.held is not None:
+            kwargs["use_cache"] = True
         out = rest = None
         for g in self._groups(step):
-            if isinstance(g.rows, slice):
-                x = hidden_states[:, g.rows]
-            else:
-                x = hidden_states[0].index_select(0, g.rows)[:, None]
+            def rows_of(t):
+                if isinstance(g.rows, slice):
+                    return t[:, g.rows]
+                return t[0].index_select(0, g.rows)[:, None]
+
+            x = rows_of(hidden_states)
+            call = {k: rows_of(v) if k in per_token else v for k, v in kwargs.items()}
             layer = _gathered_layer(self.entry, g.slots, g.continuing, self.number_of_states)
-            if self.cache_name is not None:
-                kwargs[self.cache_name] = _SlotCache(self.layer_idx, layer)
-            y = self.original(**{self.first: x}, **kwargs)
+            if self.held is not None:
+                for kind, path in self.held:
+                    _set_path(self.module, path, layer.conv_states[0] if kind == "conv"
+                              else layer.recurrent_states[0])
+            elif self.cache_name is not None:
+                call[self.cache_name] = _SlotCache(self.layer_idx, layer)
+            try:
+                y = self.original(**{self.first: x}, **call)
+                if self.held is not None:       # the module assigned its new states
+                    for kind, path in self.held:
+                        states = layer.conv_states if kind == "conv" else layer.recurrent_states
+                        states[0] = _get_path(self.module, path)
+            finally:
+                if self.held is not None:
+                    for _, path in self.held:
+                        _set_path(self.module, path, None)
             if isinstance(y, tuple):
                 y, rest = y[0], y[1:]
             if not isinstance(y, torch.Tensor) or tuple(y.shape[:2]) != tuple(x.shape[:2]):
@@ -366,7 +428,7 @@ class _Wrapped:
                                    "does not return one row per input token")
             _scatter(self.entry, layer, g.slots, self.layer_idx)
             if out is None:
-                out = y.new_empty((1, step.num_tokens, *y.shape[2:]))
+                out = y.new_empty((1, n, *y.shape[2:]))
             if isinstance(g.rows, slice):
                 out[:, g.rows] = y
             else:
@@ -382,7 +444,7 @@ class StateSwitch:
     def __init__(self, modules: dict, pool: Optional[StatePool] = None, stepwise: bool = False):
         self.modules = modules
         self.pool = pool
-        self._wrapped = {idx: _Wrapped(m, pool) for idx, m in modules.items()}
+        self._wrapped = {idx: _Wrapped(m, idx, pool) for idx, m in modules.items()}
         self.stepwise = stepwise
 
     @property

@@ -75,7 +75,7 @@ _STATEFUL = re.compile(r"Mamba|SSM|Ssm|Mixer|LinearAttention|LinearAttn|DeltaNet
                        r"ConvLayer|Lfm2.*Conv|ShortConvolution")
 _INDEXER = re.compile(r"Indexer")
 # Classes named like a family's stateful mixer that hold no state themselves (MambaRMSNorm).
-_STATELESS_PARTS = re.compile(r"(Norm|NormGated|MLP|Embeddings?|Experts|Router|MoE|Moe|MoeBlock)$")
+_STATELESS_PARTS = re.compile(r"(Norm|NormGated|MLP|Mlp|Embeddings?|Experts|Router|MoE|Moe|MoeBlock)$")
 
 
 def _attends(cls) -> bool:
@@ -141,9 +141,10 @@ def static_check(model, state_layers: Optional[dict] = None) -> None:
     if odd:
         raise UnsupportedModelError(
             f"{name} has layers of type {odd} (config.layer_types) that cb_kernels does not "
-            "run: only full, sliding-window and chunked attention layers and layers that keep "
-            "their state through transformers' linear-attention cache interface (Mamba, gated "
-            "delta-net, short convolution mixers) are supported")
+            "run: no module of theirs attends through transformers' attention interface or "
+            "keeps its state through transformers' conv / recurrent cache interface (Mamba, "
+            "gated delta-net, short convolution mixers use it; RecurrentGemma's RG-LRU keeps "
+            "its state on the module)")
     # The stateful modules, what they contain and what contains them (their decoder layers,
     # e.g. JambaMambaDecoderLayer) are no unknown state.
     inside_state = {id(m) for mod in state_layers.values() for m in mod.modules()}
@@ -154,6 +155,10 @@ def static_check(model, state_layers: Optional[dict] = None) -> None:
             if id(mod) in state_ids:
                 parts = qual.split(".")
                 inside_state.update(id(named[".".join(parts[:k])]) for k in range(len(parts)))
+        # The attention layers' decoder layers are of the stateful layers' decoder-layer class
+        # (RecurrentGemmaDecoderLayer): no state of their own either.
+        ancestor_classes = {type(m) for m in named.values() if id(m) in inside_state}
+        inside_state.update(id(m) for m in named.values() if type(m) in ancestor_classes)
     for mod_name, module in _decoder_layers(model, getattr(cfg, "num_hidden_layers", None)):
         if id(module) in inside_state:
             continue

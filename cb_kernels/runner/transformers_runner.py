@@ -232,7 +232,8 @@ class TransformersRunner:
                 "slot_mapping": attn.slot_mapping, "seq_lens": attn.seq_lens,
                 "block_tables": attn.block_tables, "cu_seqlens_q": attn.cu_seqlens_q}), None)
         if self.state_pool is not None:
-            with self._states(inputs.state):
+            # The wrappers are state of the model, like the attention switch: under its lock.
+            with self._switch.lock, self._states(inputs.state):
                 return self._execute(inputs, greedy)
         return self._execute(inputs, greedy)
 
