@@ -378,7 +378,9 @@ class Engine:
         """Counters and gauges: blocks, offload, preemption, steps; of the overlap pipeline
         (zeros when it is off) overlapped_steps, placeholder_fills, discarded_tokens; StepClock's
         host_wait_s, launch_s and (CUDA, clock.device_events on) device_busy_s, device_idle_s,
-        timed_steps; greedy_head_steps: steps whose tokens came from the greedy head."""
+        timed_steps; greedy_head_steps: steps whose tokens came from the greedy head;
+        state_slots_used, state_slots_total, state_bytes_per_slot, state_fork_copies: the state
+        slots of a hybrid / recurrent model (engine/state_slots.py; zeros for other models)."""
         bm, s = self.block_manager, self.scheduler
         pipeline = (self.pipeline or OverlapPipeline(self)).stats()
         offload = self.swapper.offload.stats() if self.swapper is not None else \
