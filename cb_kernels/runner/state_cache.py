@@ -65,7 +65,13 @@ def _uses_state_interface(cls) -> bool:
 
 def state_modules(model) -> dict:
     """layer_idx -> the module of `model` that keeps that layer's recurrent / conv state through
-    transformers' cache interface. Raises ValueError if two modules claim one layer_idx."""
+    transformers' cache interface. Raises ValueError if two modules claim one layer_idx. Empty
+    on a transformers without LinearAttentionLayer (what the slots are gathered into): such a
+    model's stateful layers are then refused by support.static_check."""
+    try:
+        from transformers.cache_utils import LinearAttentionLayer  # noqa: F401
+    except ImportError:
+        return {}
     out: dict = {}
     for name, module in model.named_modules():
         if type(module).__name__ in MODULE_STATE:
