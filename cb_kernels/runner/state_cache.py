@@ -64,10 +64,12 @@ def _uses_state_interface(cls) -> bool:
 
 
 def state_modules(model) -> dict:
-    """layer_idx -> the module of `model` that keeps that layer's recurrent / conv state through
-    transformers' cache interface. Raises ValueError if two modules claim one layer_idx. Empty
-    on a transformers without LinearAttentionLayer (what the slots are gathered into): such a
-    model's stateful layers are then refused by support.static_check."""
+    """layer_idx -> the modules of `model` that keep that layer's recurrent / conv state through
+    transformers' cache interface (a list: Inkling has four short convolutions per layer, each
+    with its own state index). Raises ValueError for a stateful module inside another one (the
+    outer one would split the rows first) or one without a layer index. Empty on a transformers
+    without LinearAttentionLayer (what the slots are gathered into): such a model's stateful
+    layers are then refused by support.static_check."""
     try:
         from transformers.cache_utils import LinearAttentionLayer  # noqa: F401
     except ImportError:
@@ -79,7 +81,7 @@ def state_modules(model) -> dict:
             if m is None:
                 raise ValueError(f"stateful module {name} ({type(module).__name__}) is in no "
                                  "numbered layer")
-            out[int(m.group(1))] = module
+            out.setdefault(int(m.group(1)), []).append(module)
             continue
         if not _uses_state_interface(type(module)):
             continue
@@ -87,17 +89,19 @@ def state_modules(model) -> dict:
         if not isinstance(idx, int):
             raise ValueError(f"stateful module {name} ({type(module).__name__}) has no int "
                              "layer_idx")
-        if idx in out and out[idx] is not module:
-            raise ValueError(f"two stateful modules ({type(out[idx]).__name__}, "
-                             f"{type(module).__name__}) share layer_idx {idx}")
-        out[idx] = module
+        out.setdefault(idx, []).append(module)
+    found = all_modules(out)
+    for module in found:
+        inner = [m for m in module.modules() if m is not module and m in found]
+        if inner:
+            raise ValueError(f"stateful module {type(inner[0]).__name__} sits inside another "
+                             f"one ({type(module).__name__})")
     return out
 
 
-def module_names(model, modules: dict) -> set:
-    """The qualified names of `modules` (values of state_modules) inside `model`."""
-    ids = {id(m) for m in modules.values()}
-    return {n for n, m in model.named_modules() if id(m) in ids}
+def all_modules(modules: dict) -> list:
+    """Every module of a state_modules map, flat."""
+    return [m for group in modules.values() for m in group]
 
 
 @dataclass(frozen=True)
@@ -138,15 +142,19 @@ def probe_specs(model, modules: dict, num_tokens: int = 6) -> dict:
     with torch.inference_mode():
         out = model(input_ids=ids, use_cache=True)
     cache = _find_cache(out)
-    if cache is None and not all(type(m).__name__ in MODULE_STATE for m in modules.values()):
+    if cache is None and not all(type(m).__name__ in MODULE_STATE
+                                 for m in all_modules(modules)):
         raise RuntimeError("its forward with use_cache=True returns no transformers Cache")
     specs = {}
     for idx in sorted(modules):
-        held = MODULE_STATE.get(type(modules[idx]).__name__)
+        first = modules[idx][0]
+        held = MODULE_STATE.get(type(first).__name__)
         if held is not None:
-            states = {kind: _get_path(modules[idx], path) for kind, path in held}
+            if len(modules[idx]) > 1:
+                raise RuntimeError(f"layer {idx} has {len(modules[idx])} stateful blocks")
+            states = {kind: _get_path(first, path) for kind, path in held}
             if any(not isinstance(t, torch.Tensor) for t in states.values()):
-                raise RuntimeError(f"layer {idx} ({type(modules[idx]).__name__}) holds no "
+                raise RuntimeError(f"layer {idx} ({type(first).__name__}) holds no "
                                    "state after a forward with use_cache=True")
             specs[idx] = LayerStateSpec(
                 {0: (tuple(states["conv"].shape[1:]), states["conv"].dtype)},
@@ -163,7 +171,7 @@ def probe_specs(model, modules: dict, num_tokens: int = 6) -> dict:
                 and isinstance(linear[idx], torch.Tensor):
             rec = {0: (tuple(linear[idx].shape[1:]), linear[idx].dtype)}
         if not conv and not rec:
-            raise RuntimeError(f"layer {idx} ({type(modules[idx]).__name__}) left no state in "
+            raise RuntimeError(f"layer {idx} ({type(first).__name__}) left no state in "
                                "transformers' cache")
         specs[idx] = LayerStateSpec(conv, rec)
     return specs
@@ -247,6 +255,7 @@ class _SlotCache:
     def __init__(self, layer_idx: int, layer):
         self.layer_idx = layer_idx
         self.layer = layer
+        self.touched: set = set()   # (kind, state_idx) read or written: what goes back to slots
 
     def _check(self, layer_idx):
         if layer_idx != self.layer_idx:
@@ -256,12 +265,14 @@ class _SlotCache:
     def get_conv_state(self, layer_idx, state_idx=0):
         self._check(layer_idx)
         if self.layer.has_previous_state[state_idx]:
+            self.touched.add(("conv", state_idx))     # a decode updates it in place
             return self.layer.conv_states[state_idx]
         return None
 
     def get_recurrent_state(self, layer_idx, state_idx=0):
         self._check(layer_idx)
         if self.layer.has_previous_state[state_idx]:
+            self.touched.add(("recurrent", state_idx))
             return self.layer.recurrent_states[state_idx]
         return None
 
@@ -270,10 +281,12 @@ class _SlotCache:
         slice of their projection, on which torch's CPU depthwise conv1d takes a slow path
         (32 ms against 0.064 ms for [1, 512, 103], same bits, 2 threads)."""
         self._check(layer_idx)
+        self.touched.add(("conv", state_idx))
         return self.layer.update_conv_state(conv_states, state_idx, **kwargs).contiguous()
 
     def update_recurrent_state(self, recurrent_states, layer_idx, state_idx=0, **kwargs):
         self._check(layer_idx)
+        self.touched.add(("recurrent", state_idx))
         return self.layer.update_recurrent_state(recurrent_states, state_idx, **kwargs)
 
     def has_previous_state(self, layer_idx=None, state_idx=None):
@@ -290,6 +303,7 @@ class _SlotCache:
 
     def set_linear_cache(self, layer_idx, linear_cache):
         self._check(layer_idx)
+        self.touched.add(("recurrent", 0))
         self.layer.update_recurrent_state(linear_cache, 0)
         self.layer.has_previous_state[0] = True
 
@@ -317,8 +331,13 @@ def _gathered_layer(entry: dict, slots: torch.Tensor, continuing: bool, number_o
     return layer
 
 
-def _scatter(entry: dict, layer, slots: torch.Tensor, layer_idx: int) -> None:
+def _scatter(entry: dict, layer, slots: torch.Tensor, layer_idx: int,
+             only: Optional[set] = None) -> None:
+    """The group's states back into its slots; `only`: the (kind, state_idx) the call touched
+    (None: all), so a layer's other modules' states stay as they are."""
     for (kind, si), pool in entry.items():
+        if only is not None and (kind, si) not in only:
+            continue
         state = (layer.conv_states if kind == "conv" else layer.recurrent_states)[si]
         if state is None or tuple(state.shape) != (slots.shape[0], *pool.shape[1:]):
             raise RuntimeError(
@@ -415,8 +434,9 @@ class _Wrapped:
                 for kind, path in self.held:
                     _set_path(self.module, path, layer.conv_states[0] if kind == "conv"
                               else layer.recurrent_states[0])
-            elif self.cache_name is not None:
-                call[self.cache_name] = _SlotCache(self.layer_idx, layer)
+            cache = None
+            if self.held is None and self.cache_name is not None:
+                cache = call[self.cache_name] = _SlotCache(self.layer_idx, layer)
             try:
                 y = self.original(**{self.first: x}, **call)
                 if self.held is not None:       # the module assigned its new states
@@ -432,7 +452,8 @@ class _Wrapped:
             if not isinstance(y, torch.Tensor) or tuple(y.shape[:2]) != tuple(x.shape[:2]):
                 raise RuntimeError(f"layer {self.layer_idx}'s {type(self.module).__name__} "
                                    "does not return one row per input token")
-            _scatter(self.entry, layer, g.slots, self.layer_idx)
+            _scatter(self.entry, layer, g.slots, self.layer_idx,
+                     None if cache is None else cache.touched)
             if out is None:
                 out = y.new_empty((1, n, *y.shape[2:]))
             if isinstance(g.rows, slice):
@@ -450,7 +471,8 @@ class StateSwitch:
     def __init__(self, modules: dict, pool: Optional[StatePool] = None, stepwise: bool = False):
         self.modules = modules
         self.pool = pool
-        self._wrapped = {idx: _Wrapped(m, idx, pool) for idx, m in modules.items()}
+        self._wrapped = [(m, _Wrapped(m, idx, pool)) for idx, group in modules.items()
+                         for m in group]
         self.stepwise = stepwise
 
     @property
@@ -461,15 +483,15 @@ class StateSwitch:
     @stepwise.setter
     def stepwise(self, value: bool) -> None:
         self._stepwise = bool(value)
-        for w in self._wrapped.values():
+        for _, w in self._wrapped:
             w.stepwise = self._stepwise
 
     @contextlib.contextmanager
     def __call__(self, step: Optional[StateStep]):
         saved = []
-        for idx, module in self.modules.items():
+        for module, wrapped in self._wrapped:
             saved.append((module, module.__dict__.get("forward", _MISSING)))
-            module.forward = self._wrapped[idx]
+            module.forward = wrapped
         prev = getattr(_CURRENT, "step", None)
         _CURRENT.step = step
         try:

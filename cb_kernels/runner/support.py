@@ -147,10 +147,11 @@ def static_check(model, state_layers: Optional[dict] = None) -> None:
             "its state on the module)")
     # The stateful modules, what they contain and what contains them (their decoder layers,
     # e.g. JambaMambaDecoderLayer) are no unknown state.
-    inside_state = {id(m) for mod in state_layers.values() for m in mod.modules()}
+    stateful = [m for group in state_layers.values() for m in group]
+    inside_state = {id(m) for mod in stateful for m in mod.modules()}
     if state_layers:
         named = dict(model.named_modules())
-        state_ids = {id(m) for m in state_layers.values()}
+        state_ids = {id(m) for m in stateful}
         for qual, mod in named.items():
             if id(mod) in state_ids:
                 parts = qual.split(".")
