@@ -51,6 +51,17 @@ def build(shape: str, seed: int = 0):
             num_experts_per_tok=2, moe_intermediate_size=128,
             shared_expert_intermediate_size=128, max_position_embeddings=4096)
         model = tf.Qwen3NextForCausalLM(cfg)
+    elif shape == "qwen3-next-hd128":
+        # Head sizes of the real checkpoints (vLLM-CPU's gated delta-net kernel needs them).
+        cfg = tf.Qwen3NextConfig(
+            vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+            layer_types=["linear_attention"] * 3 + ["full_attention"],
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128,
+            linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=8,
+            num_experts_per_tok=2, moe_intermediate_size=128,
+            shared_expert_intermediate_size=128, max_position_embeddings=4096)
+        model = tf.Qwen3NextForCausalLM(cfg)
     elif shape == "jamba":
         cfg = tf.JambaConfig(
             vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
