@@ -1,7 +1,7 @@
 """Per-sequence state of stateful layers (state-space, gated delta-net, short convolutions, linear
 attention), kept in slots beside the paged KV cache.
 
-Which layers: every module whose class reads or writes transformers' linear-attention cache
+Which layers: every module whose class source calls transformers' linear-attention cache
 interface (`cache.get_conv_state` / `get_recurrent_state` / `update_*_state`, transformers 5.x's
 one interface for Mamba, Mamba2, gated delta-net, short-conv, ... mixers) and has an int
 `layer_idx` (`state_modules`). Their state shapes come from one probe forward of the model's own
@@ -20,8 +20,16 @@ cache object (`_SlotCache`) and calls the module's own forward on it:
   * all decoding sequences (one new token after earlier ones) together, as a [B, 1, H] batch;
   * each prefill or prefill chunk alone, as [1, n, H]: from zero state when it starts at token 0
     (the layer's prefill path), else from its slot (a later chunk: the cache-continuation path);
-then writes the updated states back into the slots. So the model's own layer code computes every
-state; nothing of ours reimplements a scan.
+then writes the states the call read or wrote back into the slots (a layer may have several
+stateful modules, each with its own state index: Inkling). So the model's own layer code
+computes every state; nothing of ours reimplements a scan.
+
+Also handled: MiniMax's lightning attention (`get_linear_cache` / `set_linear_cache`: one state
+per layer, kept as recurrent state 0); blocks that keep their state on the module rather than in
+a cache (`MODULE_STATE`, RecurrentGemma's recurrent block: the wrapper sets the attributes from
+the slots around each call with use_cache=True and reads them back); layers whose multi-token
+path ignores a given state (Mamba's full scan in transformers 5.24: `stepwise`, later prefill
+chunks then run one token at a time; support.check_state_carry finds out at construction).
 """
 from __future__ import annotations
 
