@@ -30,7 +30,7 @@ _SMALL = dict(
     q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
     # windows and chunks short enough that the prompts cross them
     sliding_window=5, attention_chunk_size=8,
-    # SSM / linear attention / conv sizes (those layers are refused, but must build)
+    # SSM / linear attention / conv sizes
     state_size=8, ssm_state_size=8, mamba_d_state=8, mamba_n_heads=8, mamba_d_head=8,
     mamba_headdim=8, mamba_d_conv=4, mamba_expand=2, linear_num_key_heads=2,
     linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
@@ -59,10 +59,25 @@ _EXTRA = {
     "whisper": dict(encoder_attention_heads=4, decoder_attention_heads=4),
     "plbart": dict(encoder_attention_heads=4, decoder_attention_heads=4),
     "zamba": dict(num_hidden_layers=3),
+    # two recurrent blocks and one attention block (transformers' forward with a cache needs one)
+    "recurrent_gemma": dict(num_hidden_layers=3, attention_window_size=5),
     "zamba2": dict(layers_block_type=["mamba", "hybrid"]),
     # the default 2-layer pattern would hold no convolution layer
     "lfm2": dict(layer_types=["conv", "full_attention"]),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
+    # hybrids: one stateful and one attention layer (an all-stateful 2-layer default fails in
+    # transformers' own forward with a cache: get_seq_length needs an attention layer)
+    "jamba": dict(attn_layer_offset=1, attn_layer_period=2),
+    "bamba": dict(attn_layer_indices=[1]),
+    "granitemoehybrid": dict(layer_types=["mamba", "attention"]),
+    "qwen3_next": dict(layer_types=["linear_attention", "full_attention"]),
+    "qwen3_5": dict(layer_types=["linear_attention", "full_attention"]),
+    "qwen3_5_text": dict(layer_types=["linear_attention", "full_attention"]),
+    "qwen3_5_moe": dict(layer_types=["linear_attention", "full_attention"]),
+    "qwen3_5_moe_text": dict(layer_types=["linear_attention", "full_attention"]),
+    "kimi_linear": dict(layer_types=["linear_attention", "full_attention"]),
+    "bailing_hybrid": dict(layer_types=["linear_attention", "full_attention"]),
+    "lfm3": dict(layer_types=["conv", "full_attention"]),
 }
 # Encoder families and encoder-decoder decoders whose *ForCausalLM class is meant to run as a
 # causal decoder (transformers warns when it is not): built that way. Built as encoders they are

@@ -61,6 +61,9 @@ class BlockManager:
         self.num_hit_blocks = 0
         self.num_evicted_blocks = 0
         self.num_prefix_resets = 0
+        # Models with stateful layers: the state slot every block-holding sequence owns, taken
+        # and returned with its blocks (engine/state_slots.py); None otherwise.
+        self.state_slots = None
 
     # -- counts ---------------------------------------------------------------------------------
     @property
@@ -177,6 +180,8 @@ class BlockManager:
     def can_allocate(self, seq: Sequence, hits: list, reserve: int = 0) -> bool:
         """Whether `seq` (holding no blocks) can get blocks for all its tokens, reusing `hits`
         and leaving `reserve` blocks available for the decodes of running requests."""
+        if self.state_slots is not None and self.state_slots.num_free == 0:
+            return False
         revived = sum(1 for b in hits if self.ref_counts[b] == 0)
         needed = self.blocks_for(seq.num_tokens) - len(hits)
         return needed + reserve <= self.num_free_blocks - revived
@@ -195,6 +200,8 @@ class BlockManager:
         seq.kv_epoch = self.epoch
         seq.metrics.num_cached_tokens = seq.num_computed_tokens
         self.num_hit_blocks += len(hits)
+        if self.state_slots is not None:
+            self.state_slots.allocate(seq)
 
     def _needs_new_block(self, seq: Sequence) -> bool:
         last = (seq.num_tokens - 1) // self.block_size    # block of the token written next
@@ -241,6 +248,8 @@ class BlockManager:
         child.block_hashes = list(parent.block_hashes)
         child.num_registered_blocks = parent.num_registered_blocks
         child.kv_epoch = parent.kv_epoch
+        if self.state_slots is not None:
+            self.state_slots.fork(parent, child)
 
     def free(self, seq: Sequence) -> None:
         """Return `seq`'s blocks. Last blocks first, so the LRU evicts a request's tail before
@@ -254,6 +263,8 @@ class BlockManager:
                     self.free_ids.append(block)
         seq.block_table = []
         seq.num_registered_blocks = 0
+        if self.state_slots is not None:
+            self.state_slots.free(seq)
 
     # -- checks ---------------------------------------------------------------------------------
     def check_invariants(self, seqs, between_steps: bool = False) -> None:
@@ -286,6 +297,8 @@ class BlockManager:
         assert sum(1 for h in self.block_hash if h != _NO_HASH) == len(self.hash_to_block), \
             "a block keeps a hash the map does not know"
         pending = [b for b in self.registered_this_step if self.block_hash[b] != _NO_HASH]
+        if self.state_slots is not None:
+            self.state_slots.check_invariants(seqs)
         assert not (between_steps and pending), (
             f"blocks {pending[:8]} keep hashes of a step that never completed (their KV may never "
             "have been written)")

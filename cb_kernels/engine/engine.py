@@ -15,6 +15,7 @@ from cb_kernels.engine.sampler import Sampler
 from cb_kernels.engine.scheduler import ScheduledBatch, Scheduler
 from cb_kernels.engine.sequence import Sequence, SequenceStatus
 from cb_kernels.engine.sizing import ModelShape, resolve
+from cb_kernels.engine.state_slots import EMPTY_STATS, StateSlots
 from cb_kernels.engine.step import LaunchedStep, StepClock
 from cb_kernels.engine.streams import StreamOrchestrator
 from cb_kernels.engine.swapper import make_swapper
@@ -52,10 +53,15 @@ class Engine:
             raise TypeError(f"runner must implement cb_kernels.runner.ModelRunner, got "
                             f"{type(runner).__name__}")
         self.runner = r = runner
+        state_bytes = getattr(r, "state_bytes_per_seq", 0)     # stateful layers' state
         self.resolved = c = resolve(config, ModelShape(r.num_layers, r.num_kv_heads, r.head_dim,
-                                                       r.max_positions, r.dtype, r.device))
+                                                       r.max_positions, r.dtype, r.device,
+                                                       state_bytes))
         r.allocate_cache(c.num_blocks, c.block_size, c.dtype, c.max_num_seqs)
         self.block_manager = BlockManager(c.num_blocks, c.block_size, c.prefix_caching)
+        if state_bytes:       # one state slot per running request (engine/state_slots.py)
+            self.block_manager.state_slots = StateSlots(c.max_num_seqs, r.state_tensors,
+                                                        state_bytes)
         self.streams = StreamOrchestrator(r.device, c.overlap)
         self.swapper = make_swapper(self.block_manager, r.k_caches + r.v_caches,
                                     c.cpu_offload_gib, c.preemption, self.streams)
@@ -372,7 +378,9 @@ class Engine:
         """Counters and gauges: blocks, offload, preemption, steps; of the overlap pipeline
         (zeros when it is off) overlapped_steps, placeholder_fills, discarded_tokens; StepClock's
         host_wait_s, launch_s and (CUDA, clock.device_events on) device_busy_s, device_idle_s,
-        timed_steps; greedy_head_steps: steps whose tokens came from the greedy head."""
+        timed_steps; greedy_head_steps: steps whose tokens came from the greedy head;
+        state_slots_used, state_slots_total, state_bytes_per_slot, state_fork_copies: the state
+        slots of a hybrid / recurrent model (engine/state_slots.py; zeros for other models)."""
         bm, s = self.block_manager, self.scheduler
         pipeline = (self.pipeline or OverlapPipeline(self)).stats()
         offload = self.swapper.offload.stats() if self.swapper is not None else \
@@ -389,4 +397,5 @@ class Engine:
             "running": len(s.running), "waiting": len(s.waiting), "swapped": len(s.swapped),
             "generated_tokens": self.num_generated_tokens, **pipeline,
             "greedy_head_steps": self.num_greedy_head_steps, **self.clock.stats(),
+            **(bm.state_slots.stats() if bm.state_slots is not None else EMPTY_STATS),
         }

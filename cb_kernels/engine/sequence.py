@@ -33,7 +33,7 @@ class Sequence:
                  "status", "metrics", "eos_token_ids", "generator", "finish_reason", "error",
                  "num_streamed_tokens", "streamed_text", "group", "sample_index", "sample_seed",
                  "logprobs", "cumulative_logprob", "prompt_logprobs", "detokenizer",
-                 "stop_reason", "kv_epoch")
+                 "stop_reason", "kv_epoch", "state_slot")
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list,
                  params: SamplingParams, arrival_time: float = 0.0,
@@ -48,6 +48,7 @@ class Sequence:
         self.block_hashes: list = []
         self.num_registered_blocks = 0   # leading full blocks whose hash the block manager saw
         self.kv_epoch = 0     # BlockManager.epoch (the weights) its KV was computed under
+        self.state_slot = -1  # its slot of the stateful layers' pool (engine/state_slots.py)
         self.status = SequenceStatus.WAITING
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.eos_token_ids = eos_token_ids

@@ -41,6 +41,9 @@ class ModelShape:
     max_positions: int
     dtype: torch.dtype
     device: torch.device
+    # Models with stateful layers: bytes of state one running sequence holds (one slot per
+    # max_num_seqs comes out of the KV budget); 0 otherwise.
+    state_bytes_per_seq: int = 0
 
 
 @dataclass(frozen=True)
@@ -107,12 +110,29 @@ def resolve(config: EngineConfig, shape: ModelShape) -> ResolvedConfig:
         else:
             avail = host_available_bytes()
             budget, source = int(avail * CPU_KV_FRACTION), f"{avail / GiB:.2f} GiB available host memory"
+        if shape.state_bytes_per_seq:
+            state = max_num_seqs * shape.state_bytes_per_seq
+            budget = max(per_block, budget - state)
+            source += f", less {state / GiB:.3f} GiB of state slots"
         # More blocks than max_num_seqs full-length requests can use would only waste memory.
         useful = max_num_seqs * -(-shape.max_positions // block_size)
         num_blocks = max(1, min(budget // per_block, useful))
         chosen["num_blocks"] = (f"{num_blocks} ({num_blocks * per_block / GiB:.3f} GiB of KV at "
                                 f"{per_block} B/block; from {source}, cap {useful} blocks)")
     overlap = config.overlap
+    prefix_caching = config.prefix_caching
+    if shape.state_bytes_per_seq:
+        # A cached KV prefix holds no state of the stateful layers at its end (no checkpoints
+        # are kept), and a fork (n > 1) copies the state its prefill left, which a step already
+        # in flight would have advanced: both stay off for these models.
+        if prefix_caching:
+            logger.info("prefix_caching: off (the model has stateful layers; their state is not "
+                        "checkpointed at block boundaries)")
+            prefix_caching = False
+        if overlap != "off":
+            logger.info("overlap: off (the model has stateful layers; forks copy the state of a "
+                        "finished prefill, which an overlapped step would already advance)")
+            overlap = "off"
     if overlap == "auto":
         overlap = "on" if on_cuda else "off"
         chosen["overlap"] = f"{overlap} ({shape.device.type})"
@@ -133,7 +153,7 @@ def resolve(config: EngineConfig, shape: ModelShape) -> ResolvedConfig:
     resolved = ResolvedConfig(block_size=block_size, num_blocks=num_blocks,
                               max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs,
                               cpu_offload_gib=cpu_offload_gib, preemption=preemption,
-                              prefix_caching=config.prefix_caching, overlap=overlap,
+                              prefix_caching=prefix_caching, overlap=overlap,
                               attention_backend=config.attention_backend, dtype=dtype)
     for name, why in chosen.items():
         logger.info("EngineConfig.%s auto -> %s", name, why)

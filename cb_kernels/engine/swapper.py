@@ -5,6 +5,10 @@ KV of its computed tokens (the first `blocks_for(num_computed_tokens)` blocks of
 shared prefix blocks included, so that coming back never depends on the prefix cache) lives in
 host blocks keyed by its seq_id. Swap-in gives it fresh device blocks for all its tokens and
 copies the KV into the leading ones; the sequence then resumes exactly where it stopped.
+
+Models with stateful layers (engine/state_slots.py): the sequence's state slot moves with its
+blocks, into a host pool of slots built the same way (ops.HostPool, one host slot per device
+slot, copied with ops.swap_blocks); no host slot free means recompute.
 """
 from __future__ import annotations
 
@@ -22,10 +26,11 @@ logger = logging.getLogger("cb_kernels.engine")
 
 class Swapper:
     def __init__(self, block_manager: BlockManager, offload: OffloadManager,
-                 policy: PreemptionPolicy):
+                 policy: PreemptionPolicy, state_offload: OffloadManager | None = None):
         self.block_manager = block_manager
         self.offload = offload
         self.policy = policy
+        self.state_offload = state_offload     # the state slots' host pool, or None
 
     def freed_blocks(self, seq: Sequence) -> int:
         """Device blocks that preempting `seq` returns: those it alone references."""
@@ -37,10 +42,15 @@ class Swapper:
 
     def choose(self, seq: Sequence) -> str:
         """"swap" or "recompute" for the victim `seq` (see PreemptionPolicy.choose)."""
+        n, block_bytes = self.num_swap_blocks(seq), self.offload.block_bytes
+        if self.state_offload is not None:
+            if self.state_offload.num_free_host_blocks == 0 or seq.state_slot < 0:
+                return "recompute"
+            block_bytes += self.state_offload.block_bytes // max(n, 1)   # the slot moves too
         return self.policy.choose(num_tokens=seq.num_computed_tokens,
-                                  swap_blocks=self.num_swap_blocks(seq),
+                                  swap_blocks=n,
                                   freed_blocks=self.freed_blocks(seq),
-                                  block_bytes=self.offload.block_bytes,
+                                  block_bytes=block_bytes,
                                   host_free_blocks=self.offload.num_free_host_blocks)
 
     def swap_out(self, seq: Sequence) -> None:
@@ -50,7 +60,14 @@ class Swapper:
         no host block (the caller fails the request and frees them).
         """
         n = self.num_swap_blocks(seq)
-        self.offload.swap_out(seq.seq_id, seq.block_table[:n])
+        if self.state_offload is not None:
+            self.state_offload.swap_out(seq.seq_id, [seq.state_slot])
+        try:
+            self.offload.swap_out(seq.seq_id, seq.block_table[:n])
+        except BaseException:
+            if self.state_offload is not None:
+                self.state_offload.free(seq.seq_id)
+            raise
         if self.offload.last_copy is not None:
             self.policy.record_copy(*self.offload.last_copy)
         self.block_manager.free(seq)
@@ -76,12 +93,22 @@ class Swapper:
             self.offload.swap_in(seq.seq_id, seq.block_table[:n])
         except OffloadError:
             bm.free(seq)
+            if self.state_offload is not None:
+                self.state_offload.free(seq.seq_id)
             raise
+        if self.state_offload is not None:
+            try:
+                self.state_offload.swap_in(seq.seq_id, [seq.state_slot])
+            except OffloadError:
+                bm.free(seq)
+                raise
         seq.status = SequenceStatus.RUNNING
 
     def drop(self, seq: Sequence) -> None:
         """Forget a swapped `seq` that ended (cancelled) without coming back."""
         self.offload.free(seq.seq_id)
+        if self.state_offload is not None:
+            self.state_offload.free(seq.seq_id)
 
     def check_invariants(self, swapped) -> None:
         """The host pool is consistent and its owners are exactly the swapped sequences."""
@@ -94,6 +121,12 @@ class Swapper:
                 f"{seq} is not swapped cleanly"
             assert owners[seq.seq_id] == self.num_swap_blocks(seq), \
                 f"{seq} holds {owners[seq.seq_id]} host blocks"
+            assert seq.state_slot < 0, f"{seq} is swapped but holds state slot {seq.state_slot}"
+        if self.state_offload is not None:
+            self.state_offload.check_invariants()
+            state_owners = self.state_offload.owners()
+            assert state_owners == {i: 1 for i in ids}, \
+                f"host state slots owned by {sorted(state_owners)}, swapped seqs {sorted(ids)}"
 
 
 def make_swapper(block_manager: BlockManager, device_caches: list, cpu_offload_gib: float,
@@ -110,7 +143,12 @@ def make_swapper(block_manager: BlockManager, device_caches: list, cpu_offload_g
         return None
     offload = OffloadManager(device_caches, num_host_blocks, orchestrator=orchestrator)
     policy = PreemptionPolicy(preemption, device_caches[0].device.type)
+    slots = block_manager.state_slots
+    state_offload = None
+    if slots is not None:
+        # One host slot per device slot: at most max_num_seqs requests hold state at once.
+        state_offload = OffloadManager(slots.tensors, slots.num_slots, orchestrator=orchestrator)
     logger.info("CPU swap pool: %d blocks (%.3f GiB, pinned=%s), preemption=%r", num_host_blocks,
                 num_host_blocks * block_bytes / (1 << 30),
                 bool(offload.host_caches and offload.host_caches[0].is_pinned()), preemption)
-    return Swapper(block_manager, offload, policy)
+    return Swapper(block_manager, offload, policy, state_offload)

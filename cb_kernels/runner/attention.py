@@ -26,6 +26,7 @@ under the other's running forward (its later layers would then run sdpa without 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 import weakref
 from typing import Optional
@@ -136,6 +137,7 @@ class AttentionSwitch:
         register_attention()
         self.configs = _configs_of(model)
         self.lock = model_lock(model)
+        self.per_call = PerCallLayerIdx(model)
         self._saved: list = []
 
     def __enter__(self) -> "AttentionSwitch":
@@ -143,9 +145,76 @@ class AttentionSwitch:
         self._saved = [cfg._attn_implementation_internal for cfg in self.configs]
         for cfg in self.configs:
             cfg._attn_implementation_internal = ATTN_NAME
+        self.per_call.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
+        self.per_call.__exit__()
         for cfg, name in zip(self.configs, self._saved):
             cfg._attn_implementation_internal = name
         self.lock.release()
+
+
+class PerCallLayerIdx:
+    """Context manager for attention modules shared by several layers (Zamba2's one attention
+    block, built with layer_idx=-1, whose forward takes the calling layer's `layer_idx`): inside
+    it each such module's forward sets `module.layer_idx` to the call's layer_idx for the call,
+    so our attention (which reads module.layer_idx) uses that layer's KV cache. Restored on
+    exit; a no-op for models without such modules."""
+
+    def __init__(self, model):
+        self.modules = []
+        for module in model.modules():
+            fwd = getattr(type(module), "forward", None)
+            if fwd is None or not isinstance(getattr(module, "layer_idx", None), int):
+                continue
+            try:
+                params = list(inspect.signature(fwd).parameters)
+            except (TypeError, ValueError):
+                continue
+            if "layer_idx" in params and "layer_idx" in _source_of(type(module)):
+                self.modules.append((module, params.index("layer_idx") - 1))
+        self._saved: list = []
+
+    def __enter__(self):
+        self._saved = []
+        for module, pos in self.modules:
+            self._saved.append((module, module.__dict__.get("forward", _MISSING)))
+            module.forward = _per_call(module, pos)
+        return self
+
+    def __exit__(self, *exc):
+        for module, forward in self._saved:
+            if forward is _MISSING:
+                del module.forward
+            else:
+                module.forward = forward
+        self._saved = []
+
+
+_MISSING = object()
+
+
+def _source_of(cls) -> str:
+    try:
+        return inspect.getsource(cls)
+    except (OSError, TypeError):
+        return ""
+
+
+def _per_call(module, pos: int):
+    original = type(module).forward.__get__(module)
+
+    def forward(*args, **kwargs):
+        idx = kwargs["layer_idx"] if "layer_idx" in kwargs else \
+            args[pos] if len(args) > pos else None
+        if not isinstance(idx, int):
+            return original(*args, **kwargs)
+        saved = module.layer_idx
+        module.layer_idx = idx
+        try:
+            return original(*args, **kwargs)
+        finally:
+            module.layer_idx = saved
+
+    return forward

@@ -32,6 +32,10 @@ class ModelRunner(Protocol):
     cache), head_dim, max_positions, vocab_size, dtype, device, eos_token_ids (frozenset).
     After allocate_cache: k_caches, v_caches (per layer [num_blocks, block_size, num_kv_heads,
     head_dim]; the swapper moves blocks of them) and block_size.
+    Optional, for models with per-sequence state (hybrid / recurrent layers):
+    state_bytes_per_seq (int, 0 or absent: none) and, after allocate_cache, state_tensors (each
+    [max_num_seqs, ...], one slot per running sequence; the engine hands slots out as
+    seq.state_slot, copies them on fork and swaps them with the blocks).
     """
 
     num_layers: int

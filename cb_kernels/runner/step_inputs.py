@@ -66,6 +66,8 @@ class StepInputs:
     attn: AttentionMetadata
     sampled: list
     num_seqs: int
+    # Models with stateful layers: the step's split by sequence (runner/state_cache.StateStep).
+    state: object = None
 
     @property
     def is_decode(self) -> bool:

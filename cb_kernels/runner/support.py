@@ -29,9 +29,10 @@ from typing import Optional
 
 import torch
 
-from cb_kernels.runner.attention import model_lock
+from cb_kernels.runner.attention import PerCallLayerIdx, model_lock
 from cb_kernels.runner.masks import mask_pattern, tensor_is_causal
 from cb_kernels.runner.positions import explicit_positions, position_modules
+from cb_kernels.runner.state_cache import StateSwitch
 
 
 class UnsupportedModelError(NotImplementedError):
@@ -73,8 +74,23 @@ _STATEFUL = re.compile(r"Mamba|SSM|Ssm|Mixer|LinearAttention|LinearAttn|DeltaNet
                        r"Rwkv|RWKV|xLSTM|Mlstm|Slstm|Recurrent|Rglru|RgLru|ShortConv|Conv1d|"
                        r"ConvLayer|Lfm2.*Conv|ShortConvolution")
 _INDEXER = re.compile(r"Indexer")
+# Classes named like a family's stateful mixer that hold no state themselves (MambaRMSNorm).
+_STATELESS_PARTS = re.compile(r"(Norm|NormGated|MLP|Mlp|Embeddings?|Experts|Router|MoE|Moe|MoeBlock)$")
+
+
+def _attends(cls) -> bool:
+    """Whether the class calls transformers' attention interface (KimiLinearAttention: the
+    family's name, not linear attention); the probe checks those calls."""
+    import inspect
+
+    try:
+        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(cls)
+    except (OSError, TypeError):
+        return False
 _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "attention",
                           None}
+# Layers with neither attention nor state (a bare MLP / MoE block between mixers, Nemotron-H).
+_STATELESS_LAYER_TYPES = {"mlp", "moe"}
 
 
 def _text_config(model):
@@ -105,29 +121,57 @@ def _decoder_layers(model, num_layers):
             yield name, module
 
 
-def static_check(model) -> None:
-    """Raises UnsupportedModelError for what the config and module tree already show."""
+def static_check(model, state_layers: Optional[dict] = None) -> None:
+    """Raises UnsupportedModelError for what the config and module tree already show.
+    `state_layers` (layer_idx -> module, runner/state_cache.state_modules): the stateful layers
+    the engine keeps state slots for; their modules and layer types are not refused."""
     cfg = _text_config(model)
     name = type(model).__name__
-    if not hasattr(cfg, "num_attention_heads"):
+    state_layers = state_layers or {}
+    if not hasattr(cfg, "num_attention_heads") and not state_layers:
         raise UnsupportedModelError(
-            f"{name}'s config has no num_attention_heads (pure state-space and recurrent "
-            "models such as Mamba, RWKV and xLSTM have none): cb_kernels runs models whose "
-            "layers attend through transformers' attention interface")
+            f"{name}'s config has no num_attention_heads and no layer keeps its state through "
+            "transformers' cache interface (RWKV and xLSTM have their own state objects): "
+            "cb_kernels runs layers that attend through transformers' attention interface or "
+            "keep conv / recurrent state through its linear-attention cache")
     layer_types = getattr(cfg, "layer_types", None) or []
-    odd = sorted({t for t in layer_types if t not in _ATTENTION_LAYER_TYPES}, key=str)
+    odd = sorted({t for i, t in enumerate(layer_types)
+                  if t not in _ATTENTION_LAYER_TYPES and i not in state_layers
+                  and t not in _STATELESS_LAYER_TYPES}, key=str)
     if odd:
         raise UnsupportedModelError(
             f"{name} has layers of type {odd} (config.layer_types) that cb_kernels does not "
-            "run: only full, sliding-window and chunked attention layers are supported; "
-            "stateful layers (state-space, convolution, linear attention) are refused for now")
+            "run: no module of theirs attends through transformers' attention interface or "
+            "keeps its state through transformers' conv / recurrent cache interface (Mamba, "
+            "gated delta-net, short convolution mixers use it; RecurrentGemma's RG-LRU keeps "
+            "its state on the module)")
+    # The stateful modules, what they contain and what contains them (their decoder layers,
+    # e.g. JambaMambaDecoderLayer) are no unknown state.
+    stateful = [m for group in state_layers.values() for m in group]
+    inside_state = {id(m) for mod in stateful for m in mod.modules()}
+    if state_layers:
+        named = dict(model.named_modules())
+        state_ids = {id(m) for m in stateful}
+        for qual, mod in named.items():
+            if id(mod) in state_ids:
+                parts = qual.split(".")
+                inside_state.update(id(named[".".join(parts[:k])]) for k in range(len(parts)))
+        # The attention layers' decoder layers are of the stateful layers' decoder-layer class
+        # (RecurrentGemmaDecoderLayer): no state of their own either.
+        ancestor_classes = {type(m) for m in named.values() if id(m) in inside_state}
+        inside_state.update(id(m) for m in named.values() if type(m) in ancestor_classes)
     for mod_name, module in _decoder_layers(model, getattr(cfg, "num_hidden_layers", None)):
+        if id(module) in inside_state:
+            continue
         cls = type(module).__name__
-        if isinstance(module, torch.nn.Conv1d) or _STATEFUL.search(cls):
+        if isinstance(module, torch.nn.Conv1d) or (
+                _STATEFUL.search(cls) and not _STATELESS_PARTS.search(cls)
+                and not (state_layers and _attends(type(module)))):
             raise UnsupportedModelError(
-                f"{name} has a stateful layer {mod_name} ({cls}): state-space, convolution, "
-                "linear-attention and recurrent layers carry state between steps, which "
-                "cb_kernels does not keep yet")
+                f"{name} has a stateful layer {mod_name} ({cls}) that keeps its state outside "
+                "transformers' linear-attention cache interface (get_conv_state / "
+                "get_recurrent_state): cb_kernels keeps state slots only for layers using that "
+                "interface")
         if _INDEXER.search(cls):
             raise UnsupportedModelError(
                 f"{name} has a sparse-attention indexer {mod_name} ({cls}): it reads the "
@@ -192,7 +236,8 @@ def _register_probe() -> None:
     AttentionMaskInterface.register(PROBE_NAME, _probe_mask)
 
 
-def record_calls(model, configs, num_tokens: int = 6, ids=None, offset: int = 0) -> _Recording:
+def record_calls(model, configs, num_tokens: int = 6, ids=None, offset: int = 0,
+                 state_layers: Optional[dict] = None) -> _Recording:
     """One forward of `num_tokens` tokens (ids, default a fixed mix) at positions offset ..
     offset + num_tokens - 1 with the recording attention; the calls it made."""
     _register_probe()
@@ -204,12 +249,12 @@ def record_calls(model, configs, num_tokens: int = 6, ids=None, offset: int = 0)
     pos = torch.arange(offset, offset + num_tokens, device=device)[None]
     _PROBE.rec = rec
     # The model's lock: another engine's step must not switch its attention meanwhile.
-    with model_lock(model):
+    with model_lock(model), StateSwitch(state_layers or {})(None):
         _record(model, configs, ids, pos)
     return rec
 
 
-def check_positions(model, configs, num_tokens: int) -> None:
+def check_positions(model, configs, num_tokens: int, state_layers=None) -> None:
     """Refuses a model whose positions do not come from position_ids (the engine's only way to
     tell a layer where its tokens are; e.g. BART-style decoders count them from the cache).
 
@@ -217,11 +262,17 @@ def check_positions(model, configs, num_tokens: int) -> None:
     the same in both runs ignores position_ids; if its queries still differ from row to row, the
     positions came from somewhere else. (A layer without positions at all, NoPE, has equal rows:
     the probe's attention returns zeros, so no position reaches it through earlier layers.)"""
+    if state_layers:
+        # A stateful layer mixes earlier tokens into every row, so a layer without positions
+        # (NoPE: Jamba's, Nemotron-H's attention) has rows that differ as well: this probe cannot
+        # tell it from one that counts positions itself. These families are checked against
+        # generate() by their tests instead.
+        return
     device = next(model.parameters()).device
     ids = torch.full((1, num_tokens), 3 % model.get_input_embeddings().num_embeddings,
                      device=device)
-    a = record_calls(model, configs, num_tokens, ids, offset=0).calls
-    b = record_calls(model, configs, num_tokens, ids, offset=7).calls
+    a = record_calls(model, configs, num_tokens, ids, offset=0, state_layers=state_layers).calls
+    b = record_calls(model, configs, num_tokens, ids, offset=7, state_layers=state_layers).calls
     for ca, cb in zip(a, b):
         same_across = torch.equal(ca.query, cb.query)
         rows_differ = not torch.equal(ca.query, ca.query[:, :1].expand_as(ca.query))
@@ -237,7 +288,8 @@ def _record(model, configs, ids, pos) -> None:
     try:
         for cfg in configs:
             cfg._attn_implementation_internal = PROBE_NAME
-        with torch.inference_mode(), explicit_positions(position_modules(model), pos):
+        with torch.inference_mode(), explicit_positions(position_modules(model), pos), \
+                PerCallLayerIdx(model):
             model(input_ids=ids, position_ids=pos, use_cache=False, cbk_step=_SENTINEL)
     except UnsupportedModelError:
         raise
@@ -271,15 +323,17 @@ def _cache_windows(cfg, num_layers: int) -> list:
 
 
 # -- the plan -----------------------------------------------------------------------------------
-def layer_plans(model, configs, num_layers: int) -> list:
-    """Per layer_idx, its LayerAttention; raises UnsupportedModelError for anything the engine
-    cannot run exactly."""
-    static_check(model)
+def layer_plans(model, configs, num_layers: int, state_layers: Optional[dict] = None) -> list:
+    """Per layer_idx, its LayerAttention, or None for a layer without attention (a stateful one
+    of `state_layers`, or a bare MLP / MoE block); raises UnsupportedModelError for anything the
+    engine cannot run exactly."""
+    state_layers = state_layers or {}
+    static_check(model, state_layers)
     name = type(model).__name__
     cfg = _text_config(model)
     max_positions = getattr(cfg, "max_position_embeddings", None) or (1 << 30)
-    rec = record_calls(model, configs, _PROBE_TOKENS)
-    if not rec.calls:
+    rec = record_calls(model, configs, _PROBE_TOKENS, state_layers=state_layers)
+    if not rec.calls and not state_layers:
         raise UnsupportedModelError(
             f"{name} does not attend through transformers' attention interface (no call reached "
             "it): cb_kernels cannot run its attention on the paged cache")
@@ -360,8 +414,11 @@ def layer_plans(model, configs, num_layers: int) -> list:
                 f"transformers' cache keeps a window of {cw} keys (config.sliding_window): "
                 "generate() then attends to all keys in the prompt and to the last window "
                 "while decoding, which cb_kernels does not reproduce")
-    check_positions(model, configs, _PROBE_TOKENS)
-    missing = [i for i in range(num_layers) if i not in plans]
+    check_positions(model, configs, _PROBE_TOKENS, state_layers)
+    layer_types = getattr(cfg, "layer_types", None) or []
+    stateless = {i for i, t in enumerate(layer_types) if t in _STATELESS_LAYER_TYPES}
+    missing = [i for i in range(num_layers)
+               if i not in plans and i not in state_layers and i not in stateless]
     if missing:
         raise UnsupportedModelError(
             f"{name}: layers {missing} run no attention through transformers' attention "
@@ -370,7 +427,7 @@ def layer_plans(model, configs, num_layers: int) -> list:
     if len(chunks) > 1:
         raise UnsupportedModelError(f"{name}: chunked-attention layers with different chunk "
                                     f"sizes {sorted(chunks)}")
-    return [plans[i] for i in range(num_layers)]
+    return [plans.get(i) for i in range(num_layers)]
 
 
 def check_chunk_blocks(layers: list, block_size: int) -> None:
@@ -381,3 +438,89 @@ def check_chunk_blocks(layers: list, block_size: int) -> None:
         raise UnsupportedModelError(
             f"chunked attention with chunks of {chunk} tokens needs a block_size that divides "
             f"it (got block_size={block_size}): set EngineConfig(block_size=...) accordingly")
+
+
+# -- stateful layers ----------------------------------------------------------------------------
+class _ProbeSeq:
+    """What state_cache.plan reads of a sequence."""
+
+    def __init__(self, start: int):
+        self.state_slot = 0
+        self.num_computed_tokens = start
+
+
+def check_state_carry(model, configs, state_layers: dict, specs: dict,
+                      num_tokens: int = 10) -> bool:
+    """Refuses a model whose stateful layers do not carry their state through our slots the way
+    one forward over all tokens does. Three runs through the slot wrappers (runner/state_cache.py)
+    with the probe's attention (zeros), one sequence in a 1-slot pool: all `num_tokens` tokens
+    at once; the first n - 1 then the last as a decode; the first half then the rest as a later
+    prefill chunk. The last token's logits must agree (up to the rounding of a chunked scan
+    against a step-by-step one: 64 ulps of the model's dtype relative to the largest logit):
+    else the layer reads something our slots do not give it (e.g. its cache's sequence length),
+    and a step would compute other tokens than generate().
+
+    Returns whether later prefill chunks must run token by token: some layers' multi-token path
+    starts from zero state even when their cache holds one (Mamba's and Falcon-Mamba's full
+    sequence scan takes no initial state in transformers 5.24), while their one-token path
+    continues from it; such a model is accepted when the chunk, fed one token at a time,
+    matches."""
+    from cb_kernels.runner.state_cache import StatePool, StateSwitch, plan
+
+    name = type(model).__name__
+    device = next(model.parameters()).device
+    vocab = model.get_input_embeddings().num_embeddings
+    ids = (torch.arange(num_tokens, device=device) * 5 + 2) % vocab
+    pool = StatePool(specs, 1, device)
+    switch = StateSwitch(state_layers, pool)
+
+    def run(pieces):
+        start, logits = 0, None
+        for n in pieces:
+            step = plan([_ProbeSeq(start)], [n], device)
+            pos = torch.arange(start, start + n, device=device)[None]
+            _register_probe()
+            _PROBE.rec = _Recording()
+            saved = [cfg._attn_implementation_internal for cfg in configs]
+            try:
+                for cfg in configs:
+                    cfg._attn_implementation_internal = PROBE_NAME
+                with switch(step), explicit_positions(position_modules(model), pos), \
+                        PerCallLayerIdx(model):
+                    out = model(input_ids=ids[None, start:start + n], position_ids=pos,
+                                use_cache=False, cbk_step=_SENTINEL)
+            finally:
+                for cfg, old in zip(configs, saved):
+                    cfg._attn_implementation_internal = old
+                _PROBE.rec = None
+            logits = out.logits[0, -1].float()
+            start += n
+        return logits
+
+    half = num_tokens // 2
+    stepwise = False
+    try:
+        with model_lock(model), torch.inference_mode():
+            whole = run([num_tokens])
+            stepped = run([num_tokens - 1, 1])
+            chunked = run([half, num_tokens - half])
+            scale = whole.abs().max().item()
+            tol = 64 * torch.finfo(next(model.parameters()).dtype).eps * scale + 1e-6
+            if (chunked - whole).abs().max().item() > tol \
+                    and (stepped - whole).abs().max().item() <= tol:
+                switch.stepwise = True
+                chunked = run([half, num_tokens - half])
+                stepwise = True
+    except Exception as e:                    # noqa: BLE001
+        raise UnsupportedModelError(
+            f"{name}'s stateful layers fail when run on cb_kernels' state slots "
+            f"({type(e).__name__}: {e})") from e
+    for what, got in (("a decode step", stepped), ("a later prefill chunk", chunked)):
+        err = (got - whole).abs().max().item()
+        if not err <= tol:
+            raise UnsupportedModelError(
+                f"{name}: its stateful layers continued from cb_kernels' state slots in "
+                f"{what} give other logits than one forward over all tokens (max difference "
+                f"{err:.3g} of {scale:.3g}): the layers keep state outside transformers' "
+                "conv / recurrent cache state")
+    return stepwise

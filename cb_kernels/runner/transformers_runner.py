@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from cb_kernels import ops
-from cb_kernels.runner import step_inputs, support
+from cb_kernels.runner import state_cache, step_inputs, support
 from cb_kernels.runner.attention import AttentionSwitch, model_lock, step_context
 from cb_kernels.runner.positions import explicit_positions, position_modules
 from cb_kernels.runner.base import StepOutput
@@ -82,38 +82,77 @@ class TransformersRunner:
             raise TypeError(f"model must be a transformers causal LM, got {type(model).__name__}")
         self.model = model
         cfg = _text_config(model)
-        self.num_layers = getattr(cfg, "num_hidden_layers", None) or 0
+        num_hidden = getattr(cfg, "num_hidden_layers", None) or 0
         self._switch = AttentionSwitch(model)
         self._positions = position_modules(model)   # BART-style decoders (runner/positions.py)
+        # Layers with per-sequence state (Mamba, gated delta-net, short conv, ...): kept in state
+        # slots beside the KV cache (runner/state_cache.py).
+        try:
+            self.state_layers = state_cache.state_modules(model)
+        except ValueError as e:
+            raise support.UnsupportedModelError(f"{type(model).__name__}: {e}") from e
         # Refuses, with UnsupportedModelError, what the engine cannot run exactly; else the
-        # real per-layer K/V shapes and windows, found by one probe forward.
-        self.layers = support.layer_plans(model, self._switch.configs, self.num_layers)
+        # real per-layer K/V shapes and windows, found by one probe forward (None: a layer with
+        # no attention).
+        self.layers = support.layer_plans(model, self._switch.configs, num_hidden,
+                                          self.state_layers)
+        self.state_specs: dict = {}
+        self.state_bytes_per_seq = 0
+        self._stepwise_chunks = False
+        if self.state_layers:
+            try:
+                with model_lock(model):
+                    self.state_specs = state_cache.probe_specs(model, self.state_layers)
+            except Exception as e:            # noqa: BLE001 (transformers' own failure)
+                raise support.UnsupportedModelError(
+                    f"{type(model).__name__}: the state of its stateful layers could not be "
+                    f"read off transformers' cache ({type(e).__name__}: {e})") from e
+            self._stepwise_chunks = support.check_state_carry(
+                model, self._switch.configs, self.state_layers, self.state_specs)
+            if self._stepwise_chunks:
+                logger.info("stateful layers: later prefill chunks run one token at a time (the "
+                            "layers' multi-token path starts from zero state)")
+            self.state_bytes_per_seq = state_cache.StatePool.bytes_per_slot(self.state_specs)
+            logger.info("stateful layers %s: %d B of state per sequence", sorted(self.state_specs),
+                        self.state_bytes_per_seq)
+        self._states = state_cache.StateSwitch(self.state_layers) if self.state_layers else None
+        self.state_pool = None
+        self.state_tensors: list = []
+        kv_plans = [p for p in self.layers if p is not None]
+        # Sizing counts the KV of attention layers only; a model without any keeps one
+        # 1-value-per-token placeholder layer, so blocks still count its tokens.
+        self.num_layers = len(kv_plans) or 1
         self.num_heads = support.num_heads_of(cfg)
         # Sizing reads one (num_kv_heads, head_dim) for every layer: the largest layer's, so a
         # block never holds more than the engine counted.
-        widest = max(self.layers, key=lambda p: p.num_kv_heads * p.head_dim)
-        self.num_kv_heads, self.head_dim = widest.num_kv_heads, widest.head_dim
+        if kv_plans:
+            widest = max(kv_plans, key=lambda p: p.num_kv_heads * p.head_dim)
+            self.num_kv_heads, self.head_dim = widest.num_kv_heads, widest.head_dim
+        else:
+            self.num_kv_heads = self.head_dim = 1
         self.max_positions = getattr(cfg, "max_position_embeddings", None) or (1 << 31) - 1
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.eos_token_ids = eos_ids_of(model)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.sliding_windows = [p.window for p in self.layers]
-        self.chunked_layers = tuple(p.chunk is not None for p in self.layers)
-        self.chunk_size = next((p.chunk for p in self.layers if p.chunk), None)
+        self.sliding_windows = [p.window if p is not None else None for p in self.layers]
+        self.chunked_layers = tuple(p is not None and p.chunk is not None for p in self.layers)
+        self.chunk_size = next((p.chunk for p in kv_plans if p.chunk), None)
         self.softcap = getattr(cfg, "attn_logit_softcapping", None)
         self.attention_backend = attention_backend
         self.cuda_graphs = cuda_graphs
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         # None off CPU fp32 or when the packed copy does not fit (runner/packed_linears.py).
         self.packed = PackedLinears.build(model, pack_weights, available_host_bytes)
-        self.fused = FusedForward.build(model, self.packed, self.num_layers, self.num_heads,
-                                        self.num_kv_heads)
+        self.fused = None if self.state_layers else FusedForward.build(
+            model, self.packed, num_hidden, self.num_heads, self.num_kv_heads)
         self._greedy_mode = greedy_head
         self.head, self._decoder = self._choose_head(greedy_head)
         self.graphs = None
         self.k_caches: list = []
         self.v_caches: list = []
+        self._layer_k: list = []      # per layer_idx (None: no attention), what attention reads
+        self._layer_v: list = []
         self.block_size = 0
 
     def _choose_head(self, mode):
@@ -143,13 +182,24 @@ class TransformersRunner:
     # -- the cache ------------------------------------------------------------------------------
     def allocate_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype,
                        max_num_seqs: int) -> None:
-        support.check_chunk_blocks(self.layers, block_size)
-        self.k_caches, self.v_caches = allocate_layer_caches(
-            [(p.num_kv_heads, p.head_dim) for p in self.layers], num_blocks, block_size, dtype,
-            self.device)
+        kv_plans = [p for p in self.layers if p is not None]
+        support.check_chunk_blocks(kv_plans, block_size)
+        shapes = [(p.num_kv_heads, p.head_dim) for p in kv_plans] or [(1, 1)]
+        self.k_caches, self.v_caches = allocate_layer_caches(shapes, num_blocks, block_size,
+                                                             dtype, self.device)
+        it_k, it_v = iter(self.k_caches), iter(self.v_caches)
+        self._layer_k = [next(it_k) if p is not None else None for p in self.layers]
+        self._layer_v = [next(it_v) if p is not None else None for p in self.layers]
         self.block_size = block_size
-        # The decode graphs carry no chunked view.
-        if graphs_enabled(self.cuda_graphs, self.device) and self.chunk_size is None:
+        if self.state_layers:
+            # One slot per running sequence (the scheduler runs at most max_num_seqs).
+            self.state_pool = state_cache.StatePool(self.state_specs, max_num_seqs, self.device)
+            self.state_tensors = self.state_pool.tensors
+            self._states = state_cache.StateSwitch(self.state_layers, self.state_pool,
+                                                   self._stepwise_chunks)
+        # The decode graphs carry no chunked view, and no state slots.
+        if graphs_enabled(self.cuda_graphs, self.device) and self.chunk_size is None \
+                and not self.state_layers:
             max_blocks = min(num_blocks, -(-self.max_positions // block_size))
             self.graphs = decode_graph_runner(self, max_num_seqs, max_blocks)
 
@@ -160,12 +210,15 @@ class TransformersRunner:
 
     # -- a step ---------------------------------------------------------------------------------
     def prepare(self, seqs: list, num_new_tokens: list) -> step_inputs.StepInputs:
-        return step_inputs.pack(
+        inputs = step_inputs.pack(
             seqs, num_new_tokens, self.block_size, self.k_caches[0].shape[0] * self.block_size,
-            self.device, k_caches=self.k_caches, v_caches=self.v_caches,
+            self.device, k_caches=self._layer_k, v_caches=self._layer_v,
             sliding_windows=self.sliding_windows, softcap=self.softcap,
             backend=self.attention_backend, chunk_size=self.chunk_size,
             chunked_layers=self.chunked_layers)
+        if self.state_pool is not None:
+            inputs.state = state_cache.plan(seqs, num_new_tokens, self.device)
+        return inputs
 
     @torch.inference_mode()
     def execute(self, inputs: step_inputs.StepInputs, greedy: bool = False) -> StepOutput:
@@ -178,6 +231,14 @@ class TransformersRunner:
                 "input_ids": inputs.input_ids, "positions": inputs.positions,
                 "slot_mapping": attn.slot_mapping, "seq_lens": attn.seq_lens,
                 "block_tables": attn.block_tables, "cu_seqlens_q": attn.cu_seqlens_q}), None)
+        if self.state_pool is not None:
+            # The wrappers are state of the model, like the attention switch: under its lock.
+            with self._switch.lock, self._states(inputs.state):
+                return self._execute(inputs, greedy)
+        return self._execute(inputs, greedy)
+
+    def _execute(self, inputs: step_inputs.StepInputs, greedy: bool) -> StepOutput:
+        attn = inputs.attn
         head = self._head_now()
         if head is not None and self.fused is not None and self.fused.usable():
             # Switches no attention or forward of the model: needs no lock.

@@ -1,0 +1,222 @@
+"""Hybrid models on the engine: a tiny Qwen3-Next-shaped model (gated delta-net + full attention)
+and a tiny Jamba-shaped one (Mamba + attention + MoE), engine against padded model.generate in
+the same run (greedy, fp32, one process).
+
+    python bench/bench_hybrid.py [--quick] [--repeats 2] [--threads 2] [--json out.json]
+
+Shapes (random weights): qwen3-next: hidden 256, 4 layers (3 gated delta-net, 1 full attention
+8/2 heads x 32), MoE 8 experts top 2 (x 128) + shared expert, vocab 32000; jamba: hidden 256, 4
+layers (Mamba d_state 16 x3, attention 8/2 heads at layer 2), MoE 4 experts top 2 every other
+layer, vocab 32000. Workload: 16 requests, prompts uniform in 16..128 tokens, 32 output tokens
+each (EOS off); --quick: 8 requests, 16..64, 16 outputs.
+Contenders:
+  cb_kernels       Engine with the auto config (state slots, prefix caching and overlap off)
+  padded generate  one model.generate over the left-padded batch (transformers masks the padding
+                   of the stateful layers itself)
+Output tokens/s counts the requested tokens; ratios by wall time and by this process's CPU time
+(on a machine shared with other jobs the CPU-time one is the steadier). Tokens are compared with
+per-prompt model.generate (exact for the engine; padded generate can differ where padding
+changes the rounding). Also reported: the share of the engine's time spent inside the stateful
+layers' wrappers (gather, the layer's own code, scatter), from one more engine run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if os.path.isdir(os.path.join(_ROOT, "cb_kernels")) and _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+import cb_kernels  # noqa: E402,F401
+import torch  # noqa: E402
+
+VOCAB = 32000
+
+
+def build(shape: str, seed: int = 0):
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    if shape == "qwen3-next":
+        cfg = tf.Qwen3NextConfig(
+            vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+            num_attention_heads=8, num_key_value_heads=2, head_dim=32,
+            layer_types=["linear_attention"] * 3 + ["full_attention"],
+            linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32,
+            linear_value_head_dim=32, linear_conv_kernel_dim=4, num_experts=8,
+            num_experts_per_tok=2, moe_intermediate_size=128,
+            shared_expert_intermediate_size=128, max_position_embeddings=4096)
+        model = tf.Qwen3NextForCausalLM(cfg)
+    elif shape == "qwen3-next-hd128":
+        # Head sizes of the real checkpoints (vLLM-CPU's gated delta-net kernel needs them).
+        cfg = tf.Qwen3NextConfig(
+            vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+            layer_types=["linear_attention"] * 3 + ["full_attention"],
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128,
+            linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=8,
+            num_experts_per_tok=2, moe_intermediate_size=128,
+            shared_expert_intermediate_size=128, max_position_embeddings=4096)
+        model = tf.Qwen3NextForCausalLM(cfg)
+    elif shape == "jamba":
+        cfg = tf.JambaConfig(
+            vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+            num_attention_heads=8, num_key_value_heads=2, attn_layer_period=4,
+            attn_layer_offset=2, expert_layer_period=2, expert_layer_offset=1, num_experts=4,
+            num_experts_per_tok=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
+            max_position_embeddings=4096, use_mamba_kernels=False)
+        model = tf.JambaForCausalLM(cfg)
+    else:
+        raise ValueError(shape)
+    model = model.eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def workload(n, lo, hi, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    return [torch.randint(1, VOCAB, (k,), generator=g).tolist() for k in lengths]
+
+
+@torch.inference_mode()
+def run_padded(model, prompts, new):
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    t0, c0 = time.perf_counter(), time.process_time()
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                         do_sample=False)
+    return (time.perf_counter() - t0, time.process_time() - c0), \
+        [out[i, width:].tolist() for i in range(len(prompts))]
+
+
+def run_engine(model, prompts, new):
+    from cb_kernels import Engine, SamplingParams
+
+    engine = Engine(model)
+    t0, c0 = time.perf_counter(), time.process_time()
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=new, ignore_eos=True))
+    seconds = (time.perf_counter() - t0, time.process_time() - c0)
+    engine.check_invariants()
+    assert engine.stats()["state_slots_used"] == 0
+    return seconds, [o.token_ids for o in outs]
+
+
+@torch.inference_mode()
+def reference(model, prompts, new):
+    return [model.generate(torch.tensor([p]), max_new_tokens=new, min_new_tokens=new,
+                           do_sample=False)[0, len(p):].tolist() for p in prompts]
+
+
+def wrapper_share(model, prompts, new) -> dict:
+    """Seconds inside the stateful modules' wrappers vs the whole generate (one run)."""
+    from cb_kernels import Engine, SamplingParams
+    from cb_kernels.runner import state_cache
+
+    spent = {"wrapped": 0.0}
+    original = state_cache._Wrapped.__call__
+
+    def timed(self, *a, **k):
+        t0 = time.perf_counter()
+        try:
+            return original(self, *a, **k)
+        finally:
+            spent["wrapped"] += time.perf_counter() - t0
+
+    engine = Engine(model)
+    state_cache._Wrapped.__call__ = timed
+    try:
+        t0 = time.perf_counter()
+        engine.generate(prompts, SamplingParams(max_new_tokens=new, ignore_eos=True))
+        total = time.perf_counter() - t0
+    finally:
+        state_cache._Wrapped.__call__ = original
+    return {"total_s": total, "stateful_layers_s": spent["wrapped"],
+            "stateful_share": spent["wrapped"] / total}
+
+
+def run_vllm(model, prompts, new, want, repeats, dtype="float32") -> dict:
+    """vLLM-CPU on a saved copy of `model`: its row, or {"error": ...} where it cannot run."""
+    import tempfile
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from vllm_cpu import compare_with_vllm
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        row = compare_with_vllm(tmp, prompts, new, expected_token_ids=want, repeats=repeats,
+                                timeout_s=900, dtype=dtype)
+    row.pop("token_ids", None)
+    if "error" in row:
+        row["error"] = row["error"][-600:]
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--shapes", default="qwen3-next,jamba")
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="the models' dtype (vLLM-CPU runs gated delta-net in bf16 only)")
+    p.add_argument("--vllm", action="store_true",
+                   help="also run vLLM's CPU build on the same prompts (bench/vllm_cpu.py, its "
+                        "own venv and process, after the in-process rounds)")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    n, lo, hi, new = (8, 16, 64, 16) if args.quick else (16, 16, 128, 32)
+    prompts = workload(n, lo, hi)
+    results = {"requests": n, "prompt_tokens": sum(map(len, prompts)), "new_tokens": new,
+               "dtype": args.dtype,
+               "threads": torch.get_num_threads(), "torch": torch.__version__}
+    import transformers
+    results["transformers"] = transformers.__version__
+    for shape in args.shapes.split(","):
+        model = build(shape).to(getattr(torch, args.dtype))
+        want = reference(model, prompts, new)
+        best = {}
+        for _ in range(args.repeats):
+            for name, fn in (("cb_kernels", run_engine), ("padded_generate", run_padded)):
+                (seconds, cpu), toks = fn(model, prompts, new)
+                same = sum(a == b for a, b in zip(toks, want))
+                if name not in best or seconds < best[name]["seconds"]:
+                    best[name] = {"seconds": seconds, "tok_s": n * new / seconds,
+                                  "same_as_generate": f"{same}/{n}"}
+                if "cpu_s" not in best[name] or cpu < best[name]["cpu_s"]:
+                    best[name]["cpu_s"] = cpu
+        best["engine_vs_padded"] = best["cb_kernels"]["tok_s"] / best["padded_generate"]["tok_s"]
+        best["engine_vs_padded_cpu_time"] = (best["padded_generate"]["cpu_s"]
+                                             / best["cb_kernels"]["cpu_s"])
+        best["profile"] = wrapper_share(model, prompts, new)
+        if args.vllm:
+            best["vllm_cpu"] = run_vllm(model, prompts, new, want, args.repeats, args.dtype)
+            print(f"{shape}: vllm-cpu {best['vllm_cpu']}", flush=True)
+        results[shape] = best
+        print(f"{shape}: engine {best['cb_kernels']['tok_s']:.1f} tok/s "
+              f"({best['cb_kernels']['same_as_generate']} = generate), padded generate "
+              f"{best['padded_generate']['tok_s']:.1f} tok/s "
+              f"({best['padded_generate']['same_as_generate']}), "
+              f"{best['engine_vs_padded']:.2f}x (CPU time "
+              f"{best['engine_vs_padded_cpu_time']:.2f}x); stateful layers "
+              f"{100 * best['profile']['stateful_share']:.0f}% of the engine's time", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
