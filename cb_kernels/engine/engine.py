@@ -6,7 +6,7 @@ import time
 from typing import Iterator, Optional
 
 from cb_kernels import ops
-from cb_kernels.engine import requests, sizing
+from cb_kernels.engine import distributed, requests, sizing
 from cb_kernels.engine.block_manager import BlockManager
 from cb_kernels.engine.config import EngineConfig, RequestOutput, SamplingParams
 from cb_kernels.engine.frontend import Frontend
@@ -40,21 +40,30 @@ class Engine:
             config = EngineConfig()
         if not isinstance(config, EngineConfig):
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
+        # Tensor parallelism (engine/distributed.py): None at size 1, else splits the model.
+        self.tp = distributed.setup(model, config, runner)
+        if self.tp is not None:
+            config = self.tp.config       # with what TP switches off (logged)
         self.config, self.tokenizer = config, tokenizer
         if runner is None:
-            runner = TransformersRunner(
-                model, attention_backend=config.attention_backend,
-                pack_weights=config.pack_weights, greedy_head=config.greedy_head,
-                cuda_graphs=config.cuda_graphs,
-                available_host_bytes=sizing.host_available_bytes() if config.pack_weights == "auto"
-                else None)
+            with distributed.building(self.tp):
+                runner = TransformersRunner(
+                    model, attention_backend=config.attention_backend,
+                    pack_weights=config.pack_weights, greedy_head=config.greedy_head,
+                    cuda_graphs=config.cuda_graphs,
+                    available_host_bytes=sizing.host_available_bytes()
+                    if config.pack_weights == "auto" else None)
         elif not isinstance(runner, ModelRunner):
             raise TypeError(f"runner must implement cb_kernels.runner.ModelRunner, got "
                             f"{type(runner).__name__}")
         self.runner = r = runner
         self.resolved = c = resolve(config, ModelShape(r.num_layers, r.num_kv_heads, r.head_dim,
                                                        r.max_positions, r.dtype, r.device))
+        if self.tp is not None:
+            self.resolved = c = self.tp.agree(c)
         r.allocate_cache(c.num_blocks, c.block_size, c.dtype, c.max_num_seqs)
+        if self.tp is not None:
+            self.runner = r = self.tp.wrap(r)
         self.block_manager = BlockManager(c.num_blocks, c.block_size, c.prefix_caching)
         self.streams = StreamOrchestrator(r.device, c.overlap)
         self.swapper = make_swapper(self.block_manager, r.k_caches + r.v_caches,
@@ -318,11 +327,17 @@ class Engine:
 
     # -- front end and introspection ------------------------------------------------------------
     def generate(self, prompts, params=None) -> list:
-        """Run `prompts` to completion; RequestOutputs in prompt order (engine/frontend.py)."""
+        """Run `prompts` to completion; RequestOutputs in prompt order (engine/frontend.py).
+        Tensor parallel: rank 0's prompts run; every rank returns their outputs."""
+        if self.tp is not None:
+            return self.tp.generate(self, prompts, params)
         return self.frontend.generate(prompts, params)
 
     def stream(self, prompts, params=None) -> Iterator[RequestOutput]:
-        """Per step, one RequestOutput per request with new tokens (engine/frontend.py)."""
+        """Per step, one RequestOutput per request with new tokens (engine/frontend.py).
+        Tensor parallel: the other ranks yield rank 0's final outputs once it is done."""
+        if self.tp is not None:
+            return self.tp.stream(self, prompts, params)
         return self.frontend.stream(prompts, params)
 
     def check_weights(self, full: bool = False) -> None:
@@ -389,4 +404,6 @@ class Engine:
             "running": len(s.running), "waiting": len(s.waiting), "swapped": len(s.swapped),
             "generated_tokens": self.num_generated_tokens, **pipeline,
             "greedy_head_steps": self.num_greedy_head_steps, **self.clock.stats(),
+            **(self.tp.stats() if self.tp is not None else
+               {"tensor_parallel_size": 1, "local_num_kv_heads": self.runner.num_kv_heads}),
         }

@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from cb_kernels import ops
-from cb_kernels.runner import step_inputs, support
+from cb_kernels.runner import step_inputs, support, tensor_parallel
 from cb_kernels.runner.attention import AttentionSwitch, model_lock, step_context
 from cb_kernels.runner.positions import explicit_positions, position_modules
 from cb_kernels.runner.base import StepOutput
@@ -88,7 +88,8 @@ class TransformersRunner:
         # Refuses, with UnsupportedModelError, what the engine cannot run exactly; else the
         # real per-layer K/V shapes and windows, found by one probe forward.
         self.layers = support.layer_plans(model, self._switch.configs, self.num_layers)
-        self.num_heads = support.num_heads_of(cfg)
+        # This rank's query heads (a tensor-parallel split keeps 1/size of them).
+        self.num_heads = support.num_heads_of(cfg) // tensor_parallel.size_of(model)
         # Sizing reads one (num_kv_heads, head_dim) for every layer: the largest layer's, so a
         # block never holds more than the engine counted.
         widest = max(self.layers, key=lambda p: p.num_kv_heads * p.head_dim)
@@ -124,6 +125,13 @@ class TransformersRunner:
         if not isinstance(module, torch.nn.Linear):
             return None, None
         run = self.packed.runner_for(module) if self.packed is not None else module
+        if tensor_parallel.info_of(module) is not None:
+            # Split by vocabulary: the sharded head gathers logits or each rank's best token.
+            decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else None
+            plain = self.fused is not None or (
+                decoder is not None and decoder is not self.model
+                and _head_is_plain(self.model, decoder, module))
+            return tensor_parallel.ShardedHead(run, module), decoder if plain else None
         if not wants_greedy_head(mode):
             return LogitsHead(run, module), None
         decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else None

@@ -1,0 +1,245 @@
+"""Tensor parallelism of a transformers decoder: its weights split over the ranks of a
+torch.distributed group, in place, and the collectives that put the pieces back together.
+
+Layout (Megatron's; each rank holds 1/N of every split weight):
+- attention by KV heads: q_proj, k_proj, v_proj keep the output rows of this rank's heads (query
+  heads r*H/N.., KV heads r*KV/N..: the query heads of one KV group stay together), so the
+  attention of a rank reads only its own heads and its KV pool holds KV/N heads; o_proj keeps
+  the matching input columns, and its output is summed over the ranks (all_reduce);
+- the gated MLP by intermediate columns: gate_proj, up_proj keep output rows, down_proj the
+  matching input columns, all_reduce after it;
+- the LM head by vocabulary rows: each rank scores its slice, all_gather joins the logits, and
+  greedy steps gather only each rank's best (value, index): `ShardedHead`.
+Biases of split outputs are split with them; the bias of a summed output (o_proj, down_proj)
+stays on rank 0 alone, so the sum counts it once. The embedding and the norms stay whole.
+
+The sums run as forward hooks on o_proj, down_proj and the LM head (so transformers' own forward,
+and model(x) called on every rank at once, stay exact). They are marked (`cbk_tp`) so the
+engine's fast paths know them: packed_linears.has_hooks does not count them, and the fused
+forward (runner/fused/) calls `all_reduce_` itself after the packed o_proj and down_proj. Inside
+`local_only()` the hooks do nothing: the runner's construction probes run a forward on each rank
+alone (they read shapes, and compare a forward with itself).
+
+Only Llama-style layouts split here (q/k/v/o_proj, gate/up/down_proj, per decoder layer);
+`check_shardable` refuses the rest, and the sizes that do not divide, with the numbers.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+ATTN_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_PROJ = ("gate_proj", "up_proj", "down_proj")
+_STATE = threading.local()      # .local: inside local_only()
+
+
+@dataclass
+class TPInfo:
+    """This rank's place: rank in [0, size) of `group` (the group the model's collectives use)."""
+
+    rank: int
+    size: int
+    group: object = None
+
+
+def _text_config(model):
+    cfg = model.config
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def _layers(model) -> list:
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    return list(layers) if layers is not None else []
+
+
+def info_of(module) -> Optional[TPInfo]:
+    """The TPInfo of a model (or of one of its split linears) this module split, else None."""
+    return module.__dict__.get("_cbk_tp")
+
+
+def size_of(model) -> int:
+    info = info_of(model)
+    return 1 if info is None else info.size
+
+
+@contextlib.contextmanager
+def local_only():
+    """Inside it the hooks skip their collectives (single-rank construction probes)."""
+    prev = getattr(_STATE, "local", False)
+    _STATE.local = True
+    try:
+        yield
+    finally:
+        _STATE.local = prev
+
+
+def _active() -> bool:
+    return not getattr(_STATE, "local", False)
+
+
+def all_reduce_(x: torch.Tensor, info: TPInfo) -> torch.Tensor:
+    """x summed over the ranks, in place (x must be contiguous); returns x."""
+    if _active():
+        torch.distributed.all_reduce(x, group=info.group)
+    return x
+
+
+def gather_last(x: torch.Tensor, info: TPInfo) -> torch.Tensor:
+    """Every rank's x joined along the last dimension, in rank order."""
+    if not _active():
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(info.size)]
+    torch.distributed.all_gather(parts, x, group=info.group)
+    return torch.cat(parts, dim=-1)
+
+
+def _reduce_hook(module, args, out):
+    if isinstance(out, torch.Tensor):
+        return all_reduce_(out if out.is_contiguous() else out.contiguous(), module._cbk_tp)
+    return out
+
+
+def _gather_hook(module, args, out):
+    if isinstance(out, torch.Tensor):
+        return gather_last(out, module._cbk_tp)
+    return out
+
+
+_reduce_hook.cbk_tp = _gather_hook.cbk_tp = True
+
+
+def is_tp_hook(fn) -> bool:
+    return getattr(fn, "cbk_tp", False) is True
+
+
+def check_shardable(model, size: int) -> None:
+    """Raise ValueError (with the numbers) unless `model` splits over `size` ranks here."""
+    cfg = _text_config(model)
+    name = type(model).__name__
+    layers = _layers(model)
+    if not layers:
+        raise ValueError(f"tensor_parallel_size={size}: {name} has no decoder layers this engine "
+                         "knows how to split (model.get_decoder().layers)")
+    for i, layer in enumerate(layers):
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        missing = [f"self_attn.{n}" for n in ATTN_PROJ
+                   if not isinstance(getattr(attn, n, None), torch.nn.Linear)] + \
+                  [f"mlp.{n}" for n in MLP_PROJ
+                   if not isinstance(getattr(mlp, n, None), torch.nn.Linear)]
+        if missing:
+            raise ValueError(f"tensor_parallel_size={size}: {name}'s layer {i} lacks the linears "
+                             f"{missing}; tensor parallelism splits Llama-style layers "
+                             "(self_attn.q/k/v/o_proj, mlp.gate/up/down_proj) only")
+    heads = getattr(cfg, "num_attention_heads", None)
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    head = model.get_output_embeddings()
+    sizes = [("num_key_value_heads", kv), ("num_attention_heads", heads),
+             ("intermediate_size", layers[0].mlp.gate_proj.out_features)]
+    if isinstance(head, torch.nn.Linear):
+        sizes.append(("vocab_size (LM head rows)", head.out_features))
+    for what, n in sizes:
+        if not isinstance(n, int) or n % size:
+            raise ValueError(f"tensor_parallel_size={size} does not divide {what}={n} of {name}: "
+                             f"each rank must hold an equal share; use a size that divides it")
+    if not isinstance(head, torch.nn.Linear):
+        raise ValueError(f"tensor_parallel_size={size}: {name}'s output embedding is a "
+                         f"{type(head).__name__}, not an nn.Linear to split by vocabulary")
+
+
+def _keep_rows(linear: torch.nn.Linear, start: int, stop: int) -> None:
+    linear.weight = torch.nn.Parameter(linear.weight.detach()[start:stop].clone(),
+                                       requires_grad=False)
+    if linear.bias is not None:
+        linear.bias = torch.nn.Parameter(linear.bias.detach()[start:stop].clone(),
+                                         requires_grad=False)
+    linear.out_features = stop - start
+
+
+def _keep_cols(linear: torch.nn.Linear, start: int, stop: int, rank: int) -> None:
+    linear.weight = torch.nn.Parameter(linear.weight.detach()[:, start:stop].clone(),
+                                       requires_grad=False)
+    if linear.bias is not None and rank != 0:      # summed over the ranks: counted once
+        linear.bias = torch.nn.Parameter(torch.zeros_like(linear.bias), requires_grad=False)
+    linear.in_features = stop - start
+
+
+def _mark(module, info: TPInfo, hook) -> None:
+    module._cbk_tp = info
+    if hook is not None:
+        module.register_forward_hook(hook)
+
+
+def shard_model(model, rank: int, size: int, group=None) -> TPInfo:
+    """Split `model` in place for `rank` of `size` (check_shardable first). A model split before
+    (another Engine on it) is left as it is; returns its TPInfo."""
+    done = info_of(model)
+    if done is not None:
+        if (done.rank, done.size) != (rank, size):
+            raise ValueError(f"the model is already split as rank {done.rank} of {done.size}, "
+                             f"not rank {rank} of {size}")
+        return done
+    check_shardable(model, size)
+    info = TPInfo(rank, size, group)
+    cfg = _text_config(model)
+    heads = cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    with torch.no_grad():
+        for layer in _layers(model):
+            attn, mlp = layer.self_attn, layer.mlp
+            d = attn.head_dim
+            q0, q1 = rank * heads // size * d, (rank + 1) * heads // size * d
+            k0, k1 = rank * kv // size * d, (rank + 1) * kv // size * d
+            _keep_rows(attn.q_proj, q0, q1)
+            _keep_rows(attn.k_proj, k0, k1)
+            _keep_rows(attn.v_proj, k0, k1)
+            _keep_cols(attn.o_proj, q0, q1, rank)
+            inter = mlp.gate_proj.out_features
+            i0, i1 = rank * inter // size, (rank + 1) * inter // size
+            _keep_rows(mlp.gate_proj, i0, i1)
+            _keep_rows(mlp.up_proj, i0, i1)
+            _keep_cols(mlp.down_proj, i0, i1, rank)
+            for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+                _mark(m, info, None)
+            _mark(attn.o_proj, info, _reduce_hook)
+            _mark(mlp.down_proj, info, _reduce_hook)
+        head = model.get_output_embeddings()
+        vocab = head.out_features
+        # A tied head shares the embedding's weight: it gets a copy of its slice (untied).
+        _keep_rows(head, rank * vocab // size, (rank + 1) * vocab // size)
+        _mark(head, info, _gather_hook)
+        head.cbk_vocab_start = rank * vocab // size
+        head.cbk_vocab = vocab
+    model._cbk_tp = info
+    return info
+
+
+class ShardedHead:
+    """The LM head of a split model: `run(rows)` gives this rank's vocabulary slice of the logits.
+    logits(): every rank's slices joined (fp32 [S, vocab]); tokens(): the greedy token, from one
+    small all_gather of each rank's best (value, global index): the largest value, on ties the
+    lowest index (the rank order is the index order), as argmax of the full logits picks it."""
+
+    def __init__(self, run, module: torch.nn.Module):
+        self.run, self.module, self.info = run, module, module._cbk_tp
+
+    def logits(self, rows: torch.Tensor) -> torch.Tensor:
+        return gather_last(self.run(rows).float(), self.info)
+
+    def tokens(self, rows: torch.Tensor) -> Optional[torch.Tensor]:
+        local = self.run(rows).float()
+        index = local.argmax(dim=-1)           # the first of equal maxima
+        value = local.gather(1, index[:, None])[:, 0]
+        if not _active():
+            return index
+        best = torch.stack([value.double(), (index + self.module.cbk_vocab_start).double()])
+        parts = [torch.empty_like(best) for _ in range(self.info.size)]
+        torch.distributed.all_gather(parts, best, group=self.info.group)
+        every = torch.stack(parts)             # [ranks, 2, S]
+        winner = every[:, 0].argmax(dim=0)     # first rank of the largest value
+        return every[:, 1].gather(0, winner[None])[0].long()
