@@ -269,15 +269,24 @@ class TensorParallel:
         return outputs
 
     def stream(self, engine, prompts, params) -> Iterator:
+        """Rank 0: engine.frontend.stream. The other ranks yield, once rank 0's stream ends, one
+        output per request with all its tokens (the deltas joined; outputs[0] only)."""
         if self.rank != 0:
             yield from self.serve()
             return
-        finished, error = [], None
+        tokens, texts, finished, error = {}, {}, [], None
         try:
             for out in engine.frontend.stream(prompts, params):
+                key = (out.request_id, out.outputs[0].index)
+                tokens.setdefault(key, []).extend(out.token_ids)
+                texts[key] = texts.get(key, "") + (out.text or "")
                 if out.finished:
-                    finished.append(out)
+                    finished.append(dataclasses.replace(
+                        out, token_ids=tokens[key], text=texts[key] if out.text is not None
+                        else None, outputs=[]))
                 yield out
+        except GeneratorExit:            # the caller stopped reading: the session ends here
+            raise
         except BaseException as e:
             error = f"{type(e).__name__}: {e}"
             raise

@@ -1,0 +1,234 @@
+"""Tensor parallelism (engine/distributed.py, runner/tensor_parallel.py): 2 CPU ranks over gloo,
+started here with torch.multiprocessing (spawn), one torch thread each. One start runs every
+token scenario; its tokens must be those of the same engine at tensor_parallel_size=1."""
+import os
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from cb_kernels import Engine, EngineConfig, SamplingParams
+from cb_kernels.engine import distributed
+from cb_kernels.engine.distributed import TensorParallelError
+from cb_kernels.runner import tensor_parallel
+from helpers import make_model, random_prompts
+
+PREFIX = list(range(1, 40))
+GREEDY = SamplingParams(max_new_tokens=8)
+SAMPLED = SamplingParams(max_new_tokens=6, temperature=0.8, top_k=40, seed=7)
+
+
+def _prompts(seed):
+    return random_prompts([5, 17, 3], seed=seed, prefix=PREFIX) + random_prompts([30], seed=seed)
+
+
+# name -> (model kind, EngineConfig kwargs, prompts, params)
+SCENARIOS = {
+    "llama_fused": ("llama", {}, _prompts(1), [GREEDY, GREEDY, SAMPLED, GREEDY]),
+    "llama_transformers_overlap": ("llama", {"pack_weights": False, "overlap": "on"},
+                                   _prompts(2), GREEDY),
+    "qwen2_transformers": ("qwen2", {"pack_weights": False}, _prompts(3), GREEDY),
+    "qwen3_fused": ("qwen3", {}, _prompts(4), GREEDY),
+    "llama_pressure": ("llama", {"num_blocks": 12, "block_size": 4, "max_num_seqs": 4},
+                       random_prompts([9, 14, 11, 7, 12], seed=5),
+                       SamplingParams(max_new_tokens=12)),
+}
+
+
+def _engine(kind, kwargs, size):
+    return Engine(make_model(kind), EngineConfig(tensor_parallel_size=size, **kwargs))
+
+
+def _tokens(outputs):
+    return [(o.token_ids, o.finish_reason) for o in outputs]
+
+
+def _cancel_run(engine):
+    """stream() with the second request cancelled after the first step that yields: request id
+    -> (tokens, finish_reason)."""
+    prompts = random_prompts([6, 6, 6], seed=9)
+    tokens, reasons, cancelled = {}, {}, False
+    for out in engine.stream(prompts, SamplingParams(max_new_tokens=10)):
+        if engine.tp is None or engine.tp.rank == 0:
+            if not cancelled:
+                engine.cancel("req_1")
+                cancelled = True
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+        else:                       # the other ranks get rank 0's final outputs
+            tokens[out.request_id] = list(out.token_ids)
+        if out.finished:
+            reasons[out.request_id] = out.finish_reason
+    return {k: (tokens.get(k, []), reasons[k]) for k in reasons}
+
+
+def _scenarios_main(rank, queue):
+    try:
+        results = {}
+        for name, (kind, kwargs, prompts, params) in SCENARIOS.items():
+            engine = _engine(kind, kwargs, 2)
+            outs = engine.generate(prompts, params)
+            s = engine.stats()
+            results[name] = (_tokens(outs), {k: s[k] for k in (
+                "tensor_parallel_size", "local_num_kv_heads", "preemptions", "prefix_hit_blocks",
+                "recomputes")}, tuple(engine.runner.k_caches[0].shape),
+                engine.runner.fused is not None)
+        results["cancel"] = _cancel_run(_engine("llama", {}, 2))
+        try:                                         # 4 ranks wanted, the world has 2
+            Engine(make_model("llama", num_key_value_heads=4), EngineConfig(tensor_parallel_size=4))
+            results["world"] = None
+        except ValueError as e:
+            results["world"] = str(e)
+        queue.put((rank, results))
+    except BaseException as e:                      # noqa: BLE001 (reported to the test)
+        queue.put((rank, f"{type(e).__name__}: {e}"))
+        raise
+
+
+def _die_main(rank, queue, mode):
+    """Rank 1 dies (os._exit) or hangs (sleeps) in its third step."""
+    engine = _engine("llama", {"tensor_parallel_timeout_s": 5.0}, 2)
+    if rank == 1:
+        calls = [0]
+        real = engine.runner.execute
+
+        def execute(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == 3:
+                if mode == "die":
+                    os._exit(3)
+                time.sleep(120)
+            return real(*args, **kwargs)
+        engine.runner.execute = execute
+    start = time.perf_counter()
+    try:
+        engine.generate(random_prompts([5, 9], seed=3), SamplingParams(max_new_tokens=20))
+        queue.put((rank, "finished", time.perf_counter() - start))
+    except TensorParallelError as e:
+        queue.put((rank, str(e), time.perf_counter() - start))
+
+
+def _launch(fn, args, timeout_s, tp_timeout_s=30.0, wait_s=120.0, need=(0, 1)):
+    """Start 2 ranks of fn(rank, queue, *args); the results they put, by rank (once the ranks
+    in `need` reported, the others get timeout_s to report, then are killed)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = distributed.free_port()
+    procs = [ctx.Process(target=distributed._rank_main,
+                         args=(rank, 2, port, tp_timeout_s, 1, fn, (queue, *args)))
+             for rank in range(2)]
+    for p in procs:
+        p.start()
+    results = {}
+    deadline = time.monotonic() + wait_s
+    try:
+        while time.monotonic() < deadline and not set(need) <= set(results):
+            try:
+                item = queue.get(timeout=1.0)
+            except Exception:                        # noqa: BLE001 (queue.Empty)
+                if all(not p.is_alive() for p in procs) and queue.empty():
+                    break
+                continue
+            results[item[0]] = item[1:]
+    finally:
+        for p in procs:
+            p.join(timeout=timeout_s)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return results
+
+
+@pytest.fixture(scope="module")
+def tp_results():
+    results = _launch(_scenarios_main, (), timeout_s=30)
+    assert set(results) == {0, 1}, results
+    for rank, (r,) in results.items():
+        assert isinstance(r, dict), f"rank {rank}: {r}"
+    return results[0][0], results[1][0]
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_tokens_equal_tp1(tp_results, name):
+    kind, kwargs, prompts, params = SCENARIOS[name]
+    torch.set_num_threads(1)
+    ref = _engine(kind, kwargs, 1)
+    want = _tokens(ref.generate(prompts, params))
+    rank0, rank1 = tp_results
+    assert rank0[name][0] == want
+    assert rank1[name][0] == want          # every rank's generate returns the outputs
+    stats = rank0[name][1]
+    # each rank holds half of the 2 KV heads: the pool shape and the stats say 1
+    assert stats["tensor_parallel_size"] == 2 and stats["local_num_kv_heads"] == 1
+    assert rank0[name][2][2] == 1 and rank1[name][2][2] == 1
+    assert ref.runner.k_caches[0].shape[2] == 2
+    if name.endswith("fused"):
+        assert rank0[name][3] and rank1[name][3]    # the fused forward ran under TP
+    if name == "llama_pressure":
+        assert stats["preemptions"] > 0 and stats["recomputes"] > 0
+        assert ref.stats()["preemptions"] > 0
+    elif name == "llama_fused":
+        assert stats["prefix_hit_blocks"] > 0
+
+
+def test_cancelled_request(tp_results):
+    torch.set_num_threads(1)
+    want = _cancel_run(_engine("llama", {}, 1))
+    rank0, rank1 = tp_results
+    assert rank0["cancel"] == want
+    assert want["req_1"][1] == "cancelled" and want["req_0"][1] == "length"
+    assert rank1["cancel"] == want
+
+
+def test_world_size_refused(tp_results):
+    for r in tp_results:
+        assert r["world"] is not None
+        assert "tensor_parallel_size=4" in r["world"] and "world has 2 processes" in r["world"]
+
+
+@pytest.mark.parametrize("overrides,size,message", [
+    ({"num_key_value_heads": 1}, 2, r"tensor_parallel_size=2 does not divide num_key_value_heads=1"),
+    ({"num_attention_heads": 6, "num_key_value_heads": 2, "hidden_size": 48}, 4,
+     r"tensor_parallel_size=4 does not divide num_key_value_heads=2"),
+    ({"num_attention_heads": 3, "num_key_value_heads": 3, "hidden_size": 48}, 2,
+     r"does not divide num_key_value_heads=3"),
+    ({"intermediate_size": 129}, 2, r"does not divide intermediate_size=129"),
+    ({"vocab_size": 501}, 2, r"does not divide vocab_size \(LM head rows\)=501"),
+])
+def test_sizes_that_do_not_split_are_refused(overrides, size, message):
+    model = make_model("llama", **overrides)
+    with pytest.raises(ValueError, match=message):
+        Engine(model, EngineConfig(tensor_parallel_size=size))
+    assert tensor_parallel.info_of(model) is None          # nothing split
+
+
+def test_no_process_group_refused(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(RuntimeError, match=r"no torch.distributed process group.*torchrun "
+                                           r"--nproc-per-node 2.*--tensor-parallel-size 2"):
+        Engine(make_model("llama"), EngineConfig(tensor_parallel_size=2))
+
+
+def test_config_checks():
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
+        EngineConfig(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="tensor_parallel_timeout_s must be > 0"):
+        EngineConfig(tensor_parallel_timeout_s=0)
+    e = Engine(make_model("llama"))
+    assert e.stats()["tensor_parallel_size"] == 1 and e.stats()["local_num_kv_heads"] == 2
+
+
+@pytest.mark.parametrize("mode", ["die", "hang"])
+def test_lost_rank_ends_the_run(mode):
+    """A rank that dies (or hangs) mid-run: the live rank raises TensorParallelError, within
+    the timeout (5 s here), instead of waiting forever."""
+    results = _launch(_die_main, (mode,), timeout_s=1, tp_timeout_s=5.0, need=(0,))
+    assert 0 in results, results
+    message, seconds = results[0]
+    assert "lost step with the other ranks" in message and "rank 0 of 2" in message
+    assert "5 s tensor_parallel_timeout_s" in message
+    assert seconds < 15
+    if mode == "die":
+        assert 1 not in results
