@@ -232,3 +232,43 @@ def test_lost_rank_ends_the_run(mode):
     assert seconds < 15
     if mode == "die":
         assert 1 not in results
+
+
+def test_cli_generate_starts_the_ranks(tiny_checkpoint, tmp_path):
+    """`cb-kernels generate --tensor-parallel-size 2` outside torchrun spawns the 2 ranks itself;
+    rank 0 writes the same results as one process does."""
+    import json
+
+    from cb_kernels import cli
+
+    prompts = random_prompts([4, 19, 9], seed=11)
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"id": f"p{i}", "prompt_token_ids": [t % 300 for t in p]})
+                           + "\n" for i, p in enumerate(prompts)))
+    results = {}
+    for size in (1, 2):
+        dst = tmp_path / f"out{size}.jsonl"
+        assert cli.main(["generate", "--model", str(tiny_checkpoint), "--input", str(src),
+                         "--output", str(dst), "--max-new-tokens", "6", "--ignore-eos",
+                         "--device", "cpu", "--dtype", "float32", "--num-blocks", "32",
+                         "--tensor-parallel-size", str(size)]) == 0
+        results[size] = [(r["id"], r["token_ids"], r["finish_reason"])
+                         for r in map(json.loads, dst.read_text().splitlines())]
+    assert sorted(results[2]) == sorted(results[1]) and len(results[1]) == 3
+
+
+def _nccl_main(rank, queue):
+    torch.cuda.set_device(rank)
+    model = make_model("llama").to(f"cuda:{rank}")
+    engine = Engine(model, EngineConfig(tensor_parallel_size=2))
+    outs = engine.generate(_prompts(1), GREEDY)
+    queue.put((rank, (_tokens(outs), engine.stats()["local_num_kv_heads"])))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason="NCCL tensor parallelism needs 2 GPUs (NCCL refuses two ranks on one)")
+def test_nccl_two_gpus_equal_tp1():
+    results = _launch(_nccl_main, (), timeout_s=30)
+    want = _tokens(Engine(make_model("llama").cuda()).generate(_prompts(1), GREEDY))
+    assert results[0][0] == (want, 1) and results[1][0] == (want, 1)
