@@ -143,7 +143,7 @@ class TensorParallel:
     def wrap(self, runner):
         """Rank 0's runner broadcasts each step; the others keep theirs (serve runs it)."""
         self.local = runner
-        return DriverRunner(runner, self) if self.rank == 0 else runner
+        return DriverRunner(runner, self) if self.rank == 0 else FollowerRunner(runner, self)
 
     def stats(self) -> dict:
         return {"tensor_parallel_size": self.size,
@@ -328,6 +328,19 @@ class DriverRunner:
 
     def refresh_weights(self) -> None:
         self.local.refresh_weights()
+
+
+class FollowerRunner(DriverRunner):
+    """The runner the Engine of a rank other than 0 holds: its steps come from rank 0 (serve
+    runs the local runner); a step of its own would break the lockstep, so it is refused."""
+
+    def copy_blocks(self, pairs: list) -> None:
+        self.execute(None)
+
+    def execute(self, inputs, greedy: bool = False):
+        raise RuntimeError(f"rank {self.tp.rank} of a tensor-parallel engine runs rank 0's steps: "
+                           "call generate() or stream() on every rank (or engine.tp.serve() "
+                           "while rank 0 steps), not add_request()/step() here")
 
 
 # -- starting the ranks on one machine ------------------------------------------------------------

@@ -73,7 +73,11 @@ def _scenarios_main(rank, queue):
                 "tensor_parallel_size", "local_num_kv_heads", "preemptions", "prefix_hit_blocks",
                 "recomputes")}, tuple(engine.runner.k_caches[0].shape),
                 engine.runner.fused is not None)
-        results["cancel"] = _cancel_run(_engine("llama", {}, 2))
+        engine = _engine("llama", {}, 2)
+        results["cancel"] = _cancel_run(engine)
+        if rank == 1:                               # a step of its own is refused, clearly
+            engine.add_request([1, 2, 3])
+            results["follower"] = [o.error for o in engine.step()]
         try:                                         # 4 ranks wanted, the world has 2
             Engine(make_model("llama", num_key_value_heads=4), EngineConfig(tensor_parallel_size=4))
             results["world"] = None
@@ -90,7 +94,8 @@ def _die_main(rank, queue, mode):
     engine = _engine("llama", {"tensor_parallel_timeout_s": 5.0}, 2)
     if rank == 1:
         calls = [0]
-        real = engine.runner.execute
+        runner = engine.tp.local                  # what serve() runs
+        real = runner.execute
 
         def execute(*args, **kwargs):
             calls[0] += 1
@@ -99,7 +104,7 @@ def _die_main(rank, queue, mode):
                     os._exit(3)
                 time.sleep(120)
             return real(*args, **kwargs)
-        engine.runner.execute = execute
+        runner.execute = execute
     start = time.perf_counter()
     try:
         engine.generate(random_prompts([5, 9], seed=3), SamplingParams(max_new_tokens=20))
@@ -178,6 +183,11 @@ def test_cancelled_request(tp_results):
     assert rank0["cancel"] == want
     assert want["req_1"][1] == "cancelled" and want["req_0"][1] == "length"
     assert rank1["cancel"] == want
+
+
+def test_other_ranks_refuse_steps_of_their_own(tp_results):
+    (error,) = tp_results[1]["follower"]
+    assert "rank 1 of a tensor-parallel engine runs rank 0's steps" in error
 
 
 def test_world_size_refused(tp_results):
