@@ -113,6 +113,7 @@ class TensorParallel:
     def __init__(self, rank: int, size: int, group, control, config, device):
         self.rank, self.size, self.group, self.control = rank, size, group, control
         self.device, self.timeout_s = device, config.tensor_parallel_timeout_s
+        self.auto_blocks = config.num_blocks is None
         self.broken: Optional[str] = None
         changes = {}
         if config.cuda_graphs is not False and device.type == "cuda":
@@ -130,12 +131,19 @@ class TensorParallel:
 
     # -- construction ---------------------------------------------------------------------------
     def agree(self, resolved):
-        """The resolved config every rank uses: the smallest KV pool any rank can hold."""
-        blocks = torch.tensor([resolved.num_blocks], dtype=torch.int64)
+        """The resolved config every rank uses: the smallest KV pool any rank can hold. On CPU an
+        auto-sized pool is also divided by the ranks on this host: each sized its share of the
+        same host memory."""
+        num_blocks = resolved.num_blocks
+        if self.auto_blocks and self.device.type == "cpu":
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", self.size))
+            num_blocks = max(1, num_blocks // max(1, local))
+        blocks = torch.tensor([num_blocks], dtype=torch.int64)
         self._collective(torch.distributed.all_reduce, blocks, op=torch.distributed.ReduceOp.MIN,
                          group=self.control)
         if int(blocks) != resolved.num_blocks:
-            logger.info("tensor parallelism: num_blocks %d -> %d (the smallest rank's)",
+            logger.info("tensor parallelism: num_blocks %d -> %d (the host's memory shared by its "
+                        "ranks, the smallest rank's pool)",
                         resolved.num_blocks, int(blocks))
         return sizing.replace(resolved, num_blocks=int(blocks), preemption="recompute",
                               cpu_offload_gib=0.0)
