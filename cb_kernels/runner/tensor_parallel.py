@@ -122,6 +122,15 @@ def check_shardable(model, size: int) -> None:
     """Raise ValueError (with the numbers) unless `model` splits over `size` ranks here."""
     cfg = _text_config(model)
     name = type(model).__name__
+    if info_of(model) is not None:
+        return                       # split by us before (another Engine on the same model)
+    dtensor = getattr(getattr(torch.distributed, "tensor", None), "DTensor", None)
+    if getattr(model, "_tp_size", None) or (dtensor is not None and any(
+            isinstance(p, dtensor) for p in model.parameters())):
+        raise ValueError(f"tensor_parallel_size={size}: {name} was loaded already split by "
+                         "transformers (tp_plan, DTensor weights), which this engine does not "
+                         "adopt: load the whole model on every rank (no tp_plan) and the Engine "
+                         "splits it")
     layers = _layers(model)
     if not layers:
         raise ValueError(f"tensor_parallel_size={size}: {name} has no decoder layers this engine "
@@ -228,15 +237,24 @@ class ShardedHead:
     def __init__(self, run, module: torch.nn.Module):
         self.run, self.module, self.info = run, module, module._cbk_tp
 
+    def _local(self, rows: torch.Tensor) -> tuple:
+        """(this rank's slice, whether collectives run): `run` may call the module, whose hook
+        would gather, so it runs local_only."""
+        active = _active()
+        with local_only():
+            local = self.run(rows).float()
+        return local, active
+
     def logits(self, rows: torch.Tensor) -> torch.Tensor:
-        return gather_last(self.run(rows).float(), self.info)
+        local, active = self._local(rows)
+        return gather_last(local, self.info) if active else local
 
     def tokens(self, rows: torch.Tensor) -> Optional[torch.Tensor]:
-        local = self.run(rows).float()
+        local, active = self._local(rows)
         index = local.argmax(dim=-1)           # the first of equal maxima
         value = local.gather(1, index[:, None])[:, 0]
-        if not _active():
-            return index
+        if not active:
+            return index + self.module.cbk_vocab_start
         best = torch.stack([value.double(), (index + self.module.cbk_vocab_start).double()])
         parts = [torch.empty_like(best) for _ in range(self.info.size)]
         torch.distributed.all_gather(parts, best, group=self.info.group)

@@ -27,7 +27,7 @@ def _prompts(seed):
 SCENARIOS = {
     "llama_fused": ("llama", {}, _prompts(1), [GREEDY, GREEDY, SAMPLED, GREEDY]),
     "llama_transformers_overlap": ("llama", {"pack_weights": False, "overlap": "on"},
-                                   _prompts(2), GREEDY),
+                                   _prompts(2), [GREEDY, SAMPLED, GREEDY, GREEDY]),
     "qwen2_transformers": ("qwen2", {"pack_weights": False}, _prompts(3), GREEDY),
     "qwen3_fused": ("qwen3", {}, _prompts(4), GREEDY),
     "llama_pressure": ("llama", {"num_blocks": 12, "block_size": 4, "max_num_seqs": 4},
@@ -62,9 +62,28 @@ def _cancel_run(engine):
     return {k: (tokens.get(k, []), reasons[k]) for k in reasons}
 
 
+def _head_ties(rank):
+    """ShardedHead on a 10-row head split 5 | 5: rows 2 (rank 0) and 7 (rank 1) tie for the
+    top score of the first input, rows 6 and 8 (both rank 1) for the second's."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(10, 8, generator=g) * 0.1
+    u, v = torch.zeros(8), torch.zeros(8)
+    u[0], v[1] = 1.0, 1.0
+    w[2] = w[7] = 10 * u
+    w[6] = w[8] = 10 * v
+    x = torch.stack([u, v])
+    module = torch.nn.Linear(8, 5, bias=False)
+    module.weight.data.copy_(w[5 * rank:5 * rank + 5])
+    module._cbk_tp = tensor_parallel.TPInfo(rank, 2, None)
+    module.cbk_vocab_start = 5 * rank
+    head = tensor_parallel.ShardedHead(module, module)
+    with torch.no_grad():
+        return head.tokens(x).tolist(), torch.equal(head.logits(x), x @ w.T)
+
+
 def _scenarios_main(rank, queue):
     try:
-        results = {}
+        results = {"head": _head_ties(rank)}
         for name, (kind, kwargs, prompts, params) in SCENARIOS.items():
             engine = _engine(kind, kwargs, 2)
             outs = engine.generate(prompts, params)
@@ -190,6 +209,11 @@ def test_other_ranks_refuse_steps_of_their_own(tp_results):
     assert "rank 1 of a tensor-parallel engine runs rank 0's steps" in error
 
 
+def test_sharded_head_breaks_ties_like_argmax(tp_results):
+    for r in tp_results:                        # the lowest index wins, across and within ranks
+        assert r["head"] == ([2, 6], True)
+
+
 def test_world_size_refused(tp_results):
     for r in tp_results:
         assert r["world"] is not None
@@ -282,3 +306,10 @@ def test_nccl_two_gpus_equal_tp1():
     results = _launch(_nccl_main, (), timeout_s=30)
     want = _tokens(Engine(make_model("llama").cuda()).generate(_prompts(1), GREEDY))
     assert results[0][0] == (want, 1) and results[1][0] == (want, 1)
+
+
+def test_model_split_by_transformers_refused():
+    model = make_model("llama")
+    model._tp_size = 2                   # what from_pretrained(tp_plan=...) leaves on a model
+    with pytest.raises(ValueError, match=r"loaded already split by transformers \(tp_plan"):
+        Engine(model, EngineConfig(tensor_parallel_size=2))
