@@ -71,6 +71,10 @@ def setup(model, config, runner=None) -> Optional["TensorParallel"]:
     if not hasattr(model, "config") or not callable(getattr(model, "get_output_embeddings",
                                                             None)):
         raise TypeError(f"model must be a transformers causal LM, got {type(model).__name__}")
+    if config.preemption == "swap" or (config.cpu_offload_gib or 0) > 0:
+        raise ValueError(f"tensor_parallel_size={n} preempts by recompute only (a swap would "
+                         "have to move every rank's KV blocks in step): use preemption='auto' or "
+                         "'recompute' and no cpu_offload_gib")
     tensor_parallel.check_shardable(model, n)
     dist = torch.distributed
     if not dist.is_available():
@@ -119,10 +123,6 @@ class TensorParallel:
         if config.cuda_graphs is not False and device.type == "cuda":
             logger.info("cuda_graphs: off under tensor parallelism (collectives are not captured)")
         changes["cuda_graphs"] = False
-        if config.preemption == "swap" or (config.cpu_offload_gib or 0) > 0:
-            raise ValueError(f"tensor_parallel_size={size} preempts by recompute only (a swap "
-                             "would move every rank's KV blocks in step): use "
-                             "preemption='auto' or 'recompute' and no cpu_offload_gib")
         changes["cpu_offload_gib"] = 0.0
         if rank == 0:
             logger.info("tensor parallelism: %d ranks, rank 0 drives (no host swap pool: "
@@ -252,7 +252,7 @@ class TensorParallel:
         if pieces:
             t, cl, ccu = parts[7:10]
             chunked = ChunkedView(t.int().view(pieces, piece_width), cl.int(), ccu.int())
-        flat = parts[-1].tolist()
+        flat = parts[-1].tolist() if num_copies else []     # (a device sync on CUDA)
         copies = list(zip(flat[0::2], flat[1::2]))
         attn = AttentionMetadata(
             slot_mapping=slots, block_tables=tables.int().view(num_seqs, width),
@@ -364,10 +364,14 @@ def _rank_main(rank: int, size: int, port: int, timeout_s: float, threads: int, 
     torch.set_num_threads(threads)
     torch.distributed.init_process_group(
         "gloo", rank=rank, world_size=size, timeout=datetime.timedelta(seconds=timeout_s))
-    try:
-        fn(rank, *args)
-    finally:
-        torch.distributed.destroy_process_group()
+    fn(rank, *args)
+    # Leave together, with no engine (whose groups sit in reference cycles) left for the
+    # interpreter's teardown: gloo objects freed that late can abort the process.
+    import gc
+
+    torch.distributed.barrier()
+    gc.collect()
+    torch.distributed.destroy_process_group()
 
 
 def spawn(fn, size: int, args: tuple = (), timeout_s: float = 300.0) -> None:

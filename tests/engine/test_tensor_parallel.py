@@ -308,6 +308,18 @@ def test_nccl_two_gpus_equal_tp1():
     assert results[0][0] == (want, 1) and results[1][0] == (want, 1)
 
 
+def test_swap_and_runner_refused():
+    from cb_kernels.runner import TransformersRunner
+
+    model = make_model("llama")
+    for kwargs in ({"preemption": "swap"}, {"cpu_offload_gib": 1.0}):
+        with pytest.raises(ValueError, match="tensor_parallel_size=2 preempts by recompute only"):
+            Engine(model, EngineConfig(tensor_parallel_size=2, **kwargs))
+    with pytest.raises(ValueError, match="a runner= cannot be given"):
+        Engine(model, EngineConfig(tensor_parallel_size=2), runner=TransformersRunner(model))
+    assert tensor_parallel.info_of(model) is None
+
+
 def test_model_split_by_transformers_refused():
     model = make_model("llama")
     model._tp_size = 2                   # what from_pretrained(tp_plan=...) leaves on a model
