@@ -387,7 +387,8 @@ class Engine:
         """Counters and gauges: blocks, offload, preemption, steps; of the overlap pipeline
         (zeros when it is off) overlapped_steps, placeholder_fills, discarded_tokens; StepClock's
         host_wait_s, launch_s and (CUDA, clock.device_events on) device_busy_s, device_idle_s,
-        timed_steps; greedy_head_steps: steps whose tokens came from the greedy head."""
+        timed_steps; greedy_head_steps: steps whose tokens came from the greedy head;
+        tensor_parallel_size and local_num_kv_heads (the KV heads this rank's pool holds)."""
         bm, s = self.block_manager, self.scheduler
         pipeline = (self.pipeline or OverlapPipeline(self)).stats()
         offload = self.swapper.offload.stats() if self.swapper is not None else \

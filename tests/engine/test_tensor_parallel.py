@@ -110,6 +110,7 @@ def _scenarios_main(rank, queue):
 
 def _die_main(rank, queue, mode):
     """Rank 1 dies (os._exit) or hangs (sleeps) in its third step."""
+    assert not torch.distributed.is_initialized()     # the Engine makes the group (torchrun)
     engine = _engine("llama", {"tensor_parallel_timeout_s": 5.0}, 2)
     if rank == 1:
         calls = [0]
@@ -132,13 +133,25 @@ def _die_main(rank, queue, mode):
         queue.put((rank, str(e), time.perf_counter() - start))
 
 
-def _launch(fn, args, timeout_s, tp_timeout_s=30.0, wait_s=120.0, need=(0, 1)):
+def _torchrun_like(rank, size, port, fn, args):
+    """A rank as torchrun starts it: only the environment, no process group (Engine makes it)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(size))
+    torch.set_num_threads(1)
+    fn(rank, *args)
+
+
+def _launch(fn, args, timeout_s, tp_timeout_s=30.0, wait_s=120.0, need=(0, 1),
+            torchrun=False):
     """Start 2 ranks of fn(rank, queue, *args); the results they put, by rank (once the ranks
-    in `need` reported, the others get timeout_s to report, then are killed)."""
+    in `need` reported, the others get timeout_s to report, then are killed). `torchrun`: the
+    ranks get torchrun's environment instead of a process group."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = distributed.free_port()
-    procs = [ctx.Process(target=distributed._rank_main,
+    procs = [ctx.Process(target=_torchrun_like, args=(rank, 2, port, fn, (queue, *args)))
+             if torchrun else
+             ctx.Process(target=distributed._rank_main,
                          args=(rank, 2, port, tp_timeout_s, 1, fn, (queue, *args)))
              for rank in range(2)]
     for p in procs:
@@ -257,8 +270,9 @@ def test_config_checks():
 @pytest.mark.parametrize("mode", ["die", "hang"])
 def test_lost_rank_ends_the_run(mode):
     """A rank that dies (or hangs) mid-run: the live rank raises TensorParallelError, within
-    the timeout (5 s here), instead of waiting forever."""
-    results = _launch(_die_main, (mode,), timeout_s=1, tp_timeout_s=5.0, need=(0,))
+    the timeout (5 s here), instead of waiting forever. The ranks start as under torchrun (the
+    Engine makes the process group from the environment)."""
+    results = _launch(_die_main, (mode,), timeout_s=1, need=(0,), torchrun=True)
     assert 0 in results, results
     message, seconds = results[0]
     assert "lost step with the other ranks" in message and "rank 0 of 2" in message
