@@ -141,6 +141,8 @@ def check_shardable(model, size: int) -> None:
                    if not isinstance(getattr(attn, n, None), torch.nn.Linear)] + \
                   [f"mlp.{n}" for n in MLP_PROJ
                    if not isinstance(getattr(mlp, n, None), torch.nn.Linear)]
+        if not isinstance(getattr(attn, "head_dim", None), int):
+            missing.append("self_attn.head_dim")
         if missing:
             raise ValueError(f"tensor_parallel_size={size}: {name}'s layer {i} lacks the linears "
                              f"{missing}; tensor parallelism splits Llama-style layers "
