@@ -237,8 +237,9 @@ def has_hooks(modules: list) -> bool:
     try:
         for m in modules:
             d = m.__dict__
-            hooks = d["_forward_hooks"]
-            if d["_forward_pre_hooks"] or (hooks and not all(map(is_tp_hook, hooks.values()))):
+            hooks, pre = d["_forward_hooks"], d["_forward_pre_hooks"]
+            if (hooks and not all(map(is_tp_hook, hooks.values()))) or \
+                    (pre and not all(map(is_tp_hook, pre.values()))):
                 return True
             forward = d.get("forward")
             if forward is not None and not is_packed_forward(forward):

@@ -9,11 +9,13 @@ Layout (Megatron's; each rank holds 1/N of every split weight):
 - the gated MLP by intermediate columns: gate_proj, up_proj keep output rows, down_proj the
   matching input columns, all_reduce after it;
 - the LM head by vocabulary rows: each rank scores its slice, all_gather joins the logits, and
-  greedy steps gather only each rank's best (value, index): `ShardedHead`.
+  greedy steps gather only each rank's best (value, index): `ShardedHead`;
+- the input embedding by vocabulary rows too (a tied head and embedding share one slice): ids of
+  other ranks look up zeros, all_reduce sums the rows.
 Biases of split outputs are split with them; the bias of a summed output (o_proj, down_proj)
-stays on rank 0 alone, so the sum counts it once. The embedding and the norms stay whole.
+stays on rank 0 alone, so the sum counts it once. The norms stay whole.
 
-The sums run as forward hooks on o_proj, down_proj and the LM head (so transformers' own forward,
+The sums run as forward hooks on the embedding, o_proj, down_proj and the LM head (so transformers' own forward,
 and model(x) called on every rank at once, stay exact). They are marked (`cbk_tp`) so the
 engine's fast paths know them: packed_linears.has_hooks does not count them, and the fused
 forward (runner/fused/) calls `all_reduce_` itself after the packed o_proj and down_proj. Inside
@@ -99,6 +101,25 @@ def gather_last(x: torch.Tensor, info: TPInfo) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+def _embed_pre_hook(module, args):
+    """Token ids -> this rank's rows (ids of other ranks read row 0, zeroed after)."""
+    if not args or not isinstance(args[0], torch.Tensor):
+        return None
+    ids, start, stop = args[0], module.cbk_vocab_start, module.cbk_vocab_stop
+    foreign = (ids < start) | (ids >= stop)
+    _STATE.foreign = foreign
+    return ((ids - start).masked_fill(foreign, 0),) + tuple(args[1:])
+
+
+def _embed_hook(module, args, out):
+    foreign = getattr(_STATE, "foreign", None)
+    _STATE.foreign = None
+    if isinstance(out, torch.Tensor) and foreign is not None:
+        out = out.masked_fill(foreign[..., None], 0)
+        return all_reduce_(out, module._cbk_tp)
+    return out
+
+
 def _reduce_hook(module, args, out):
     if isinstance(out, torch.Tensor):
         return all_reduce_(out if out.is_contiguous() else out.contiguous(), module._cbk_tp)
@@ -111,7 +132,7 @@ def _gather_hook(module, args, out):
     return out
 
 
-_reduce_hook.cbk_tp = _gather_hook.cbk_tp = True
+_reduce_hook.cbk_tp = _gather_hook.cbk_tp = _embed_pre_hook.cbk_tp = _embed_hook.cbk_tp = True
 
 
 def is_tp_hook(fn) -> bool:
@@ -220,14 +241,41 @@ def shard_model(model, rank: int, size: int, group=None) -> TPInfo:
             _mark(attn.o_proj, info, _reduce_hook)
             _mark(mlp.down_proj, info, _reduce_hook)
         head = model.get_output_embeddings()
+        embed = model.get_input_embeddings()
         vocab = head.out_features
-        # A tied head shares the embedding's weight: it gets a copy of its slice (untied).
+        tied = isinstance(embed, torch.nn.Embedding) and embed.weight is head.weight
         _keep_rows(head, rank * vocab // size, (rank + 1) * vocab // size)
         _mark(head, info, _gather_hook)
         head.cbk_vocab_start = rank * vocab // size
         head.cbk_vocab = vocab
+        _split_embedding(embed, info, head.weight if tied else None)
     model._cbk_tp = info
     return info
+
+
+def _split_embedding(embed, info: TPInfo, tied_weight) -> None:
+    """A plain nn.Embedding (whose rows divide) keeps this rank's rows; a lookup then zeroes the
+    ids of other ranks and sums over the ranks (all_reduce). `num_embeddings` keeps the whole
+    vocabulary (what the engine checks ids against); padding_idx (a training-only marker) is
+    dropped. A tied head's slice is the same rows: one Parameter serves both. Anything else
+    (a subclass with its own forward, rows that do not divide) stays whole."""
+    if type(embed) not in (torch.nn.Embedding,) and not type(embed).__name__.endswith(
+            "ScaledWordEmbedding"):
+        return
+    vocab, size, rank = embed.num_embeddings, info.size, info.rank
+    if vocab % size or embed.max_norm is not None:
+        return
+    start, stop = rank * vocab // size, (rank + 1) * vocab // size
+    if tied_weight is not None and tied_weight.shape[0] == stop - start:
+        embed.weight = tied_weight
+    else:
+        embed.weight = torch.nn.Parameter(embed.weight.detach()[start:stop].clone(),
+                                          requires_grad=False)
+    embed.padding_idx = None
+    embed.cbk_vocab_start, embed.cbk_vocab_stop = start, stop
+    embed._cbk_tp = info
+    embed.register_forward_pre_hook(_embed_pre_hook)
+    embed.register_forward_hook(_embed_hook)
 
 
 class ShardedHead:

@@ -30,6 +30,8 @@ SCENARIOS = {
                                    _prompts(2), [GREEDY, SAMPLED, GREEDY, GREEDY]),
     "qwen2_transformers": ("qwen2", {"pack_weights": False}, _prompts(3), GREEDY),
     "qwen3_fused": ("qwen3", {}, _prompts(4), GREEDY),
+    "qwen2_tied_fused": (("qwen2", {"tie_word_embeddings": True}), {}, _prompts(6),
+                         [GREEDY, SAMPLED, GREEDY, GREEDY]),
     "llama_pressure": ("llama", {"num_blocks": 12, "block_size": 4, "max_num_seqs": 4},
                        random_prompts([9, 14, 11, 7, 12], seed=5),
                        SamplingParams(max_new_tokens=12)),
@@ -37,7 +39,10 @@ SCENARIOS = {
 
 
 def _engine(kind, kwargs, size):
-    return Engine(make_model(kind), EngineConfig(tensor_parallel_size=size, **kwargs))
+    """kind: a helpers.make_model family, or (family, model overrides)."""
+    kind, overrides = (kind, {}) if isinstance(kind, str) else kind
+    return Engine(make_model(kind, **overrides),
+                  EngineConfig(tensor_parallel_size=size, **kwargs))
 
 
 def _tokens(outputs):
@@ -88,10 +93,14 @@ def _scenarios_main(rank, queue):
             engine = _engine(kind, kwargs, 2)
             outs = engine.generate(prompts, params)
             s = engine.stats()
+            model = engine.runner.model
+            embed, head = model.get_input_embeddings(), model.get_output_embeddings()
             results[name] = (_tokens(outs), {k: s[k] for k in (
                 "tensor_parallel_size", "local_num_kv_heads", "preemptions", "prefix_hit_blocks",
                 "recomputes")}, tuple(engine.runner.k_caches[0].shape),
-                engine.runner.fused is not None)
+                engine.runner.fused is not None,
+                (tuple(embed.weight.shape), tuple(head.weight.shape),
+                 embed.weight is head.weight))
         engine = _engine("llama", {}, 2)
         results["cancel"] = _cancel_run(engine)
         if rank == 1:                               # a step of its own is refused, clearly
@@ -201,6 +210,10 @@ def test_tokens_equal_tp1(tp_results, name):
     assert ref.runner.k_caches[0].shape[2] == 2
     if name.endswith("fused"):
         assert rank0[name][3] and rank1[name][3]    # the fused forward ran under TP
+    # embedding and head: half the vocabulary rows each; a tied pair stays one Parameter
+    hidden = ref.runner.model.config.hidden_size
+    tied = name == "qwen2_tied_fused"
+    assert rank0[name][4] == rank1[name][4] == ((250, hidden), (250, hidden), tied)
     if name == "llama_pressure":
         assert stats["preemptions"] > 0 and stats["recomputes"] > 0
         assert ref.stats()["preemptions"] > 0
