@@ -118,10 +118,11 @@ def _scenarios_main(rank, queue):
 
 
 def _die_main(rank, queue, mode):
-    """Rank 1 dies (os._exit) or hangs (sleeps) in its third step."""
+    """Rank 1 dies (os._exit) or hangs (sleeps) in its third step; mode "die0": rank 0 dies
+    in its third, between broadcasting the step and running it."""
     assert not torch.distributed.is_initialized()     # the Engine makes the group (torchrun)
     engine = _engine("llama", {"tensor_parallel_timeout_s": 5.0}, 2)
-    if rank == 1:
+    if rank == (0 if mode == "die0" else 1):
         calls = [0]
         runner = engine.tp.local                  # what serve() runs
         real = runner.execute
@@ -129,7 +130,7 @@ def _die_main(rank, queue, mode):
         def execute(*args, **kwargs):
             calls[0] += 1
             if calls[0] == 3:
-                if mode == "die":
+                if mode.startswith("die"):
                     os._exit(3)
                 time.sleep(120)
             return real(*args, **kwargs)
@@ -280,19 +281,20 @@ def test_config_checks():
     assert e.stats()["tensor_parallel_size"] == 1 and e.stats()["local_num_kv_heads"] == 2
 
 
-@pytest.mark.parametrize("mode", ["die", "hang"])
+@pytest.mark.parametrize("mode", ["die", "hang", "die0"])
 def test_lost_rank_ends_the_run(mode):
     """A rank that dies (or hangs) mid-run: the live rank raises TensorParallelError, within
     the timeout (5 s here), instead of waiting forever. The ranks start as under torchrun (the
     Engine makes the process group from the environment)."""
-    results = _launch(_die_main, (mode,), timeout_s=1, need=(0,), torchrun=True)
-    assert 0 in results, results
-    message, seconds = results[0]
-    assert "lost step with the other ranks" in message and "rank 0 of 2" in message
+    live = 1 if mode == "die0" else 0
+    results = _launch(_die_main, (mode,), timeout_s=1, need=(live,), torchrun=True)
+    assert live in results, results
+    message, seconds = results[live]
+    assert "lost step with the other ranks" in message and f"rank {live} of 2" in message
     assert "5 s tensor_parallel_timeout_s" in message
     assert seconds < 15
-    if mode == "die":
-        assert 1 not in results
+    if mode.startswith("die"):
+        assert 1 - live not in results
 
 
 def test_cli_generate_starts_the_ranks(tiny_checkpoint, tmp_path):
