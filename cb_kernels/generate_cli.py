@@ -242,8 +242,18 @@ def run_generate(args: argparse.Namespace) -> int:
         if device == "cuda":
             raise SystemExit("--tensor-parallel-size on CUDA: run under torchrun "
                              f"--nproc-per-node {config.tensor_parallel_size} (one GPU per rank)")
-        spawn(_tp_rank, config.tensor_parallel_size, (args,),
-              timeout_s=config.tensor_parallel_timeout_s)
+        import torch.multiprocessing as mp
+
+        try:
+            spawn(_tp_rank, config.tensor_parallel_size, (args,),
+                  timeout_s=config.tensor_parallel_timeout_s)
+        except mp.ProcessRaisedException as e:      # its text ends with the rank's error line
+            lines = [x for x in str(e).strip().splitlines() if x.strip()]
+            raise SystemExit(f"--tensor-parallel-size {config.tensor_parallel_size}: rank "
+                             f"{e.error_index} failed: {lines[-1] if lines else e}") from None
+        except mp.ProcessExitedException as e:
+            raise SystemExit(f"--tensor-parallel-size {config.tensor_parallel_size}: {e}") \
+                from None
         return 0
     model, tokenizer = load(args.model, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
     if args.dtype is None:

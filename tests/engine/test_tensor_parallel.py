@@ -318,6 +318,13 @@ def test_cli_generate_starts_the_ranks(tiny_checkpoint, tmp_path):
         results[size] = [(r["id"], r["token_ids"], r["finish_reason"])
                          for r in map(json.loads, dst.read_text().splitlines())]
     assert sorted(results[2]) == sorted(results[1]) and len(results[1]) == 3
+    # a size that does not split: every rank refuses it, the command says why in one line
+    with pytest.raises(SystemExit, match=r"--tensor-parallel-size 3: rank \d failed: ValueError: "
+                                         r"tensor_parallel_size=3 does not divide "
+                                         r"num_key_value_heads=2"):
+        cli.main(["generate", "--model", str(tiny_checkpoint), "--input", str(src),
+                  "--output", str(tmp_path / "out3.jsonl"), "--device", "cpu",
+                  "--dtype", "float32", "--tensor-parallel-size", "3"])
 
 
 def _nccl_main(rank, queue):
