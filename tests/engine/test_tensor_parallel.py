@@ -17,6 +17,8 @@ from helpers import make_model, random_prompts
 PREFIX = list(range(1, 40))
 GREEDY = SamplingParams(max_new_tokens=8)
 SAMPLED = SamplingParams(max_new_tokens=6, temperature=0.8, top_k=40, seed=7)
+# two samples fork from one prompt: copy-on-write block pairs travel with the step
+FORKED = SamplingParams(max_new_tokens=5, temperature=0.9, seed=3, n=2, logprobs=2)
 
 
 def _prompts(seed):
@@ -25,7 +27,7 @@ def _prompts(seed):
 
 # name -> (model kind, EngineConfig kwargs, prompts, params)
 SCENARIOS = {
-    "llama_fused": ("llama", {}, _prompts(1), [GREEDY, GREEDY, SAMPLED, GREEDY]),
+    "llama_fused": ("llama", {}, _prompts(1), [GREEDY, FORKED, SAMPLED, GREEDY]),
     "llama_transformers_overlap": ("llama", {"pack_weights": False, "overlap": "on"},
                                    _prompts(2), [GREEDY, SAMPLED, GREEDY, GREEDY]),
     "qwen2_transformers": ("qwen2", {"pack_weights": False}, _prompts(3), GREEDY),
@@ -47,7 +49,9 @@ def _engine(kind, kwargs, size):
 
 
 def _tokens(outputs):
-    return [(o.token_ids, o.finish_reason) for o in outputs]
+    return [([c.token_ids for c in o.outputs], o.finish_reason,
+             None if o.outputs[0].logprobs is None else
+             [sorted(d) for d in o.outputs[0].logprobs]) for o in outputs]
 
 
 def _cancel_run(engine):
