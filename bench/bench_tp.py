@@ -9,11 +9,14 @@ warm-up run, through:
   TP=1, 1 thread      the one-process engine on one core
   TP=1, 2 threads     the one-process engine on both cores (what TP=2 competes with here)
   TP=2, 1 thread/rank  2 processes (engine/distributed.spawn), each half of every layer
+  TP=2, no collectives the same with the model's all_reduce/all_gather skipped (local_only):
+                      each rank's compute alone, an upper bound (its tokens are wrong)
 Per row: wall time per step and generated tokens/s; for TP=2, rank 0's time inside each kind of
 collective per step (timed around torch.distributed's calls; it includes waiting for the other
 rank to arrive, so it is the cost of being in step, not only of moving bytes), calls per step,
-and a bare all_reduce of one decode step's [16, hidden] fp32 activations (median of 200) for the
-pure transport cost. Tokens of every row are checked equal.
+and the all_reduce of one decode step's [16, hidden] fp32 activations: its median inside the
+steps, and bare (both ranks at it already, after a barrier; median of 200) for the transport
+alone. Tokens of every row are checked equal.
 """
 from __future__ import annotations
 
@@ -80,6 +83,7 @@ class CollectiveTimer:
 
     def __init__(self):
         self.seconds, self.calls, self.saved = defaultdict(float), defaultdict(int), {}
+        self.reduce_by_size = defaultdict(list)      # all_reduce numel -> seconds of each call
 
     def __enter__(self):
         dist = torch.distributed
@@ -91,8 +95,11 @@ class CollectiveTimer:
                 try:
                     return _real(*args, **kwargs)
                 finally:
-                    self.seconds[_name] += time.perf_counter() - t
+                    dt = time.perf_counter() - t
+                    self.seconds[_name] += dt
                     self.calls[_name] += 1
+                    if _name == "all_reduce":
+                        self.reduce_by_size[args[0].numel()].append(dt)
             setattr(dist, name, timed)
         return self
 
@@ -107,7 +114,13 @@ def _rank(rank, a, queue):
     engine = Engine(make_model(a), EngineConfig(tensor_parallel_size=2, max_num_seqs=a.num_prompts))
     timer = CollectiveTimer()
     outs, wall, steps = run(engine, a, timer)
-    x = torch.randn(a.num_prompts, a.hidden)
+    # The same run with the model's collectives off (the step broadcasts stay, so the ranks keep
+    # in step): each rank's compute alone. Its tokens are wrong, by construction.
+    from cb_kernels.runner import tensor_parallel
+    with tensor_parallel.local_only():
+        _, local_wall, _ = run(engine, a)
+    size, calls = max(timer.reduce_by_size.items(), key=lambda kv: len(kv[1]))
+    x = torch.randn(size // a.hidden, a.hidden)
     group = engine.tp.group
     times = []
     for _ in range(200):
@@ -119,7 +132,9 @@ def _rank(rank, a, queue):
         "tokens": [o.token_ids for o in outs], "wall_s": wall, "steps": steps,
         "collective_s": dict(timer.seconds), "collective_calls": dict(timer.calls),
         "bare_all_reduce_us": statistics.median(times) * 1e6,
-        "fused": engine.tp.local.fused is not None}))
+        "in_step_all_reduce_us": statistics.median(calls) * 1e6,
+        "all_reduce_rows": size // a.hidden,
+        "local_wall_s": local_wall, "fused": engine.tp.local.fused is not None}))
 
 
 def main(argv=None) -> int:
@@ -177,6 +192,9 @@ def main(argv=None) -> int:
               f"{base['wall_s'] / r['wall_s']:11.2f}x")
     r0, r1 = ranks[0], ranks[1]
     steps = r0["steps"]
+    print(f"{'TP=2, no collectives':<22} {r0['local_wall_s'] / steps * 1e3:8.2f} "
+          f"{tokens / r0['local_wall_s']:8.1f} {base['wall_s'] / r0['local_wall_s']:11.2f}x"
+          "   (compute alone: wrong tokens)")
     print(f"TP=2 collectives per step (rank 0; {steps} steps; time includes waiting for rank 1):")
     for name in CollectiveTimer.NAMES:
         for rank, r in ((0, r0), (1, r1)):
@@ -185,8 +203,9 @@ def main(argv=None) -> int:
     total = sum(r0["collective_s"].values()) / steps * 1e3
     print(f"  rank 0 total {total:.3f} ms of {r0['wall_s'] / steps * 1e3:.2f} ms a step "
           f"({total / (r0['wall_s'] / steps * 1e3):.0%})")
-    print(f"  bare all_reduce [{a.num_prompts}, {a.hidden}] fp32: "
-          f"{r0['bare_all_reduce_us']:.0f} us (median of 200)")
+    print(f"  all_reduce of a decode step's [{r0['all_reduce_rows']}, {a.hidden}] fp32: "
+          f"{r0['in_step_all_reduce_us']:.0f} us inside the steps (median), "
+          f"{r0['bare_all_reduce_us']:.0f} us bare (both ranks waiting for it; median of 200)")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"args": vars(a), "rows": {k: {kk: vv for kk, vv in v.items()
