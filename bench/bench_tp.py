@@ -83,10 +83,25 @@ class CollectiveTimer:
 
     def __init__(self):
         self.seconds, self.calls, self.saved = defaultdict(float), defaultdict(int), {}
-        self.reduce_by_size = defaultdict(list)      # all_reduce numel -> seconds of each call
+        self.reduce_by_size = defaultdict(list)  # model sum (all_reduce_) numel -> seconds each
 
     def __enter__(self):
+        import cb_kernels.runner.fused.forward as fused
+        from cb_kernels.runner import tensor_parallel
+
         dist = torch.distributed
+        real_sum = tensor_parallel.all_reduce_
+
+        def timed_sum(x, info):
+            t = time.perf_counter()
+            try:
+                return real_sum(x, info)
+            finally:
+                self.reduce_by_size[x.numel()].append(time.perf_counter() - t)
+        self.sum_modules = (tensor_parallel, fused)
+        for m in self.sum_modules:
+            m.all_reduce_ = timed_sum
+        self.real_sum = real_sum
         for name in self.NAMES:
             real = self.saved[name] = getattr(dist, name)
 
@@ -98,14 +113,14 @@ class CollectiveTimer:
                     dt = time.perf_counter() - t
                     self.seconds[_name] += dt
                     self.calls[_name] += 1
-                    if _name == "all_reduce":
-                        self.reduce_by_size[args[0].numel()].append(dt)
             setattr(dist, name, timed)
         return self
 
     def __exit__(self, *exc):
         for name, real in self.saved.items():
             setattr(torch.distributed, name, real)
+        for m in self.sum_modules:
+            m.all_reduce_ = self.real_sum
 
 
 def _rank(rank, a, queue):
@@ -126,7 +141,7 @@ def _rank(rank, a, queue):
     for _ in range(200):
         torch.distributed.barrier(group=group)
         t = time.perf_counter()
-        torch.distributed.all_reduce(x, group=group)
+        tensor_parallel.all_reduce_(x, engine.tp.local.model._cbk_tp)
         times.append(time.perf_counter() - t)
     queue.put((rank, {
         "tokens": [o.token_ids for o in outs], "wall_s": wall, "steps": steps,
@@ -135,6 +150,9 @@ def _rank(rank, a, queue):
         "in_step_all_reduce_us": statistics.median(calls) * 1e6,
         "all_reduce_rows": size // a.hidden,
         "local_wall_s": local_wall, "fused": engine.tp.local.fused is not None}))
+
+
+GATHER = "2**20"
 
 
 def main(argv=None) -> int:
@@ -174,7 +192,16 @@ def main(argv=None) -> int:
                          args=(r, 2, port, 300.0, 1, _rank, (a, queue))) for r in range(2)]
     for proc in procs:
         proc.start()
-    ranks = dict(queue.get(timeout=900) for _ in range(2))
+    ranks = {}
+    while len(ranks) < 2:
+        try:
+            rank, result = queue.get(timeout=5)
+            ranks[rank] = result
+        except Exception:                          # noqa: BLE001 (queue.Empty)
+            if any(not proc.is_alive() and proc.exitcode for proc in procs):
+                for proc in procs:
+                    proc.kill()
+                raise SystemExit("a TP rank failed (its traceback is above)")
     for proc in procs:
         proc.join()
     rows["TP=2, 1 thread/rank"] = ranks[0]
@@ -203,7 +230,8 @@ def main(argv=None) -> int:
     total = sum(r0["collective_s"].values()) / steps * 1e3
     print(f"  rank 0 total {total:.3f} ms of {r0['wall_s'] / steps * 1e3:.2f} ms a step "
           f"({total / (r0['wall_s'] / steps * 1e3):.0%})")
-    print(f"  all_reduce of a decode step's [{r0['all_reduce_rows']}, {a.hidden}] fp32: "
+    print(f"  model sum (all_reduce_: gloo all_gather + add up to {GATHER} elements) of a decode "
+          f"step's [{r0['all_reduce_rows']}, {a.hidden}] fp32: "
           f"{r0['in_step_all_reduce_us']:.0f} us inside the steps (median), "
           f"{r0['bare_all_reduce_us']:.0f} us bare (both ranks waiting for it; median of 200)")
     if a.json:

@@ -39,13 +39,21 @@ MLP_PROJ = ("gate_proj", "up_proj", "down_proj")
 _STATE = threading.local()      # .local: inside local_only()
 
 
+# On gloo a sum of at most this many elements over all ranks runs as all_gather + a local sum in
+# rank order: half the round trips of gloo's ring all_reduce. 2 ranks, a [16, 1024] fp32 decode
+# activation between 1.8 ms matmuls, 2-core VM: 530 us against 1156 us (back to back 215 / 360).
+GATHER_SUM_MAX = 1 << 20
+
+
 @dataclass
 class TPInfo:
-    """This rank's place: rank in [0, size) of `group` (the group the model's collectives use)."""
+    """This rank's place: rank in [0, size) of `group` (the group the model's collectives use).
+    gather_sum: small sums go through all_gather (gloo groups)."""
 
     rank: int
     size: int
     group: object = None
+    gather_sum: bool = False
 
 
 def _text_config(model):
@@ -85,9 +93,18 @@ def _active() -> bool:
 
 
 def all_reduce_(x: torch.Tensor, info: TPInfo) -> torch.Tensor:
-    """x summed over the ranks, in place (x must be contiguous); returns x."""
-    if _active():
-        torch.distributed.all_reduce(x, group=info.group)
+    """x summed over the ranks, in place (x must be contiguous); returns x. Every rank gets the
+    same bits (the gather path adds the parts in rank order on each rank)."""
+    if not _active():
+        return x
+    if info.gather_sum and x.numel() * info.size <= GATHER_SUM_MAX:
+        parts = [torch.empty_like(x) for _ in range(info.size)]
+        torch.distributed.all_gather(parts, x, group=info.group)
+        total = parts[0]
+        for p in parts[1:]:
+            total = total + p
+        return x.copy_(total)
+    torch.distributed.all_reduce(x, group=info.group)
     return x
 
 
@@ -217,7 +234,8 @@ def shard_model(model, rank: int, size: int, group=None) -> TPInfo:
                              f"not rank {rank} of {size}")
         return done
     check_shardable(model, size)
-    info = TPInfo(rank, size, group)
+    gloo = torch.distributed.is_initialized() and torch.distributed.get_backend(group) == "gloo"
+    info = TPInfo(rank, size, group, gather_sum=gloo)
     cfg = _text_config(model)
     heads = cfg.num_attention_heads
     kv = getattr(cfg, "num_key_value_heads", None) or heads
