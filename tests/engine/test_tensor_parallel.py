@@ -323,13 +323,19 @@ def test_cli_generate_starts_the_ranks(tiny_checkpoint, tmp_path):
         results[size] = [(r["id"], r["token_ids"], r["finish_reason"])
                          for r in map(json.loads, dst.read_text().splitlines())]
     assert sorted(results[2]) == sorted(results[1]) and len(results[1]) == 3
-    # a size that does not split: every rank refuses it, the command says why in one line
-    with pytest.raises(SystemExit, match=r"--tensor-parallel-size 3: rank \d failed: ValueError: "
-                                         r"tensor_parallel_size=3 does not divide "
-                                         r"num_key_value_heads=2"):
-        cli.main(["generate", "--model", str(tiny_checkpoint), "--input", str(src),
-                  "--output", str(tmp_path / "out3.jsonl"), "--device", "cpu",
-                  "--dtype", "float32", "--tensor-parallel-size", "3"])
+    # a model that does not split: every rank refuses it, the command says why in one line
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    one_kv = tmp_path / "one_kv"
+    LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64,
+                                 num_hidden_layers=1, num_attention_heads=2,
+                                 num_key_value_heads=1)).save_pretrained(one_kv)
+    with pytest.raises(SystemExit, match=r"--tensor-parallel-size 2: rank \d failed: ValueError: "
+                                         r"tensor_parallel_size=2 does not divide "
+                                         r"num_key_value_heads=1"):
+        cli.main(["generate", "--model", str(one_kv), "--input", str(src),
+                  "--output", str(tmp_path / "out_bad.jsonl"), "--device", "cpu",
+                  "--dtype", "float32", "--tensor-parallel-size", "2"])
 
 
 def _nccl_main(rank, queue):
