@@ -15,12 +15,14 @@ Layout (Megatron's; each rank holds 1/N of every split weight):
 Biases of split outputs are split with them; the bias of a summed output (o_proj, down_proj)
 stays on rank 0 alone, so the sum counts it once. The norms stay whole.
 
-The sums run as forward hooks on the embedding, o_proj, down_proj and the LM head (so transformers' own forward,
-and model(x) called on every rank at once, stay exact). They are marked (`cbk_tp`) so the
-engine's fast paths know them: packed_linears.has_hooks does not count them, and the fused
-forward (runner/fused/) calls `all_reduce_` itself after the packed o_proj and down_proj. Inside
-`local_only()` the hooks do nothing: the runner's construction probes run a forward on each rank
-alone (they read shapes, and compare a forward with itself).
+The sums and the gather run as forward hooks on the embedding, o_proj, down_proj and the LM head
+(so transformers' own forward, and model(x) called on every rank at once, stay exact). They are
+marked (`cbk_tp`) so the engine's fast paths know them: packed_linears.has_hooks does not count
+them, and the fused forward (runner/fused/) calls `all_reduce_` itself after the packed o_proj
+and down_proj. Inside `local_only()` the hooks skip their collectives (the embedding still maps
+ids to its rows): the runner's construction probes run a forward on each rank alone (they read
+shapes, and compare a forward with itself). On gloo, small sums are an all_gather and adds in
+rank order (`GATHER_SUM_MAX`).
 
 Only Llama-style layouts split here (q/k/v/o_proj, gate/up/down_proj, per decoder layer);
 `check_shardable` refuses the rest, and the sizes that do not divide, with the numbers.

@@ -253,7 +253,8 @@ def test_world_size_refused(tp_results):
 
 
 @pytest.mark.parametrize("overrides,size,message", [
-    ({"num_key_value_heads": 1}, 2, r"tensor_parallel_size=2 does not divide num_key_value_heads=1"),
+    ({"num_key_value_heads": 1}, 2,
+     r"tensor_parallel_size=2 does not divide num_key_value_heads=1"),
     ({"num_attention_heads": 6, "num_key_value_heads": 2, "hidden_size": 48}, 4,
      r"tensor_parallel_size=4 does not divide num_key_value_heads=2"),
     ({"num_attention_heads": 3, "num_key_value_heads": 3, "hidden_size": 48}, 2,
