@@ -58,6 +58,9 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--preemption", default="auto", choices=("auto", "swap", "recompute"))
     e.add_argument("--no-prefix-caching", action="store_true")
     e.add_argument("--attention-backend", default=None)
+    e.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="split the model over N processes (torch.distributed; started here "
+                        "unless run under torchrun)")
     s = p.add_argument_group("SamplingParams")
     s.add_argument("--max-new-tokens", type=int, default=128)
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -82,7 +85,7 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
 _NOT_IN_FINGERPRINT = frozenset({
     "fn", "command", "input", "output", "resume", "device", "trust_remote_code", "block_size",
     "num_blocks", "max_batch_tokens", "max_num_seqs", "cpu_offload_gib", "preemption",
-    "no_prefix_caching", "attention_backend"})
+    "no_prefix_caching", "attention_backend", "tensor_parallel_size"})
 
 
 def _sha(value) -> str:
@@ -193,7 +196,8 @@ def _configs(args):
                               max_batch_tokens=args.max_batch_tokens, max_num_seqs=args.max_num_seqs,
                               cpu_offload_gib=args.cpu_offload_gib, preemption=args.preemption,
                               prefix_caching=not args.no_prefix_caching,
-                              attention_backend=args.attention_backend)
+                              attention_backend=args.attention_backend,
+                              tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                 top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                                 ignore_eos=args.ignore_eos, n=args.n, logprobs=args.logprobs,
@@ -216,6 +220,8 @@ def run_generate(args: argparse.Namespace) -> int:
     from cb_kernels.models import fast_dtype, load
 
     config, params = _configs(args)
+    rank = torch.distributed.get_rank() if torch.distributed.is_available() and \
+        torch.distributed.is_initialized() else 0
     in_path, out_path = Path(args.input), Path(args.output)
     if not in_path.is_file():
         raise SystemExit(f"--input {in_path} does not exist")
@@ -229,12 +235,36 @@ def run_generate(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device")
+    if config.tensor_parallel_size > 1 and not _in_process_group():
+        # Every check above passed here: the N ranks start (each runs this function again).
+        from cb_kernels.engine.distributed import spawn
+
+        if device == "cuda":
+            raise SystemExit("--tensor-parallel-size on CUDA: run under torchrun "
+                             f"--nproc-per-node {config.tensor_parallel_size} (one GPU per rank)")
+        import torch.multiprocessing as mp
+
+        try:
+            spawn(_tp_rank, config.tensor_parallel_size, (args,),
+                  timeout_s=config.tensor_parallel_timeout_s)
+        except mp.ProcessRaisedException as e:      # its text ends with the rank's error line
+            lines = [x for x in str(e).strip().splitlines() if x.strip()]
+            raise SystemExit(f"--tensor-parallel-size {config.tensor_parallel_size}: rank "
+                             f"{e.error_index} failed: {lines[-1] if lines else e}") from None
+        except mp.ProcessExitedException as e:
+            raise SystemExit(f"--tensor-parallel-size {config.tensor_parallel_size}: {e}") \
+                from None
+        return 0
     model, tokenizer = load(args.model, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
     if args.dtype is None:
         dtype, why = fast_dtype(model.dtype, device)
-        print(f"dtype: {str(dtype).replace('torch.', '')} ({why})", file=sys.stderr)
+        if rank == 0:
+            print(f"dtype: {str(dtype).replace('torch.', '')} ({why})", file=sys.stderr)
         model = model.to(dtype)
     engine = Engine(model.to(device), config, tokenizer=tokenizer)
+    if engine.tp is not None and engine.tp.rank != 0:
+        engine.tp.serve()           # rank 0 reads the input and writes the output
+        return 0
 
     pending = {}   # engine request id -> (index, id)
     written = 0
@@ -273,8 +303,27 @@ def run_generate(args: argparse.Namespace) -> int:
             print(f"\ninterrupted: {written} results kept in {out_path}; rerun with --resume to finish",
                   file=sys.stderr)
             return 130
+        finally:
+            if engine.tp is not None:
+                engine.tp.release()      # the other ranks' serve() returns
     print(f"{written} results written to {out_path}", file=sys.stderr)
     return 0
+
+
+def _in_process_group() -> bool:
+    import os
+
+    import torch
+
+    return (torch.distributed.is_available() and torch.distributed.is_initialized()) or \
+        all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def _tp_rank(rank: int, args: argparse.Namespace) -> None:
+    """One rank of `generate --tensor-parallel-size N` started by this command."""
+    code = run_generate(args)
+    if code:
+        raise SystemExit(code)
 
 
 def params_of(rec: dict, params, seed, index: int):

@@ -63,6 +63,10 @@ class EngineConfig:
         proven error bound and exact rescoring of the few rows that can win, instead of every
         fp32 logit; same tokens. "auto" = where the CPU has AVX-512 VNNI, which makes it ~4x
         faster than the fp32 head; True also uses its slower portable body elsewhere).
+    tensor_parallel_size: ranks the model is split over (torch.distributed, one process each:
+        torchrun, or `cb-kernels generate --tensor-parallel-size N`; see README, "Tensor
+        parallelism" and engine/distributed.py). tensor_parallel_timeout_s: how long a rank waits
+        for the others in a collective (a dead or hung rank ends the run with an error then).
     """
 
     block_size: Optional[int] = None
@@ -78,6 +82,8 @@ class EngineConfig:
     cuda_graphs: object = "auto"
     pack_weights: object = "auto"
     greedy_head: object = "auto"
+    tensor_parallel_size: int = 1
+    tensor_parallel_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, 1)
@@ -117,6 +123,11 @@ class EngineConfig:
         if self.greedy_head != "auto" and not isinstance(self.greedy_head, bool):
             raise ValueError("greedy_head must be 'auto', True or False, got "
                              f"{self.greedy_head!r}")
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1, allow_none=False)
+        _check_number("tensor_parallel_timeout_s", self.tensor_parallel_timeout_s)
+        if self.tensor_parallel_timeout_s <= 0:
+            raise ValueError("tensor_parallel_timeout_s must be > 0, got "
+                             f"{self.tensor_parallel_timeout_s}")
 
 
 # Below this a temperature is refused: dividing fp32 logits by it overflows or, for values that

@@ -6,7 +6,7 @@ import time
 from typing import Iterator, Optional
 
 from cb_kernels import ops
-from cb_kernels.engine import requests, sizing
+from cb_kernels.engine import distributed, requests, sizing
 from cb_kernels.engine.block_manager import BlockManager
 from cb_kernels.engine.config import EngineConfig, RequestOutput, SamplingParams
 from cb_kernels.engine.frontend import Frontend
@@ -41,14 +41,19 @@ class Engine:
             config = EngineConfig()
         if not isinstance(config, EngineConfig):
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
+        # Tensor parallelism (engine/distributed.py): None at size 1, else splits the model.
+        self.tp = distributed.setup(model, config, runner)
+        if self.tp is not None:
+            config = self.tp.config       # with what TP switches off (logged)
         self.config, self.tokenizer = config, tokenizer
         if runner is None:
-            runner = TransformersRunner(
-                model, attention_backend=config.attention_backend,
-                pack_weights=config.pack_weights, greedy_head=config.greedy_head,
-                cuda_graphs=config.cuda_graphs,
-                available_host_bytes=sizing.host_available_bytes() if config.pack_weights == "auto"
-                else None)
+            with distributed.building(self.tp):
+                runner = TransformersRunner(
+                    model, attention_backend=config.attention_backend,
+                    pack_weights=config.pack_weights, greedy_head=config.greedy_head,
+                    cuda_graphs=config.cuda_graphs,
+                    available_host_bytes=sizing.host_available_bytes()
+                    if config.pack_weights == "auto" else None)
         elif not isinstance(runner, ModelRunner):
             raise TypeError(f"runner must implement cb_kernels.runner.ModelRunner, got "
                             f"{type(runner).__name__}")
@@ -57,7 +62,11 @@ class Engine:
         self.resolved = c = resolve(config, ModelShape(r.num_layers, r.num_kv_heads, r.head_dim,
                                                        r.max_positions, r.dtype, r.device,
                                                        state_bytes))
+        if self.tp is not None:
+            self.resolved = c = self.tp.agree(c)
         r.allocate_cache(c.num_blocks, c.block_size, c.dtype, c.max_num_seqs)
+        if self.tp is not None:
+            self.runner = r = self.tp.wrap(r)
         self.block_manager = BlockManager(c.num_blocks, c.block_size, c.prefix_caching)
         if state_bytes:       # one state slot per running request (engine/state_slots.py)
             self.block_manager.state_slots = StateSlots(c.max_num_seqs, r.state_tensors,
@@ -324,11 +333,17 @@ class Engine:
 
     # -- front end and introspection ------------------------------------------------------------
     def generate(self, prompts, params=None) -> list:
-        """Run `prompts` to completion; RequestOutputs in prompt order (engine/frontend.py)."""
+        """Run `prompts` to completion; RequestOutputs in prompt order (engine/frontend.py).
+        Tensor parallel: rank 0's prompts run; every rank returns their outputs."""
+        if self.tp is not None:
+            return self.tp.generate(self, prompts, params)
         return self.frontend.generate(prompts, params)
 
     def stream(self, prompts, params=None) -> Iterator[RequestOutput]:
-        """Per step, one RequestOutput per request with new tokens (engine/frontend.py)."""
+        """Per step, one RequestOutput per request with new tokens (engine/frontend.py).
+        Tensor parallel: the other ranks yield rank 0's final outputs once it is done."""
+        if self.tp is not None:
+            return self.tp.stream(self, prompts, params)
         return self.frontend.stream(prompts, params)
 
     def check_weights(self, full: bool = False) -> None:
@@ -380,7 +395,8 @@ class Engine:
         host_wait_s, launch_s and (CUDA, clock.device_events on) device_busy_s, device_idle_s,
         timed_steps; greedy_head_steps: steps whose tokens came from the greedy head;
         state_slots_used, state_slots_total, state_bytes_per_slot, state_fork_copies: the state
-        slots of a hybrid / recurrent model (engine/state_slots.py; zeros for other models)."""
+        slots of a hybrid / recurrent model (engine/state_slots.py; zeros for other models);
+        tensor_parallel_size and local_num_kv_heads (the KV heads this rank's pool holds)."""
         bm, s = self.block_manager, self.scheduler
         pipeline = (self.pipeline or OverlapPipeline(self)).stats()
         offload = self.swapper.offload.stats() if self.swapper is not None else \
@@ -398,4 +414,6 @@ class Engine:
             "generated_tokens": self.num_generated_tokens, **pipeline,
             "greedy_head_steps": self.num_greedy_head_steps, **self.clock.stats(),
             **(bm.state_slots.stats() if bm.state_slots is not None else EMPTY_STATS),
+            **(self.tp.stats() if self.tp is not None else
+               {"tensor_parallel_size": 1, "local_num_kv_heads": self.runner.num_kv_heads}),
         }

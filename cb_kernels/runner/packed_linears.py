@@ -55,6 +55,7 @@ import torch
 from torch.nn.modules import module as nn_module
 
 from cb_kernels.ops.linear import PackedLinear
+from cb_kernels.runner.tensor_parallel import is_tp_hook
 
 logger = logging.getLogger("cb_kernels.engine")
 
@@ -231,8 +232,10 @@ def is_packed_forward(fn) -> bool:
 
 
 def has_hooks(modules: list) -> bool:
-    """A forward hook, or an instance `forward` not installed by PackedLinears (another engine's
-    step may be running on the model in another thread), on any of `modules`. Reads each
+    """A forward hook (the tensor-parallel collectives of runner/tensor_parallel.py aside: the
+    paths that skip module calls run them themselves), or an instance `forward` not installed by
+    PackedLinears (another engine's step may be running on the model in another thread), on any
+    of `modules`. Reads each
     module's __dict__: 37 us a step for the 397 modules of a 30-layer Llama (SmolLM2-135M's
     layout) on the dev box."""
     if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
@@ -240,7 +243,9 @@ def has_hooks(modules: list) -> bool:
     try:
         for m in modules:
             d = m.__dict__
-            if d["_forward_hooks"] or d["_forward_pre_hooks"]:
+            hooks, pre = d["_forward_hooks"], d["_forward_pre_hooks"]
+            if (hooks and not all(map(is_tp_hook, hooks.values()))) or \
+                    (pre and not all(map(is_tp_hook, pre.values()))):
                 return True
             forward = d.get("forward")
             if forward is not None and not is_packed_forward(forward):

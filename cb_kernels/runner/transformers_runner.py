@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from cb_kernels import ops
-from cb_kernels.runner import state_cache, step_inputs, support
+from cb_kernels.runner import state_cache, step_inputs, support, tensor_parallel
 from cb_kernels.runner.attention import AttentionSwitch, model_lock, step_context
 from cb_kernels.runner.positions import explicit_positions, position_modules
 from cb_kernels.runner.base import StepOutput
@@ -122,7 +122,8 @@ class TransformersRunner:
         # Sizing counts the KV of attention layers only; a model without any keeps one
         # 1-value-per-token placeholder layer, so blocks still count its tokens.
         self.num_layers = len(kv_plans) or 1
-        self.num_heads = support.num_heads_of(cfg)
+        # This rank's query heads (a tensor-parallel split keeps 1/size of them).
+        self.num_heads = support.num_heads_of(cfg) // tensor_parallel.size_of(model)
         # Sizing reads one (num_kv_heads, head_dim) for every layer: the largest layer's, so a
         # block never holds more than the engine counted.
         if kv_plans:
@@ -163,6 +164,13 @@ class TransformersRunner:
         if not isinstance(module, torch.nn.Linear):
             return None, None
         run = self.packed.runner_for(module) if self.packed is not None else module
+        if tensor_parallel.info_of(module) is not None:
+            # Split by vocabulary: the sharded head gathers logits or each rank's best token.
+            decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else None
+            plain = self.fused is not None or (
+                decoder is not None and decoder is not self.model
+                and _head_is_plain(self.model, decoder, module))
+            return tensor_parallel.ShardedHead(run, module), decoder if plain else None
         if not wants_greedy_head(mode):
             return LogitsHead(run, module), None
         decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else None

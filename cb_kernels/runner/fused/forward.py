@@ -38,6 +38,7 @@ from cb_kernels import ops
 from cb_kernels.runner.fused.families import spec_for
 from cb_kernels.runner.fused.spec import FamilySpec
 from cb_kernels.runner.packed_linears import has_hooks
+from cb_kernels.runner.tensor_parallel import all_reduce_, info_of
 
 
 def _bf16_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -187,6 +188,9 @@ class _Layer:
         if spec.qk_norm:
             self.q_norm, self.k_norm = _rms_norm(attn.q_norm), _rms_norm(attn.k_norm)
         self.head_dim, self.scaling = attn.head_dim, attn.scaling
+        # A tensor-parallel split (runner/tensor_parallel.py): o_proj's and down_proj's partial
+        # sums are added over the ranks here, as their hooks would on transformers' path.
+        self.tp = info_of(getattr(attn, spec.o_proj))
         self.window = spec.sliding_window(attn)
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         q_size, kv_size = num_heads * self.head_dim, num_kv_heads * self.head_dim
@@ -309,7 +313,12 @@ class FusedForward:
                     q, k_cache, v_cache, step.block_tables, step.seq_lens, step.cu_seqlens_q,
                     torch.empty_like(q), scale=layer.scaling, sliding_window=layer.window,
                     backend=backend)
-            h = layer.post_norm.fused(x, layer.o.run(out.view(num_tokens, -1)))
+            o = layer.o.run(out.view(num_tokens, -1))
+            if layer.tp is not None:
+                all_reduce_(o, layer.tp)
+            h = layer.post_norm.fused(x, o)
             pending = layer.down.run(ops.silu_mul(layer.gate_up.run(h)))
+            if layer.tp is not None:
+                all_reduce_(pending, layer.tp)
         x = self.final_norm.fused(x, pending)
         return x.index_select(0, logits_indices)
