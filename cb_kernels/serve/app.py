@@ -256,14 +256,24 @@ class _State:
             try:
                 ids, params = self.engine.check_request(ids, params)
             except (ValueError, TypeError) as e:
-                message = str(e).replace("max_new_tokens", "max_tokens")
-                if message.startswith("prompt"):
-                    message = where + message[len("prompt"):]
-                raise RequestError(message, param_named_in(str(e).split(":")[0], where)
-                                   if not str(e).startswith("prompt") else where) from None
+                raise RequestError(*_prompt_error(str(e), where, requested_max_tokens(req)
+                                                  is not None)) from None
             tickets.append(Ticket(f"{base}-{i}" if len(prompts) > 1 else base, ids, params,
                                   req.stream, index=i))
         return tickets
+
+
+def _prompt_error(message: str, where: str, asked_max_tokens: bool) -> tuple:
+    """(message, param) of an Engine.check_request error about the prompt at `where`."""
+    about_length = "max_new_tokens" in message
+    message = message.replace("max_new_tokens", "max_tokens")
+    if message.startswith("prompt"):
+        message = where + message[len("prompt"):]
+    if about_length:          # the prompt fits alone: max_tokens is what to change, if it was asked
+        return message, "max_tokens" if asked_max_tokens else where
+    if message.startswith(where):
+        return message, where
+    return message, param_named_in(message, where)
 
 
 def _validation_error(e: ValidationError) -> RequestError:

@@ -129,6 +129,9 @@ class EngineLoop:
             busy = engine.has_unfinished()
             self._take_commands(block=not busy)
             if self.stopping and not engine.has_unfinished():
+                stats = engine.stats()
+                logger.info("engine stopped: %d requests left, %d KV blocks used",
+                            len(self._tickets), stats["used_blocks"])
                 return
             if self.drain_deadline is not None and time.monotonic() >= self.drain_deadline:
                 self._cancel_all()
