@@ -119,9 +119,17 @@ class EngineLoop:
             self.error = f"{type(e).__name__}: {e}"
             logger.exception("the engine thread failed")
             self.draining = True
-            for t in self._tickets.values():
-                t.put("error", f"the engine failed: {self.error}")
+            waiting = list(self._tickets.values())
             self._tickets.clear()
+            while True:       # tickets handed in but never added get told too
+                try:
+                    kind, arg = self.inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "add":
+                    waiting.append(arg)
+            for t in waiting:
+                t.put("error", f"the engine failed: {self.error}")
 
     def _loop(self) -> None:
         engine = self.engine
