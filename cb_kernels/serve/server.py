@@ -76,7 +76,12 @@ def run_serve(args: argparse.Namespace) -> int:
     except OSError as e:
         raise SystemExit(f"cannot listen on {args.host}:{args.port} ({e.strerror or e})") from None
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    model, tokenizer = load(args.model, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+    try:
+        model, tokenizer = load(args.model, dtype=args.dtype,
+                                trust_remote_code=args.trust_remote_code)
+    except (ValueError, TypeError, OSError) as e:     # not a built-in name nor a checkpoint, ...
+        sock.close()
+        raise SystemExit(f"--model {args.model}: {e}") from None
     if args.dtype is None:
         dtype, why = fast_dtype(model.dtype, device)
         print(f"dtype: {str(dtype).replace('torch.', '')} ({why})", file=sys.stderr)

@@ -36,7 +36,8 @@ from tests.helpers import VOCAB, make_tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 NAME = "tiny"
-MAX_POSITIONS = 1024
+MAX_POSITIONS = 8192
+LONG_RUN = 8000          # tokens of a request that outlives a 3 s drain (~0.7 ms a token alone)
 TEMPLATE = ("{% for m in messages %}w1 {{ m['content'].strip() }} {% endfor %}"
             "{% if add_generation_prompt %}w2{% endif %}")
 
@@ -65,7 +66,7 @@ class Server:
         self.log = log
         cmd = [sys.executable, "-m", "cb_kernels", "serve", "--model", str(model_dir),
                "--served-model-name", NAME, "--port", "0", "--dtype", "float32",
-               "--block-size", "16", "--num-blocks", "160", "--cpu-offload-gib", "0",
+               "--block-size", "16", "--num-blocks", "1100", "--cpu-offload-gib", "0",
                "--log-level", "info", *extra]
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
@@ -174,7 +175,7 @@ def test_models_health_and_metrics(server):
     status, body = server.get("/v1/models/other")
     assert status == 404 and json.loads(body)["error"]["code"] == "model_not_found"
     h = server.health()
-    assert h["status"] == "ok" and h["model"] == NAME and h["num_blocks"] == 160
+    assert h["status"] == "ok" and h["model"] == NAME and h["num_blocks"] == 1100
     server.client.completions.create(model=NAME, prompt=[5, 6, 7], max_tokens=4, temperature=0)
     status, text = server.get("/metrics")
     assert status == 200
@@ -188,7 +189,7 @@ def test_models_health_and_metrics(server):
     assert float(count.group(1)) >= 1
     itl = re.search(r'cb_kernels_inter_token_latency_seconds_count\{model_name="tiny"\} (\S+)', text)
     assert float(itl.group(1)) >= 3     # 4 tokens: 3 gaps
-    assert 'cb_kernels_kv_blocks_total{model_name="tiny"} 160.0' in text
+    assert 'cb_kernels_kv_blocks_total{model_name="tiny"} 1100.0' in text
 
 
 def test_completion_and_chat_equal_transformers_greedy(server, reference):
@@ -408,7 +409,7 @@ BAD = [
     ("completions", {"model": "tiny", "prompt": "w1", "max_token": 3}, 400, "max_token"),
     ("completions", {"model": "tiny", "prompt": "w1", "echo": True}, 400, "echo"),
     ("completions", {"model": "tiny", "prompt": LONG}, 400, "prompt"),
-    ("completions", {"model": "tiny", "prompt": [5] * 1000, "max_tokens": 100}, 400, "max_tokens"),
+    ("completions", {"model": "tiny", "prompt": [5] * 8000, "max_tokens": 500}, 400, "max_tokens"),
     ("completions", {"model": "other", "prompt": "w1"}, 404, "model"),
     ("chat/completions", {"model": "tiny"}, 400, "messages"),
     ("chat/completions", {"model": "tiny", "messages": []}, 400, "messages"),
@@ -426,7 +427,7 @@ BAD = [
                           "top_logprobs": 2}, 400, "top_logprobs"),
     ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "w1"}],
                           "tools": [{"type": "function"}]}, 400, "tools"),
-    ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "w5 " * 1100}]},
+    ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "w5 " * MAX_POSITIONS}]},
      400, "messages"),
     ("chat/completions", {"model": "other", "messages": [{"role": "user", "content": "w1"}]}, 404,
      "model"),
@@ -473,7 +474,7 @@ def _raw_request(server, path, body) -> http.client.HTTPConnection:
 
 def test_client_hanging_up_cancels_its_request(server):
     before = _cancelled_count(server)
-    long = {"model": NAME, "prompt": [5, 6, 7], "max_tokens": 900, "temperature": 0,
+    long = {"model": NAME, "prompt": [5, 6, 7], "max_tokens": LONG_RUN, "temperature": 0,
             "ignore_eos": True}
     # Streaming: read two chunks, hang up.
     conn = _raw_request(server, "/v1/completions", {**long, "stream": True})
@@ -503,7 +504,7 @@ def test_client_hanging_up_cancels_its_request(server):
         assert time.monotonic() < deadline, "the requests were not cancelled"
         time.sleep(0.05)
     # The openai client closing a stream early does the same.
-    stream = server.client.completions.create(model=NAME, prompt=[8, 9], max_tokens=900,
+    stream = server.client.completions.create(model=NAME, prompt=[8, 9], max_tokens=LONG_RUN,
                                               temperature=0, stream=True,
                                               extra_body={"ignore_eos": True})
     for i, _ in enumerate(stream):
@@ -515,23 +516,24 @@ def test_client_hanging_up_cancels_its_request(server):
 
 # -- a full queue and SIGTERM ---------------------------------------------------------------------
 def test_full_queue_503_then_sigterm_drains(model_dir, tmp_path, server):
-    """max_num_seqs 2, max_waiting 1: A and D run, B waits, C gets 503. SIGTERM: no new
-    connection; D and B finish whole; a second SIGTERM cancels A ("cancelled"); exit status 0."""
-    want_short = server.client.completions.create(model=NAME, prompt=[20, 21], max_tokens=30,
-                                                  temperature=0).choices[0].text
-    want_long = server.client.completions.create(model=NAME, prompt=[30, 31], max_tokens=200,
-                                                 temperature=0).choices[0].text
+    """max_num_seqs 2, max_waiting 1: A1 and A2 run (thousands of tokens each), B waits, C gets
+    503. SIGTERM: no new connection; A2's client leaves, so B runs and finishes whole during the
+    drain; A1 is cancelled at the drain deadline ("cancelled"); exit status 0, no block held."""
+    want_b = server.client.completions.create(model=NAME, prompt=[20, 21], max_tokens=30,
+                                              temperature=0).choices[0].text
+    want_a = server.client.completions.create(model=NAME, prompt=[30, 31], max_tokens=100,
+                                              temperature=0).choices[0].text.split()
     s = Server(model_dir, tmp_path / "server2.log", "--max-num-seqs", "2", "--max-waiting", "1",
-               "--drain-timeout", "60")
+               "--drain-timeout", "3")
     try:
-        def stream(prompt, max_tokens):
-            return s.client.completions.create(model=NAME, prompt=prompt, max_tokens=max_tokens,
+        def stream(prompt):       # ~8000 tokens: seconds, far past the 3 s drain deadline
+            return s.client.completions.create(model=NAME, prompt=prompt, max_tokens=LONG_RUN,
                                                temperature=0, stream=True,
                                                extra_body={"ignore_eos": True})
-        a = stream([30, 31], 1000)
-        a_text = next(a).choices[0].text
-        d = stream([20, 21], 30)
-        d_text = next(d).choices[0].text
+        a1 = stream([30, 31])
+        a1_text = next(a1).choices[0].text
+        a2 = stream([40, 41])
+        next(a2)
         b_result = {}
         b = threading.Thread(target=lambda: b_result.update(r=s.client.completions.create(
             model=NAME, prompt=[20, 21], max_tokens=30, temperature=0)))
@@ -545,9 +547,10 @@ def test_full_queue_503_then_sigterm_drains(model_dir, tmp_path, server):
         assert body["error"]["code"] == "queue_full"
         text = s.get("/metrics")[1]
         assert 'cb_kernels_requests_rejected_total{model_name="tiny"} 1.0' in text
+        assert s.health()["running"] == 2
 
         s.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
+        signalled = time.monotonic()
         while True:      # the listening socket closes
             try:
                 urllib.request.urlopen(s.url + "/health", timeout=5)
@@ -555,21 +558,18 @@ def test_full_queue_503_then_sigterm_drains(model_dir, tmp_path, server):
                 assert e.code == 503      # draining, on a connection made before the close
             except (urllib.error.URLError, ConnectionError):
                 break
-            assert time.monotonic() < deadline, "still accepting connections after SIGTERM"
+            assert time.monotonic() < signalled + 10, "still accepting connections after SIGTERM"
             time.sleep(0.05)
-        d_chunks = list(d)
-        d_text += "".join(c.choices[0].text for c in d_chunks)
-        assert d_text == want_short and d_chunks[-1].choices[0].finish_reason == "length"
+        a2.close()                        # its client leaves: B gets the slot
         b.join(30)
-        assert b_result["r"].choices[0].text == want_short
+        assert b_result["r"].choices[0].text == want_b
         assert b_result["r"].choices[0].finish_reason == "length"
-        assert s.proc.poll() is None          # A still runs: the drain waits for it
-        s.proc.send_signal(signal.SIGTERM)    # the second signal cancels it
-        a_chunks = list(a)
-        a_text += "".join(c.choices[0].text for c in a_chunks)
-        assert a_chunks[-1].choices[0].finish_reason == "cancelled"
-        n = len(a_text.split())
-        assert 30 < n < 1000 and a_text.split()[:min(n, 200)] == want_long.split()[:min(n, 200)]
+        chunks = list(a1)                 # A1 runs until the drain deadline
+        a1_text += "".join(c.choices[0].text for c in chunks)
+        assert chunks[-1].choices[0].finish_reason == "cancelled"
+        assert time.monotonic() - signalled >= 2.5
+        n = len(a1_text.split())
+        assert 100 < n < LONG_RUN and a1_text.split()[:100] == want_a
         assert s.proc.wait(30) == 0
         log = s.output()
         assert "engine stopped: 0 requests left, 0 KV blocks used" in log, log
@@ -590,6 +590,8 @@ def test_serve_command_line_errors(model_dir):
             cli.main(["serve", "--model", str(model_dir), "--port", str(port)])
     with pytest.raises(SystemExit, match="--max-waiting must be >= 1"):
         cli.main(["serve", "--model", str(model_dir), "--max-waiting", "0"])
+    with pytest.raises(SystemExit, match="--model no-such-model: "):
+        cli.main(["serve", "--model", "no-such-model", "--port", "0"])
     with pytest.raises(SystemExit, match="bad option: max_num_seqs must be >= 1"):
         cli.main(["serve", "--model", str(model_dir), "--max-num-seqs", "0", "--port", "0"])
 
