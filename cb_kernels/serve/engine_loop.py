@@ -53,10 +53,20 @@ class Ticket:
     arrival: float = field(default_factory=time.perf_counter)
 
     def put(self, kind: str, item) -> None:
-        try:
-            self.aio_loop.call_soon_threadsafe(self.queue.put_nowait, (kind, self.index, item))
-        except RuntimeError:      # the event loop is closed: nobody is listening any more
-            pass
+        _deliver_soon(self.aio_loop, [(self.queue, (kind, self.index, item))])
+
+
+def _deliver(items: list) -> None:
+    for q, item in items:
+        q.put_nowait(item)
+
+
+def _deliver_soon(aio_loop, items: list) -> None:
+    """Hand `items` ((asyncio.Queue, item) pairs) to `aio_loop` in one wake-up."""
+    try:
+        aio_loop.call_soon_threadsafe(_deliver, items)
+    except RuntimeError:      # the event loop is closed: nobody is listening any more
+        pass
 
 
 class EngineLoop:
@@ -214,18 +224,22 @@ class EngineLoop:
                 self.num_queued -= 1
 
     def _dispatch(self, ended: dict) -> None:
+        """Every ticket's news of this step, handed to each event loop in one wake-up."""
         frontend = self.engine.frontend
+        news: dict = {}         # asyncio loop -> [(queue, item)]
         for rid, t in list(self._tickets.items()):
             done = rid in ended
             if not t.scheduled and (done or t.seq.metrics.first_scheduled_time is not None):
                 self._unqueue(t)
             if t.stream and not t.abandoned:
                 for delta in frontend.deltas(t.seq, done):
-                    t.put("delta", delta)
+                    news.setdefault(t.aio_loop, []).append((t.queue, ("delta", t.index, delta)))
             if done:
                 del self._tickets[rid]
                 out = ended[rid]
                 if self.metrics is not None:
                     self.metrics.observe_request(out)
                 if not t.abandoned:
-                    t.put("final", out)
+                    news.setdefault(t.aio_loop, []).append((t.queue, ("final", t.index, out)))
+        for aio_loop, items in news.items():
+            _deliver_soon(aio_loop, items)
