@@ -361,16 +361,23 @@ def test_24_concurrent_clients_equal_sequential(server):
                                                                             "content": words(p)}],
                                                       max_tokens=10, temperature=0)
             return c.choices[0].message.content
-        return server.client.completions.create(model=NAME, prompt=p, max_tokens=10,
-                                                temperature=0).choices[0].text
+        return sampled(i) if i % 6 == 5 else server.client.completions.create(
+            model=NAME, prompt=p, max_tokens=10, temperature=0).choices[0].text
+
+    def sampled(i):     # its own temperature, top_p and seed: the batch must not change them
+        return server.client.completions.create(model=NAME, prompt=ps[i], max_tokens=10,
+                                                temperature=0.8, top_p=0.9,
+                                                seed=i).choices[0].text
 
     chat_want = {i: server.client.completions.create(
         model=NAME, prompt=[1, *ps[i], 2], max_tokens=10, temperature=0).choices[0].text
         for i in range(1, 24, 3)}
+    sampled_want = {i: sampled(i) for i in range(5, 24, 6)}
     with ThreadPoolExecutor(24) as pool:
         got = list(pool.map(one, range(24)))
     for i in range(24):
-        assert got[i] == chat_want.get(i, sequential[i]), i
+        assert got[i] == sampled_want.get(i, chat_want.get(i, sequential[i])), i
+    assert sampled_want[5] != sequential[5]
     server.wait_idle()
 
 
