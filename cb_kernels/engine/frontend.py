@@ -105,5 +105,7 @@ class Frontend:
             full = seq.detokenizer.text if final else seq.detokenizer.stream_text()
         else:
             full = tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+            if not final:     # a character whose other bytes are still to come decodes as U+FFFD
+                full = full.rstrip("\ufffd")
         sent, seq.streamed_text = seq.streamed_text, full
         return full[len(sent):] if full.startswith(sent) else full
