@@ -136,7 +136,8 @@ def start_server(name: str, args, model_dir: Path, log: Path) -> ServerProcess:
         venv = vllm_cpu.DEFAULT_VENV
         cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                "--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(port),
-               "--max-model-len", "2048", "--disable-log-requests"]
+               "--max-model-len", "2048", "--disable-uvicorn-access-log",
+               "--uvicorn-log-level", "warning"]
         if args.max_num_seqs:
             cmd += ["--max-num-seqs", str(args.max_num_seqs)]
         return ServerProcess(name, cmd, vllm_cpu._vllm_env(venv), str(model_dir), port, log, 1200)

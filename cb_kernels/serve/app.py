@@ -156,6 +156,10 @@ class _State:
         check_unsupported(req)
         chat = schema is ChatRequest
         prompts = self.chat_prompt(req) if chat else self.completion_prompts(req)
+        if len(prompts) > self.config.max_waiting:     # a 503 would never clear
+            raise RequestError(f"prompt holds {len(prompts)} prompts, more than this server "
+                               f"queues at once ({self.config.max_waiting}, --max-waiting)",
+                               "prompt")
         tickets = self.tickets(req, prompts, chat)
         aio_loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         for t in tickets:

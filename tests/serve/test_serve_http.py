@@ -552,6 +552,9 @@ def test_full_queue_503_then_sigterm_drains(model_dir, tmp_path, server):
         status, body, headers = s.post("/v1/completions", {"model": NAME, "prompt": "w1"})
         assert status == 503 and headers["Retry-After"] == "1"
         assert body["error"]["code"] == "queue_full"
+        status, body, _ = s.post("/v1/completions", {"model": NAME, "prompt": [[1], [2]]})
+        assert status == 400 and body["error"]["param"] == "prompt"     # > max_waiting: never fits
+        assert "--max-waiting" in body["error"]["message"]
         text = s.get("/metrics")[1]
         assert 'cb_kernels_requests_rejected_total{model_name="tiny"} 1.0' in text
         assert s.health()["running"] == 2
