@@ -173,6 +173,9 @@ class _State:
                                "queue_full", {"Retry-After": str(RETRY_AFTER_S)}) from None
         except Draining:
             self.metrics.reject()
+            if self.loop.error is not None:
+                raise RequestError(f"the engine failed ({self.loop.error}); restart the server",
+                                   None, 503, "server_error", "engine_failed") from None
             raise RequestError("the server is shutting down", None, 503, "server_unavailable",
                                "shutting_down", {"Retry-After": str(RETRY_AFTER_S)}) from None
         reply = _Reply(self, req, tickets, chat)
