@@ -1,4 +1,4 @@
-"""The server when the engine fails: a failed step is a 500 (streamed: an error event) for its
+"""In-process servers (uvicorn on a thread). The server when the engine fails: a failed step is a 500 (streamed: an error event) for its
 requests and the server keeps serving; an engine thread that dies answers every waiting client
 and turns /health to 503. In-process (uvicorn on a thread), so the failures can be injected."""
 import json
@@ -19,14 +19,16 @@ from tests.helpers import fail_nth_model_run, make_model, make_tokenizer  # noqa
 
 
 @pytest.fixture
-def served():
+def served(request):
     import uvicorn
 
     from cb_kernels import Engine, EngineConfig
     from cb_kernels.serve.app import ServerConfig, create_app
 
+    overlap = getattr(request, "param", "auto")
     engine = Engine(make_model("llama"), EngineConfig(num_blocks=64, block_size=16,
-                                                      cpu_offload_gib=0), tokenizer=make_tokenizer())
+                                                      cpu_offload_gib=0, overlap=overlap),
+                    tokenizer=make_tokenizer())
     app = create_app(engine, ServerConfig("tiny"))
     sock = socket.create_server(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
@@ -91,3 +93,37 @@ def test_a_dead_engine_thread_answers_everyone(served, monkeypatch):
     assert status == 503 and health["status"] == "failed" and "the engine broke" in health["error"]
     status, text = _post(url, {"model": "tiny", "prompt": [5, 6], "max_tokens": 4})
     assert status == 503 and json.loads(text)["error"]["code"] == "engine_failed"
+
+
+@pytest.mark.parametrize("served", ["on"], indirect=True)
+def test_overlap_pipeline_streams_and_cancels(served):
+    """With overlap on (the GPU default; on a CPU it runs the same pipeline synchronously):
+    streamed n=2 samples equal the non-streamed ones, and a hung-up stream frees its blocks."""
+    import http.client
+
+    engine, url = served
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 12, "temperature": 0.9,
+            "seed": 4, "n": 2, "logprobs": 1}
+    status, text = _post(url, body)
+    full = json.loads(text)["choices"]
+    status, text = _post(url, {**body, "stream": True})
+    got = {}
+    for line in text.splitlines():
+        if line.startswith("data: {"):
+            for c in json.loads(line[6:])["choices"]:
+                got[c["index"]] = got.get(c["index"], "") + c["text"]
+    assert got == {c["index"]: c["text"] for c in full}
+    port = int(url.rsplit(":", 1)[1])
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps(
+        {"model": "tiny", "prompt": [5, 6], "max_tokens": 900, "temperature": 0,
+         "stream": True}), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    resp.read1(100)
+    conn.sock.shutdown(2)
+    conn.close()
+    deadline = time.monotonic() + 10
+    while _health(url)[1]["used_blocks"] or _health(url)[1]["running"]:
+        assert time.monotonic() < deadline, _health(url)
+        time.sleep(0.05)
+    assert engine.stats()["overlapped_steps"] > 0
