@@ -20,7 +20,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 logger = logging.getLogger("cb_kernels.serve")
@@ -50,7 +50,6 @@ class Ticket:
     scheduled: bool = False          # counted out of the waiting queue (engine thread only)
     abandoned: bool = False          # its client left: no more news (engine thread only)
     seq: object = None
-    arrival: float = field(default_factory=time.perf_counter)
 
     def put(self, kind: str, item) -> None:
         _deliver_soon(self.aio_loop, [(self.queue, (kind, self.index, item))])
