@@ -3,13 +3,14 @@
     cb-kernels info                     versions, backends, GPU
     cb-kernels demo                     the real-model demo (see README)
     cb-kernels generate --model M ...   batch generation over a jsonl file
+    cb-kernels serve --model M ...      an OpenAI-compatible HTTP server (the `serve` extra)
     cb-kernels bench paged_attention|write_kv|copy_blocks|swap_blocks|greedy_head [args]
                                         kernel benchmarks, shipped in the package
                                         (cb_kernels/benchmarks/<name>.py): work from a wheel
     cb-kernels bench attention [args]   = bench paged_attention
     cb-kernels bench cache [args]       swap_blocks, copy_blocks and write_kv in turn (their common
                                         options only; --json PATH writes PATH.<op>.json per bench)
-    cb-kernels bench engine|dropin|offload|overlap [args]
+    cb-kernels bench engine|dropin|offload|overlap|serve [args]
                                         engine benchmarks: source tree only (bench/bench_<name>.py
                                         of a checkout or an editable install)
 """
@@ -23,7 +24,7 @@ from pathlib import Path
 from cb_kernels.benchmarks import KERNEL_BENCHES
 
 # Kernel benchmarks ship in cb_kernels/benchmarks; the engine ones need the source tree's bench/.
-SOURCE_BENCHES = ("engine", "dropin", "offload", "overlap")
+SOURCE_BENCHES = ("engine", "dropin", "offload", "overlap", "serve")
 BENCHES = KERNEL_BENCHES + SOURCE_BENCHES
 # Group names: `attention` runs paged_attention, `cache` the three cache-op benches.
 BENCH_ALIASES = {"attention": ("paged_attention",), "cache": ("swap_blocks", "copy_blocks", "write_kv")}
@@ -33,7 +34,7 @@ def _bench_dir() -> Path:
     # Benchmarks live in the source tree's bench/ folder (an editable install or a checkout).
     here = Path(__file__).resolve().parent.parent / "bench"
     if not here.is_dir():
-        raise SystemExit("cb-kernels bench engine|dropin|offload|overlap needs the source tree: "
+        raise SystemExit(f"cb-kernels bench {'|'.join(SOURCE_BENCHES)} needs the source tree: "
                          "these benchmarks live in its bench/ folder (clone the repository and "
                          "`pip install -e .`); the kernel benchmarks (" + ", ".join(KERNEL_BENCHES)
                          + ") ship with the package")
@@ -91,6 +92,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return run_generate(args)
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from cb_kernels.serve.server import run_serve
+
+    return run_serve(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cb-kernels", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -98,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("info", help="versions, backends and GPU").set_defaults(fn=_cmd_info)
 
     b = sub.add_parser("bench", help="run a benchmark (kernel ones ship with the package; "
-                       "engine, dropin, offload, overlap need the source tree's bench/)")
+                       "engine, dropin, offload, overlap, serve need the source tree's bench/)")
     b.add_argument("which", choices=BENCHES + tuple(BENCH_ALIASES))
     b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     b.set_defaults(fn=_cmd_bench)
@@ -120,6 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
     if add_generate_args:
         add_generate_args(g)
     g.set_defaults(fn=_cmd_generate)
+
+    from cb_kernels.serve.server import add_serve_args   # argparse only: no extra needed
+    sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server on the engine")
+    add_serve_args(sv)
+    sv.set_defaults(fn=_cmd_serve)
     return p
 
 

@@ -49,16 +49,8 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
                         "cb_kernels.models.fast_dtype: bfloat16 on CUDA and on CPUs with "
                         "AVX512-BF16 or AMX, else float32)")
     p.add_argument("--trust-remote-code", action="store_true", help="let the checkpoint run its own code")
-    e = p.add_argument_group("EngineConfig (default: auto)")
-    e.add_argument("--block-size", type=int)
-    e.add_argument("--num-blocks", type=int)
-    e.add_argument("--max-batch-tokens", type=int)
-    e.add_argument("--max-num-seqs", type=int)
-    e.add_argument("--cpu-offload-gib", type=float)
-    e.add_argument("--preemption", default="auto", choices=("auto", "swap", "recompute"))
-    e.add_argument("--no-prefix-caching", action="store_true")
-    e.add_argument("--attention-backend", default=None)
-    e.add_argument("--tensor-parallel-size", type=int, default=1,
+    add_engine_args(p)
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the model over N processes (torch.distributed; started here "
                         "unless run under torchrun)")
     s = p.add_argument_group("SamplingParams")
@@ -78,6 +70,19 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--repetition-penalty", type=float, default=1.0)
     s.add_argument("--frequency-penalty", type=float, default=0.0)
     s.add_argument("--presence-penalty", type=float, default=0.0)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The EngineConfig flags (`cb-kernels serve` has them too); engine_config(args) reads them."""
+    e = p.add_argument_group("EngineConfig (default: auto)")
+    e.add_argument("--block-size", type=int)
+    e.add_argument("--num-blocks", type=int)
+    e.add_argument("--max-batch-tokens", type=int)
+    e.add_argument("--max-num-seqs", type=int)
+    e.add_argument("--cpu-offload-gib", type=float)
+    e.add_argument("--preemption", default="auto", choices=("auto", "swap", "recompute"))
+    e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument("--attention-backend", default=None)
 
 
 # Options that cannot change a result (how the engine schedules, where files go): left out of
@@ -188,16 +193,23 @@ def _check_output(path: Path) -> None:
         raise SystemExit(f"--output {path} cannot be written ({e.strerror or e})") from None
 
 
+def engine_config(args):
+    """The EngineConfig of the add_engine_args flags (ValueError/TypeError for a bad one)."""
+    from cb_kernels import EngineConfig
+
+    return EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks,
+                        max_batch_tokens=args.max_batch_tokens, max_num_seqs=args.max_num_seqs,
+                        cpu_offload_gib=args.cpu_offload_gib, preemption=args.preemption,
+                        prefix_caching=not args.no_prefix_caching,
+                        attention_backend=args.attention_backend,
+                        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
+
+
 def _configs(args):
-    from cb_kernels import EngineConfig, SamplingParams
+    from cb_kernels import SamplingParams
 
     try:
-        config = EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks,
-                              max_batch_tokens=args.max_batch_tokens, max_num_seqs=args.max_num_seqs,
-                              cpu_offload_gib=args.cpu_offload_gib, preemption=args.preemption,
-                              prefix_caching=not args.no_prefix_caching,
-                              attention_backend=args.attention_backend,
-                              tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
+        config = engine_config(args)
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                 top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                                 ignore_eos=args.ignore_eos, n=args.n, logprobs=args.logprobs,

@@ -67,18 +67,21 @@ class Frontend:
             for out in self.engine.step():
                 (ended.add(out.request_id) if out.request_id in live else others.append(out))
             for rid, seq in list(live.items()):
-                if seq.group is None:
-                    delta = self._delta(seq, rid in ended)
-                    if delta is not None:
-                        yield delta
-                else:   # n > 1: one delta per sample with news, outputs[0].index says which
-                    for sample in seq.group.samples:
-                        delta = self._delta(sample, sample.is_finished)
-                        if delta is not None:
-                            yield delta
+                yield from self.deltas(seq, rid in ended)
                 if rid in ended:
                     del live[rid]
         self.engine.defer(others)
+
+    def deltas(self, seq: Sequence, ended: bool) -> list:
+        """The stream deltas of one request since the last call (what stream() yields for it
+        after a step): `seq` is the request's Sequence as add_request left it, `ended` whether
+        step() just returned its output. n > 1: one delta per sample with news, outputs[0].index
+        says which."""
+        if seq.group is None:
+            delta = self._delta(seq, ended)
+            return [] if delta is None else [delta]
+        deltas = (self._delta(sample, sample.is_finished) for sample in seq.group.samples)
+        return [d for d in deltas if d is not None]
 
     def _delta(self, seq: Sequence, final: bool) -> Optional[RequestOutput]:
         """The delta of one sample since its last one (None when there is nothing new);
@@ -102,5 +105,7 @@ class Frontend:
             full = seq.detokenizer.text if final else seq.detokenizer.stream_text()
         else:
             full = tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+            if not final:     # a character whose other bytes are still to come decodes as U+FFFD
+                full = full.rstrip("\ufffd")
         sent, seq.streamed_text = seq.streamed_text, full
         return full[len(sent):] if full.startswith(sent) else full

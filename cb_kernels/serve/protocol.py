@@ -1,0 +1,225 @@
+"""The OpenAI request bodies the server takes (pydantic), their SamplingParams, and the error body.
+
+Requests are parsed strictly (a string where a number belongs is refused, not converted) and
+unknown fields are refused, so a typo ("max_token") is reported instead of silently ignored. A few
+fields that OpenAI clients send but this server does not act on are accepted and ignored (`user`,
+`store`, `metadata`, `service_tier`, `parallel_tool_calls`); fields it cannot honour (`tools`,
+`response_format` other than text, `echo`, `suffix`, `best_of` > n) are refused by name.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from cb_kernels.engine.config import SEED_LIMIT, SamplingParams
+
+MAX_N = 128           # samples per prompt
+MAX_LOGPROBS = 20     # top logprobs per token (OpenAI's chat limit)
+MAX_STOP = 16         # stop strings per request
+
+
+class RequestError(Exception):
+    """A request the server refuses: the HTTP status, OpenAI's error type, the field at fault."""
+
+    def __init__(self, message: str, param: Optional[str] = None, status: int = 400,
+                 type: str = "invalid_request_error", code: Optional[str] = None,
+                 headers: Optional[dict] = None):
+        super().__init__(message)
+        self.message, self.param, self.status = message, param, status
+        self.type, self.code, self.headers = type, code, headers
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: Optional[str] = None,
+               code: Optional[str] = None) -> dict:
+    """OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def field_path(loc) -> str:
+    """A pydantic error location as a field path: ("messages", 0, "role") -> messages[0].role."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Request(_Strict):
+    """The fields both endpoints share (OpenAI's, then the extensions vLLM also takes)."""
+
+    model: str
+    max_tokens: Optional[int] = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    stop: Optional[Union[str, list[str]]] = None
+    seed: Optional[int] = Field(None, ge=0, lt=SEED_LIMIT)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: Optional[dict[str, float]] = None
+    # extensions
+    top_k: int = Field(0, ge=-1)             # 0 or -1: off
+    min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    stop_token_ids: Optional[list[int]] = None
+    # accepted, not acted on
+    user: Optional[str] = None
+    store: Optional[bool] = None
+    metadata: Optional[dict[str, str]] = None
+    service_tier: Optional[str] = None
+
+
+class CompletionRequest(_Request):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(BaseModel):
+    # Other keys (tool_calls, refusal, ...) are let through to the chat template.
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None] = None
+    name: Optional[str] = None
+
+
+class ResponseFormat(_Strict):
+    type: str
+
+
+class ChatRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    tools: Optional[list] = None
+    tool_choice: Optional[Any] = None
+    functions: Optional[list] = None
+    response_format: Optional[ResponseFormat] = None
+    parallel_tool_calls: Optional[bool] = None
+
+
+def check_unsupported(req: _Request) -> None:
+    """RequestError for a field this server cannot honour (set to anything but its default)."""
+    if isinstance(req, CompletionRequest):
+        if req.echo:
+            raise RequestError("echo is not supported by this server", "echo")
+        if req.suffix:
+            raise RequestError("suffix is not supported by this server", "suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise RequestError(f"best_of ({req.best_of}) other than n is not supported", "best_of")
+    else:
+        for name in ("tools", "functions"):
+            if getattr(req, name):
+                raise RequestError(f"{name} (tool calling) is not supported by this server", name)
+        if req.tool_choice not in (None, "none"):
+            raise RequestError("tool_choice is not supported by this server", "tool_choice")
+        if req.response_format is not None and req.response_format.type != "text":
+            raise RequestError(f"response_format {req.response_format.type!r} is not supported "
+                               "(only 'text')", "response_format.type")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
+    if isinstance(req.stop, list) and len(req.stop) > MAX_STOP:
+        raise RequestError(f"stop holds {len(req.stop)} strings, at most {MAX_STOP} are allowed",
+                           "stop")
+    for i, s in enumerate([req.stop] if isinstance(req.stop, str) else req.stop or []):
+        if not s:
+            raise RequestError(f"stop[{i}] is an empty string", "stop")
+
+
+def logprobs_k(req: _Request) -> Optional[int]:
+    """SamplingParams.logprobs of the request: completions' `logprobs: k`, chat's
+    `logprobs: true` with `top_logprobs: k` (0 when absent: the chosen token's only)."""
+    if isinstance(req, CompletionRequest):
+        return req.logprobs
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
+def requested_max_tokens(req: _Request) -> Optional[int]:
+    if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
+        return req.max_completion_tokens
+    return req.max_tokens
+
+
+# SamplingParams field -> the request field a message about it names.
+_PARAM_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
+                "logprobs": "logprobs", "stop_token_ids": "stop_token_ids", "stop": "stop",
+                "logit_bias": "logit_bias", "seed": "seed", "temperature": "temperature",
+                "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+                "frequency_penalty": "frequency_penalty"}
+
+
+def param_named_in(message: str, default: Optional[str]) -> Optional[str]:
+    """The request field an engine error message is about (the first SamplingParams field it
+    names, translated), else `default`."""
+    best = None
+    for name, param in _PARAM_NAMES.items():
+        at = message.find(name)
+        if at >= 0 and (best is None or at < best[0]):
+            best = (at, param)
+    return best[1] if best else default
+
+
+def sampling_params(req: _Request, max_new_tokens: int) -> SamplingParams:
+    """The SamplingParams of `req`; RequestError naming the field for a value the engine refuses."""
+    bias = None
+    if req.logit_bias:
+        bias = {}
+        for key, value in req.logit_bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise RequestError(f"logit_bias keys must be token ids, got {key!r}",
+                                   "logit_bias") from None
+            if token < 0:
+                raise RequestError(f"logit_bias key {key} is not a token id", "logit_bias")
+            if not math.isfinite(value) or not -100 <= value <= 100:
+                raise RequestError(f"logit_bias[{key}] must be in [-100, 100], got {value}",
+                                   "logit_bias")
+            bias[token] = value
+    if req.min_tokens > max_new_tokens:
+        raise RequestError(f"min_tokens ({req.min_tokens}) must be <= max_tokens "
+                           f"({max_new_tokens})", "min_tokens")
+    try:
+        return SamplingParams(
+            max_new_tokens=max_new_tokens, temperature=req.temperature, top_p=req.top_p,
+            top_k=max(req.top_k, 0), min_p=req.min_p, seed=req.seed, n=req.n,
+            logprobs=logprobs_k(req), stop=req.stop,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+            min_new_tokens=req.min_tokens, repetition_penalty=req.repetition_penalty,
+            frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty,
+            logit_bias=bias)
+    except (ValueError, TypeError) as e:
+        raise RequestError(str(e), param_named_in(str(e), None)) from None
