@@ -79,16 +79,8 @@ void bind_elementwise(py::module_& m) {
       "rope",
       [](uintptr_t x, uintptr_t cos, uintptr_t sin, int64_t tokens, int64_t heads, int64_t head_dim,
          int64_t token_stride, int64_t head_stride, const std::string& isa, int dtype) {
-        cbk::RopeParams p;
-        p.x = cbk::as_ptr<void>(x);
-        p.cos = cbk::as_ptr<const void>(cos);
-        p.sin = cbk::as_ptr<const void>(sin);
-        p.tokens = tokens;
-        p.heads = heads;
-        p.head_dim = head_dim;
-        p.token_stride = token_stride;
-        p.head_stride = head_stride;
-        p.dtype = cbk::as_dtype(dtype);
+        const cbk::RopeParams p =
+            rope_params(x, cos, sin, tokens, heads, head_dim, {token_stride, head_stride}, dtype);
         const cbk::Isa body = cbk::as_isa(isa);
         py::gil_scoped_release nogil;
         cbk::throw_if_error(cbk::cpu::rope(p, body));

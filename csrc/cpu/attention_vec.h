@@ -65,25 +65,30 @@ inline float hsum(v8f v) {
 }
 
 // exp(x) for x <= 0 (every caller subtracts a running max); -inf and x < -87.3 give 0.
-// Cephes-style: 2^n * poly(r), relative error ~2e-7.
-inline v8f exp8(v8f x) {
-  const v8i underflow = x < splat(-87.3f);
-  x = vmax(x, splat(-87.3f));
-  const v8f magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
-  const v8f n = (x * splat(1.44269504088896341f) + magic) - magic;
-  const v8f r = x - n * splat(0.693359375f) - n * splat(-2.12194440e-4f);
-  v8f p = splat(1.9875691500e-4f);
-  p = p * r + splat(1.3981999507e-3f);
-  p = p * r + splat(8.3334519073e-3f);
-  p = p * r + splat(4.1665795894e-2f);
-  p = p * r + splat(1.6666665459e-1f);
-  p = p * r + splat(5.0000001201e-1f);
-  p = p * r * r + r + splat(1.0f);
-  const v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
-  v8f scale;
+// Cephes-style: 2^n * poly(r), relative error ~2e-7. V: a float vector type, VI: its int32 twin
+// (exp8 here; elementwise.cpp's avx512_bf16 body takes 16 lanes: same steps, same bits a lane).
+template <typename V, typename VI>
+inline V exp_poly(V x) {
+  const V lowest = V{} + -87.3f;
+  const VI underflow = x < lowest;
+  x = x > lowest ? x : lowest;
+  const V magic = V{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const V n = (x * 1.44269504088896341f + magic) - magic;
+  const V r = x - n * 0.693359375f - n * -2.12194440e-4f;
+  V p = V{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const VI bits = (__builtin_convertvector(n, VI) + 127) << 23;
+  V scale;
   __builtin_memcpy(&scale, &bits, sizeof(scale));
-  return underflow ? splat(0.0f) : p * scale;
+  return underflow ? V{} : p * scale;
 }
+
+inline v8f exp8(v8f x) { return exp_poly<v8f, v8i>(x); }
 
 // c * tanh(x / c) with tanh(y) = sign(y) (1 - e) / (1 + e), e = exp(-2|y|) (never overflows).
 inline v8f softcap8(v8f x, float cap) {

@@ -32,6 +32,16 @@ inline bool parallel(int64_t rows, int64_t elems, int64_t grain = kParallelElems
 
 typedef uint32_t v8u __attribute__((vector_size(32)));
 
+// Round to nearest even into the high 16 bits; NaN stays NaN (quiet), as float_to_bf16. VU: the
+// uint32 vector of v's width.
+template <typename VU, typename VF>
+inline VU rne_bits(VF v) {
+  const VU b = (VU)v;
+  const VU r = b + 0x7fffu + ((b >> 16) & 1u);
+  const VU nan = (b & 0x7fffffffu) > 0x7f800000u;
+  return (nan & (b | 0x400000u)) | (~nan & r);
+}
+
 // Element access per dtype: 8 lanes or one element to and from fp32, and round(v), the fp32
 // value an fp32 result has once stored in the dtype (identity for fp32). The bf16 forms place the
 // rounding where transformers' bf16 ops round (each torch op on bf16 computes in fp32 and
@@ -58,13 +68,7 @@ struct BF16 {
     return (v8f)w;
 #endif
   }
-  // Round to nearest even into the high 16 bits; NaN stays NaN (quiet), as float_to_bf16.
-  static v8u rne(v8f v) {
-    const v8u b = (v8u)v;
-    const v8u r = b + 0x7fffu + ((b >> 16) & 1u);
-    const v8u nan = (b & 0x7fffffffu) > 0x7f800000u;
-    return (nan & (b | 0x400000u)) | (~nan & r);
-  }
+  static v8u rne(v8f v) { return rne_bits<v8u>(v); }
   static void store(T* p, v8f v) {
     const v8u r = rne(v) >> 16;
 #if defined(__AVX2__)
@@ -154,24 +158,7 @@ typedef uint32_t v16u __attribute__((vector_size(64)));
 
 inline v16f splat16(float x) { return v16f{} + x; }
 
-inline v16f exp16(v16f x) {  // exp8's steps on 16 lanes
-  const v16i underflow = x < splat16(-87.3f);
-  x = x > splat16(-87.3f) ? x : splat16(-87.3f);
-  const v16f magic = splat16(12582912.0f);
-  const v16f n = (x * splat16(1.44269504088896341f) + magic) - magic;
-  const v16f r = x - n * splat16(0.693359375f) - n * splat16(-2.12194440e-4f);
-  v16f p = splat16(1.9875691500e-4f);
-  p = p * r + splat16(1.3981999507e-3f);
-  p = p * r + splat16(8.3334519073e-3f);
-  p = p * r + splat16(4.1665795894e-2f);
-  p = p * r + splat16(1.6666665459e-1f);
-  p = p * r + splat16(5.0000001201e-1f);
-  p = p * r * r + r + splat16(1.0f);
-  const v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
-  v16f scale;
-  __builtin_memcpy(&scale, &bits, sizeof(scale));
-  return underflow ? splat16(0.0f) : p * scale;
-}
+inline v16f exp16(v16f x) { return exp_poly<v16f, v16i>(x); }
 
 inline v16f silu16(v16f x) {
   const v16f ax = x < 0 ? -x : x;
@@ -188,12 +175,7 @@ inline bool bf16_special(v16f v) {
   return _mm512_test_epi32_mask((__m512i)odd, (__m512i)odd) != 0;
 }
 
-inline v16u rne16(v16f v) {  // BF16::rne on 16 lanes: the result in the high 16 bits
-  const v16u b = (v16u)v;
-  const v16u r = b + 0x7fffu + ((b >> 16) & 1u);
-  const v16u nan = (b & 0x7fffffffu) > 0x7f800000u;
-  return (nan & (b | 0x400000u)) | (~nan & r);
-}
+inline v16u rne16(v16f v) { return rne_bits<v16u>(v); }
 
 inline __m256i to_bf16x16(v16f v) {
   if (__builtin_expect(bf16_special(v), 0))
