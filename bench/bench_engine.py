@@ -45,7 +45,7 @@ import cb_kernels  # noqa: E402,F401
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_workloads import (MODELS, TINY_LLAMA, WORKLOADS, check_common_args,  # noqa: E402
+from engine_workloads import (MODELS, TINY_LLAMA, WORKLOADS, check_common_args, left_padded,  # noqa: E402
                               checkpoint_dir, load_model, versions, workload)
 
 MODEL_CFG = TINY_LLAMA
@@ -149,12 +149,8 @@ def run_generate_batch(model, prompts, outputs, cb_config=None):
 
 @torch.inference_mode()
 def run_padded_generate(model, prompts, outputs):
-    width = max(map(len, prompts))
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+    ids, mask = left_padded(prompts)
+    width = ids.shape[1]
     device = next(model.parameters()).device
     ids, mask = ids.to(device), mask.to(device)
     t0, c0 = time.perf_counter(), time.process_time()

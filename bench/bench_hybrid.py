@@ -34,6 +34,9 @@ if os.path.isdir(os.path.join(_ROOT, "cb_kernels")) and _ROOT not in sys.path:
 import cb_kernels  # noqa: E402,F401
 import torch  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from engine_workloads import left_padded  # noqa: E402
+
 VOCAB = 32000
 
 
@@ -86,12 +89,8 @@ def workload(n, lo, hi, seed=0):
 
 @torch.inference_mode()
 def run_padded(model, prompts, new):
-    width = max(map(len, prompts))
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+    ids, mask = left_padded(prompts)
+    width = ids.shape[1]
     t0, c0 = time.perf_counter(), time.process_time()
     out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
                          do_sample=False)

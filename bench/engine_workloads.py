@@ -99,6 +99,18 @@ def workload(kind: str, n: int | None, quick: bool, vocab_size: int, tokenizer=N
     raise ValueError(f"workload must be one of {WORKLOADS}, got {kind!r}")
 
 
+def left_padded(prompts: list) -> tuple:
+    """(input_ids, attention_mask) int64 [len(prompts), longest]: each prompt left-padded with 0s,
+    as padded `model.generate` takes a batch."""
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    return ids, mask
+
+
 def check_common_args(parser, args) -> None:
     """The checks bench_engine.py and bench_overlap.py share; applies --threads."""
     if args.device == "cuda" and not torch.cuda.is_available():
