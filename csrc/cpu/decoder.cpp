@@ -12,30 +12,14 @@ namespace cpu {
 
 namespace {
 
-// LinearParams or LinearBf16Params (the same fields over float or uint16_t elements) of
-// y [tokens, n] = x [tokens, k] @ W^T (+ bias), rows packed.
-template <typename P, typename T>
-P linear_params(const DecoderParams& p, const void* x, int64_t k, const void* packed,
-                const float* bias, int64_t n, void* y) {
-  P l;
-  l.x = static_cast<const T*>(x);
-  l.m = p.tokens;
-  l.k = k;
-  l.x_stride = k;
-  l.packed = static_cast<const T*>(packed);
-  l.n = n;
-  l.bias = bias;
-  l.y = static_cast<T*>(y);
-  l.y_stride = n;
-  return l;
-}
-
 // The decoder's dtype picks the kernel.
 Status run_linear(const DecoderParams& p, const void* x, int64_t k, const void* packed,
                   const float* bias, int64_t n, void* y) {
+  // y [tokens, n] = x [tokens, k] @ W^T (+ bias), rows packed
   if (p.dtype == DType::kBFloat16)
-    return linear_bf16(linear_params<LinearBf16Params, uint16_t>(p, x, k, packed, bias, n, y));
-  return linear(linear_params<LinearParams, float>(p, x, k, packed, bias, n, y));
+    return linear_bf16(
+        linear_params<LinearBf16Params, uint16_t>(x, p.tokens, k, k, packed, n, bias, y, n));
+  return linear(linear_params<LinearParams, float>(x, p.tokens, k, k, packed, n, bias, y, n));
 }
 
 // x += residual (when given), out = norm(x) * weight.

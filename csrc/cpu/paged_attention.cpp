@@ -115,6 +115,31 @@ inline int64_t row_offset(const Ctx& c, const Item& it, int64_t r, int64_t strid
   return tok * stride_token + head * stride_head;
 }
 
+// An item's rows: per kv head (its q tokens x group), the kv heads, all of them; pos0: the
+// position of its first q token. Both item runners (fp32 and bf16 K/V) start from it.
+struct ItemRows {
+  int64_t per_head, heads, rows;
+  int32_t pos0;
+};
+
+inline ItemRows item_rows(const Ctx& c, const Item& it) {
+  const PagedAttentionParams& p = c.p;
+  ItemRows g;
+  g.per_head = (it.i1 - it.i0) * c.group;
+  g.heads = it.h1 - it.h0;
+  g.rows = g.per_head * g.heads;
+  const int32_t q_len = p.cu_seqlens_q[it.seq + 1] - p.cu_seqlens_q[it.seq];
+  g.pos0 = p.seq_lens[it.seq] - q_len + it.i0;
+  return g;
+}
+
+// Dot blocks an item runs a tile (pairs of rows per head, kTile / 4 key groups plus one): the
+// steps its tile's prefetches are spread over.
+template <int kTile>
+inline int64_t prefetch_calls(const ItemRows& g) {
+  return g.heads * ((g.per_head + 1) / 2) * (kTile / 4 + 1);
+}
+
 // The softmax denominator of row r of item `it`: its running sum, plus the row's sink term
 // exp(sink - max) where attention sinks are on (the sink's value row is zero, so only the
 // denominator changes; max is the row's running max, which the sink need not raise).
@@ -399,10 +424,9 @@ template <int kTile>
 void run_item(const Ctx& c, const Item& it, const Item* next, float* partials) {
   const PagedAttentionParams& p = c.p;
   const int64_t dim8 = c.dim8, group = c.group;
-  const int64_t per_head = (it.i1 - it.i0) * group, heads = it.h1 - it.h0;
-  const int64_t rows = per_head * heads;
-  const int32_t q_len = p.cu_seqlens_q[it.seq + 1] - p.cu_seqlens_q[it.seq];
-  const int32_t pos0 = p.seq_lens[it.seq] - q_len + it.i0;  // the item's first q token
+  const ItemRows g = item_rows(c, it);
+  const int64_t per_head = g.per_head, heads = g.heads, rows = g.rows;
+  const int32_t pos0 = g.pos0;
   // With 64-key tiles all heads' scores, then all rows' softmax, then all heads' P.V: the
   // heads' chains of work are independent and overlap where one head's QK -> softmax -> P.V
   // would wait (decode d 32: 0.96x the time). At 16-key tiles (d > 32) one head after the
@@ -411,7 +435,7 @@ void run_item(const Ctx& c, const Item& it, const Item* next, float* partials) {
   const ItemScratch s = take_scratch<kTile>(rows, heads, step, dim8);
   load_queries(c, it, rows, s);
   // Prefetch steps per tile: one per QK dot block and per PV row pair, for every head.
-  const int64_t pf_calls = heads * ((per_head + 1) / 2) * (kTile / 4 + 1);
+  const int64_t pf_calls = prefetch_calls<kTile>(g);
   walk_tiles<kTile>(c, it, next, pf_calls, [&](int32_t t0, int32_t lo, int32_t hi,
                                                const char* const* krow, const char* const* vrow,
                                                Prefetcher& pf, int64_t pf_quota) {
@@ -553,10 +577,9 @@ template <int kTile>
 void run_item_bf16(const Ctx& c, const Item& it, const Item* next, float* partials) {
   const PagedAttentionParams& p = c.p;
   const int64_t d = p.head_dim, group = c.group;
-  const int64_t per_head = (it.i1 - it.i0) * group, heads = it.h1 - it.h0;
-  const int64_t rows = per_head * heads;
-  const int32_t q_len = p.cu_seqlens_q[it.seq + 1] - p.cu_seqlens_q[it.seq];
-  const int32_t pos0 = p.seq_lens[it.seq] - q_len + it.i0;
+  const ItemRows g = item_rows(c, it);
+  const int64_t per_head = g.per_head, heads = g.heads, rows = g.rows;
+  const int32_t pos0 = g.pos0;
   ItemScratchBf16 s = take_scratch_bf16<kTile>(rows, heads, d);
   const bf16_t* qb = static_cast<const bf16_t*>(p.q);
   for (int64_t r = 0; r < rows; ++r)
@@ -566,7 +589,7 @@ void run_item_bf16(const Ctx& c, const Item& it, const Item* next, float* partia
   std::fill(s.f.ms, s.f.ms + rows, kNegInf);
   std::fill(s.f.ls, s.f.ls + rows, 0.0f);
 
-  const int64_t pf_calls = heads * ((per_head + 1) / 2) * (kTile / 4 + 1);
+  const int64_t pf_calls = prefetch_calls<kTile>(g);
   walk_tiles<kTile>(c, it, next, pf_calls, [&](int32_t t0, int32_t lo, int32_t hi,
                                                const char* const* krow, const char* const* vrow,
                                                Prefetcher& pf, int64_t pf_quota) {

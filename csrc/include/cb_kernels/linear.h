@@ -82,6 +82,36 @@ struct LinearBf16Params {
   int64_t y_stride = 0;
 };
 
+// LinearParams (T = float) or LinearBf16Params (T = uint16_t): the same fields over either
+// element type (the bindings and the fused decoder fill both through these).
+template <typename P, typename T>
+P linear_params(const void* x, int64_t m, int64_t k, int64_t x_stride, const void* packed,
+                int64_t n, const float* bias, void* y, int64_t y_stride) {
+  P l;
+  l.x = static_cast<const T*>(x);
+  l.m = m;
+  l.k = k;
+  l.x_stride = x_stride;
+  l.packed = static_cast<const T*>(packed);
+  l.n = n;
+  l.bias = bias;
+  l.y = static_cast<T*>(y);
+  l.y_stride = y_stride;
+  return l;
+}
+
+// LinearPackParams (T = float) or LinearBf16PackParams (T = uint16_t).
+template <typename P, typename T>
+P linear_pack_params(const void* weight, int64_t n, int64_t k, int64_t weight_stride, void* packed) {
+  P l;
+  l.weight = static_cast<const T*>(weight);
+  l.n = n;
+  l.k = k;
+  l.weight_stride = weight_stride;
+  l.packed = static_cast<T*>(packed);
+  return l;
+}
+
 namespace cpu {
 Status linear_bf16_pack(const LinearBf16PackParams& p);
 // Bodies: portable, avx512_bf16 (vdpbf16ps; see cb_kernels/isa.h).
