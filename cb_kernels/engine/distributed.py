@@ -41,7 +41,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from cb_kernels.engine import sizing
+from cb_kernels.engine import frontend, sizing
 from cb_kernels.runner import tensor_parallel
 from cb_kernels.runner.step_inputs import AttentionMetadata, ChunkedView, StepInputs
 
@@ -285,7 +285,7 @@ class TensorParallel:
         if self.rank != 0:
             return self.serve()
         try:
-            outputs = engine.frontend.generate(prompts, params)
+            outputs = frontend.generate(engine, prompts, params)
         except BaseException as e:
             self.release(None, f"{type(e).__name__}: {e}")
             raise
@@ -295,14 +295,14 @@ class TensorParallel:
         return outputs
 
     def stream(self, engine, prompts, params) -> Iterator:
-        """Rank 0: engine.frontend.stream. The other ranks yield, once rank 0's stream ends, one
+        """Rank 0: frontend.stream. The other ranks yield, once rank 0's stream ends, one
         output per request with all its tokens (the deltas joined; outputs[0] only)."""
         if self.rank != 0:
             yield from self.serve()
             return
         tokens, texts, finished, error = {}, {}, [], None
         try:
-            for out in engine.frontend.stream(prompts, params):
+            for out in frontend.stream(engine, prompts, params):
                 key = (out.request_id, out.outputs[0].index)
                 tokens.setdefault(key, []).extend(out.token_ids)
                 texts[key] = texts.get(key, "") + (out.text or "")
