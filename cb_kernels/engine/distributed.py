@@ -274,9 +274,7 @@ class TensorParallel:
         copies = list(zip(flat[0::2], flat[1::2]))
         attn = AttentionMetadata(
             slot_mapping=slots, block_tables=tables.int().view(num_seqs, width),
-            seq_lens=lens.int(), cu_seqlens_q=cu.int(), k_caches=r.k_caches, v_caches=r.v_caches,
-            sliding_windows=r.sliding_windows, softcap=r.softcap, backend=r.attention_backend,
-            chunked_layers=r.chunked_layers, chunked=chunked)
+            seq_lens=lens.int(), cu_seqlens_q=cu.int(), layout=r.layout, chunked=chunked)
         return StepInputs(ids, pos, logits_idx, attn, [None] * num_sampled, num_seqs), \
             bool(greedy), copies
 

@@ -57,7 +57,7 @@ class Engine:
             raise TypeError(f"runner must implement cb_kernels.runner.ModelRunner, got "
                             f"{type(runner).__name__}")
         self.runner = r = runner
-        state_bytes = getattr(r, "state_bytes_per_seq", 0)     # stateful layers' state
+        state_bytes = r.state_bytes_per_seq     # stateful layers' state (0: none)
         self.resolved = c = resolve(config, ModelShape(r.num_layers, r.num_kv_heads, r.head_dim,
                                                        r.max_positions, r.dtype, r.device,
                                                        state_bytes))

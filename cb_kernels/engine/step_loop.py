@@ -49,7 +49,6 @@ import logging
 import time
 from typing import Optional
 
-from cb_kernels import ops
 from cb_kernels.engine import placeholders
 from cb_kernels.engine.sampler import Sampler
 from cb_kernels.engine.scheduler import ScheduledBatch, Scheduler
@@ -149,8 +148,8 @@ class StepLoop:
         out = r.execute(inputs, greedy)
         device_tokens = None
         if greedy:
-            self.num_greedy_head_steps += out.tokens is not None
-            device_tokens = out.tokens if out.tokens is not None else ops.greedy_tokens(out.logits)
+            self.num_greedy_head_steps += out.greedy_head
+            device_tokens = out.tokens
             self.clock.end(event)
             tokens = self.streams.tokens_to_host(device_tokens)
         else:

@@ -75,9 +75,9 @@ def engine_attention(module, query, key, value, attention_mask, scaling=None, dr
     if step is None:
         raise RuntimeError(f"attention implementation {ATTN_NAME!r} runs only inside "
                            "cb_kernels.Engine steps")
-    layer = module.layer_idx
-    k_cache, v_cache = step.k_caches[layer], step.v_caches[layer]
-    softcap = kwargs["softcap"] if "softcap" in kwargs else step.softcap
+    layer, layout = module.layer_idx, step.layout
+    k_cache, v_cache = layout.k_caches[layer], layout.v_caches[layer]
+    softcap = kwargs["softcap"] if "softcap" in kwargs else layout.softcap
     sinks = kwargs.get("s_aux")              # gpt-oss' per-head sink logits [num_heads]
     if sinks is not None:
         sinks = sinks.detach().float().contiguous()
@@ -92,12 +92,12 @@ def engine_attention(module, query, key, value, attention_mask, scaling=None, dr
         # columns are sums of zeros and are cut off, so the kept ones are exact.
         v = torch.nn.functional.pad(v, (0, v_cache.shape[-1] - v_dim))
     ops.write_kv_unchecked(k, _packed(v), k_cache, v_cache, step.slot_mapping)
-    view = step.chunked if layer < len(step.chunked_layers) and step.chunked_layers[layer] \
+    view = step.chunked if layer < len(layout.chunked_layers) and layout.chunked_layers[layer] \
         else step
     out = ops.paged_attention(q, k_cache, v_cache, view.block_tables, view.seq_lens,
                               view.cu_seqlens_q, scale=scaling,
-                              sliding_window=step.sliding_windows[layer], softcap=softcap,
-                              backend=step.backend, sinks=sinks)
+                              sliding_window=layout.sliding_windows[layer], softcap=softcap,
+                              backend=layout.backend, sinks=sinks)
     if v_dim != out.shape[-1]:
         out = out[..., :v_dim]
     return out.to(query.dtype).unsqueeze(0), None

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cb_kernels import Engine, EngineConfig, SamplingParams
+from cb_kernels import Engine, EngineConfig, SamplingParams, ops
+from cb_kernels.runner import StepOutput
 from tests.helpers import make_model, random_prompts
 
 pytestmark = pytest.mark.gpu
@@ -82,7 +83,7 @@ def _logit_rows(engine, record):
         out = execute(inputs, greedy=False)        # logits, also on all-greedy steps
         for seq, row in zip(inputs.sampled, out.logits):
             record[(seq.request_id, seq.num_tokens)] = row.detach().clone()
-        return out
+        return StepOutput(None, ops.greedy_tokens(out.logits)) if greedy else out
     engine.runner.execute = recording
 
 

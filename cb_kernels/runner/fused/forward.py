@@ -260,7 +260,7 @@ class FusedForward:
     def _native_table(self, step) -> Optional[list]:
         """FusedDecoder's layer table for this step, or None when a projection is not on our
         packed kernel now (packed_linears.GEMM, or a weight that stopped qualifying)."""
-        key = [step.k_caches, step.v_caches]
+        key = [step.layout.k_caches, step.layout.v_caches]
         for layer in self.layers:
             for g in (layer.qkv, layer.gate_up, layer.o, layer.down):
                 if g.lin is None:
@@ -273,7 +273,7 @@ class FusedForward:
             self._table = self.native.layer_table(
                 [(layer.in_norm.module.weight, layer.post_norm.module.weight, layer.qkv.lin,
                   layer.o.lin, layer.gate_up.lin, layer.down.lin, layer.window)
-                 for layer in self.layers], step.k_caches, step.v_caches)
+                 for layer in self.layers], step.layout.k_caches, step.layout.v_caches)
             self._table_key = key
         return self._table
 
@@ -284,13 +284,13 @@ class FusedForward:
         cos, sin = self.rotary(x, positions)                 # [T, head_dim]
         x = x[0].contiguous()     # a fresh tensor: the fused norms add the residuals into it
         num_tokens = x.shape[0]
-        backend = step.backend or "cpu"
+        backend = step.layout.backend or "cpu"
         table = self._native_table(step) if self.native is not None and backend == "cpu" \
             and NATIVE else None
         if table is not None:     # the same passes below in one C++ call (ops/decoder.py)
             rows = self.native(x, cos, sin, table, self.final_norm.module.weight,
                                step.slot_mapping, step.block_tables, step.seq_lens,
-                               step.cu_seqlens_q, step.k_caches[0], step.v_caches[0])
+                               step.cu_seqlens_q, step.layout.k_caches[0], step.layout.v_caches[0])
             return rows.index_select(0, logits_indices)
         pending = None     # the last sublayer's output, added into x by the next norm
         for i, layer in enumerate(self.layers):
@@ -301,7 +301,7 @@ class FusedForward:
             v = v.view(num_tokens, layer.num_kv_heads, layer.head_dim)
             if layer.q_norm is not None:
                 q, k = layer.q_norm(q), layer.k_norm(k)
-            k_cache, v_cache = step.k_caches[i], step.v_caches[i]
+            k_cache, v_cache = step.layout.k_caches[i], step.layout.v_caches[i]
             # rope_(q), rope_(k), write_kv in one pass; layer 0 checks the shapes all layers share
             ops.rope_write_kv_unchecked(q, k, v, cos, sin, k_cache, v_cache, step.slot_mapping,
                                         check_metadata=i == 0)
