@@ -64,8 +64,8 @@ class Engine:
         if self.tp is not None:
             self.resolved = c = self.tp.agree(c)
         r.allocate_cache(c.num_blocks, c.block_size, c.dtype, c.max_num_seqs)
-        if self.tp is not None:
-            self.runner = r = self.tp.wrap(r)
+        if self.tp is not None:      # rank 0 drives, the others follow (runner/tensor_parallel)
+            self.runner = r = self.tp.runner(r)
         self.block_manager = BlockManager(c.num_blocks, c.block_size, c.prefix_caching)
         if state_bytes:       # one state slot per running request (engine/state_slots.py)
             self.block_manager.state_slots = StateSlots(c.max_num_seqs, r.state_tensors,
@@ -183,6 +183,27 @@ class Engine:
             return self.tp.stream(self, prompts, params)
         return frontend.stream(self, prompts, params)
 
+    @property
+    def rank(self) -> int:
+        """This process's rank in a tensor-parallel engine (0 without one). Rank 0 steps the
+        engine; the others run its steps in follow() (generate/stream do both on every rank)."""
+        return self.tp.rank if self.tp is not None else 0
+
+    def follow(self):
+        """Ranks other than 0 of a tensor-parallel engine: run rank 0's steps until rank 0
+        calls release(); returns what it released."""
+        if self.tp is None:
+            raise RuntimeError("follow() is for the ranks other than 0 of a tensor-parallel "
+                               "engine; this engine has tensor_parallel_size=1")
+        return self.tp.follow()
+
+    def release(self, outputs=None) -> None:
+        """Rank 0 of a tensor-parallel engine, after stepping it itself (add_request/step): end
+        the session, so the other ranks' follow() returns `outputs`. A no-op without tensor
+        parallelism."""
+        if self.tp is not None:
+            self.tp.release(outputs)
+
     def check_weights(self, full: bool = False) -> None:
         """Drop the prefix cache if a parameter was written through torch or replaced since the
         last check (engine/weights.py; every step() does this, `full` (once per generate() and
@@ -239,6 +260,6 @@ class Engine:
             "running": len(s.running), "waiting": len(s.waiting), "swapped": len(s.swapped),
             **self.loop.stats(),
             **(bm.state_slots.stats() if bm.state_slots is not None else EMPTY_STATS),
-            **(self.tp.stats() if self.tp is not None else
-               {"tensor_parallel_size": 1, "local_num_kv_heads": self.runner.num_kv_heads}),
+            "tensor_parallel_size": self.tp.size if self.tp is not None else 1,
+            "local_num_kv_heads": self.runner.num_kv_heads,
         }
