@@ -47,7 +47,7 @@ class EngineConfig:
     preemption: "auto", "swap" or "recompute" (what to do with a victim when blocks run out).
     prefix_caching: reuse KV blocks of identical prompt prefixes across requests.
     overlap: "auto", "on" or "off": schedule and launch step N+1 before step N's tokens reach the
-        host (pipeline.py). auto = on for CUDA; "on" on a CPU runs the same pipeline with no gain.
+        host (step_loop.py). auto = on for CUDA; "on" on a CPU runs the same loop with no gain.
     attention_backend: backend of the paged-attention op (None = the op's default).
     dtype: the dtype the engine computes and caches K/V in: None = the model's; a name
         ("float32", "bfloat16", "float16") must be the model's (Engine() refuses another: convert

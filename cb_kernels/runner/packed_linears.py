@@ -232,7 +232,7 @@ def is_packed_forward(fn) -> bool:
 
 
 def has_hooks(modules: list) -> bool:
-    """A forward hook (the tensor-parallel collectives of runner/tensor_parallel.py aside: the
+    """A forward hook (the tensor-parallel collectives of runner/tensor_parallel/ aside: the
     paths that skip module calls run them themselves), or an instance `forward` not installed by
     PackedLinears (another engine's step may be running on the model in another thread), on any
     of `modules`. Reads each

@@ -189,8 +189,8 @@ class _Layer:
         if spec.qk_norm:
             self.q_norm, self.k_norm = _rms_norm(attn.q_norm), _rms_norm(attn.k_norm)
         self.head_dim, self.scaling = attn.head_dim, attn.scaling
-        # A tensor-parallel split (runner/tensor_parallel.py): o_proj's and down_proj's partial
-        # sums are added over the ranks here, as their hooks would on transformers' path.
+        # A tensor-parallel split (runner/tensor_parallel/sharding.py): o_proj's and down_proj's
+        # partial sums are added over the ranks here, as their hooks would on transformers' path.
         self.tp = info_of(getattr(attn, spec.o_proj))
         self.window = spec.sliding_window(attn)
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
@@ -290,7 +290,8 @@ class FusedForward:
         if table is not None:     # the same passes below in one C++ call (ops/decoder.py)
             rows = self.native(x, cos, sin, table, self.final_norm.module.weight,
                                step.slot_mapping, step.block_tables, step.seq_lens,
-                               step.cu_seqlens_q, step.layout.k_caches[0], step.layout.v_caches[0])
+                               step.cu_seqlens_q, step.layout.k_caches[0],
+                               step.layout.v_caches[0])
             return rows.index_select(0, logits_indices)
         pending = None     # the last sublayer's output, added into x by the next norm
         for i, layer in enumerate(self.layers):
