@@ -117,6 +117,26 @@ def register_attention() -> None:
     AttentionInterface.register(ATTN_NAME, engine_attention)
 
 
+def text_config(model):
+    """The config of the model's text decoder (a multimodal model's text part, else its own)."""
+    cfg = model.config
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+@contextlib.contextmanager
+def attention_named(configs: list, name: str):
+    """Inside it every config of `configs` names `name` as its attention implementation; the
+    previous names come back on exit (also on an error). The one place that switches it."""
+    saved = [cfg._attn_implementation_internal for cfg in configs]
+    try:
+        for cfg in configs:
+            cfg._attn_implementation_internal = name
+        yield
+    finally:
+        for cfg, old in zip(configs, saved):
+            cfg._attn_implementation_internal = old
+
+
 def _configs_of(model) -> list:
     from transformers import PretrainedConfig
 
@@ -138,20 +158,18 @@ class AttentionSwitch:
         self.configs = _configs_of(model)
         self.lock = model_lock(model)
         self.per_call = PerCallLayerIdx(model)
-        self._saved: list = []
+        self._named = None
 
     def __enter__(self) -> "AttentionSwitch":
         self.lock.acquire()
-        self._saved = [cfg._attn_implementation_internal for cfg in self.configs]
-        for cfg in self.configs:
-            cfg._attn_implementation_internal = ATTN_NAME
+        self._named = attention_named(self.configs, ATTN_NAME)
+        self._named.__enter__()
         self.per_call.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
         self.per_call.__exit__()
-        for cfg, name in zip(self.configs, self._saved):
-            cfg._attn_implementation_internal = name
+        self._named.__exit__(None, None, None)
         self.lock.release()
 
 

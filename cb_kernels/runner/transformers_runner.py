@@ -25,7 +25,7 @@ import torch
 
 from cb_kernels import ops
 from cb_kernels.runner import state_cache, step_inputs, support, tensor_parallel
-from cb_kernels.runner.attention import AttentionSwitch, model_lock, step_context
+from cb_kernels.runner.attention import AttentionSwitch, model_lock, step_context, text_config
 from cb_kernels.runner.positions import explicit_positions, position_modules
 from cb_kernels.runner.base import StepOutput
 from cb_kernels.runner.cuda_graphs import decode_graph_runner, graphs_enabled
@@ -35,11 +35,6 @@ from cb_kernels.runner.lm_head import GreedyTokensHead, LogitsHead, choose_lm_he
 from cb_kernels.runner.packed_linears import PackedLinears, has_hooks
 
 logger = logging.getLogger("cb_kernels")
-
-
-def _text_config(model):
-    cfg = model.config
-    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 
 
 def eos_ids_of(model) -> frozenset:
@@ -81,7 +76,7 @@ class TransformersRunner:
         if not hasattr(model, "config") or not callable(getattr(model, "forward", None)):
             raise TypeError(f"model must be a transformers causal LM, got {type(model).__name__}")
         self.model = model
-        cfg = _text_config(model)
+        cfg = text_config(model)
         num_hidden = getattr(cfg, "num_hidden_layers", None) or 0
         self._switch = AttentionSwitch(model)
         self._positions = position_modules(model)   # BART-style decoders (runner/positions.py)
