@@ -148,6 +148,11 @@ class Engine:
         """The longest sequence (prompt + output tokens) the model takes."""
         return self.runner.max_positions
 
+    @property
+    def num_pool_tokens(self) -> int:
+        """Tokens the KV pool holds (num_blocks * block_size): no request grows past it."""
+        return self.block_manager.num_blocks * self.block_manager.block_size
+
     def sequence(self, request_id: str) -> Optional[Sequence]:
         """The live Sequence of a waiting or running request, else None."""
         return self.table.get(request_id)
