@@ -8,12 +8,11 @@ fields that OpenAI clients send but this server does not act on are accepted and
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from cb_kernels.engine.config import SEED_LIMIT, SamplingParams
+from cb_kernels.engine.config import SEED_LIMIT, SamplingParams, parse_logit_bias
 
 MAX_N = 128           # samples per prompt
 MAX_LOGPROBS = 20     # top logprobs per token (OpenAI's chat limit)
@@ -193,21 +192,10 @@ def param_named_in(message: str, default: Optional[str]) -> Optional[str]:
 
 def sampling_params(req: _Request, max_new_tokens: int) -> SamplingParams:
     """The SamplingParams of `req`; RequestError naming the field for a value the engine refuses."""
-    bias = None
-    if req.logit_bias:
-        bias = {}
-        for key, value in req.logit_bias.items():
-            try:
-                token = int(key)
-            except ValueError:
-                raise RequestError(f"logit_bias keys must be token ids, got {key!r}",
-                                   "logit_bias") from None
-            if token < 0:
-                raise RequestError(f"logit_bias key {key} is not a token id", "logit_bias")
-            if not math.isfinite(value) or not -100 <= value <= 100:
-                raise RequestError(f"logit_bias[{key}] must be in [-100, 100], got {value}",
-                                   "logit_bias")
-            bias[token] = value
+    try:
+        bias = parse_logit_bias(req.logit_bias or None, max_abs=100)
+    except ValueError as e:
+        raise RequestError(str(e), "logit_bias") from None
     if req.min_tokens > max_new_tokens:
         raise RequestError(f"min_tokens ({req.min_tokens}) must be <= max_tokens "
                            f"({max_new_tokens})", "min_tokens")
