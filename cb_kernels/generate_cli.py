@@ -347,14 +347,12 @@ def params_of(rec: dict, params, seed, index: int):
     i the seed S + i unless the line sets its own."""
     import dataclasses
 
+    from cb_kernels.engine.config import parse_logit_bias
+
     names = {f.name for f in dataclasses.fields(params)}
     fields = {k: v for k, v in rec.items() if k in names}
-    if "logit_bias" in fields and isinstance(fields["logit_bias"], dict):
-        try:       # JSON object keys are strings
-            fields["logit_bias"] = {int(k): v for k, v in fields["logit_bias"].items()}
-        except ValueError:
-            raise ValueError("logit_bias keys must be token ids, got "
-                             f"{list(fields['logit_bias'])[:3]}") from None
+    if "logit_bias" in fields:     # JSON object keys are strings
+        fields["logit_bias"] = parse_logit_bias(fields["logit_bias"])
     if "stop_token_ids" in fields and isinstance(fields["stop_token_ids"], list):
         fields["stop_token_ids"] = tuple(fields["stop_token_ids"])
     if seed is not None and "seed" not in fields:

@@ -293,6 +293,32 @@ def _check_logit_bias(bias) -> Optional[dict]:
     return out or None
 
 
+
+def parse_logit_bias(mapping, max_abs: Optional[float] = None) -> Optional[dict]:
+    """SamplingParams.logit_bias from a JSON object (token ids as string keys, as the HTTP
+    server and the generate command read them): {int token id: bias}. `max_abs` bounds each
+    bias (OpenAI's API allows [-100, 100]); SamplingParams checks the rest. ValueError/TypeError
+    with one set of messages for every caller."""
+    if mapping is None:
+        return None
+    if not isinstance(mapping, dict):
+        raise TypeError(f"logit_bias must be an object token id -> bias, got "
+                        f"{type(mapping).__name__}")
+    out = {}
+    for key, value in mapping.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+        if token < 0:
+            raise ValueError(f"logit_bias key {key} is not a token id")
+        if max_abs is not None and isinstance(value, (int, float)) and \
+                not (math.isfinite(value) and -max_abs <= value <= max_abs):
+            raise ValueError(f"logit_bias[{key}] must be in [{-max_abs:g}, {max_abs:g}], "
+                             f"got {value}")
+        out[token] = value
+    return out
+
 @dataclass
 class RequestMetrics:
     """Wall-clock times (time.perf_counter seconds) of one request."""

@@ -15,7 +15,7 @@ chain rounds (ops/rms_norm.py and the others say where), so the two differ by th
 attention's summation order, not by a different formula.
 
 Where the layers have one shape (no q/k norms: Llama, Qwen2, Mistral) and every projection is on
-our packed kernel, the whole stack runs in one C++ call (ops.FusedDecoder, csrc/cpu/decoder.cpp):
+our packed kernel, the whole stack runs in one C++ call (ops.FusedDecoder, csrc/cpu/fused_decoder.cpp):
 the same kernels in the same order, the same bits, without this loop's nine Python calls a layer
 (a bf16 SmolLM2 decode step on the 2-core Zen 4, interleaved A/B steps in one run: 16 requests
 16.2 -> 14.1 ms, 64 requests 43.0 -> 39.7 ms). `NATIVE = False` keeps the loop (tests compare
@@ -287,7 +287,7 @@ class FusedForward:
         backend = step.layout.backend or "cpu"
         table = self._native_table(step) if self.native is not None and backend == "cpu" \
             and NATIVE else None
-        if table is not None:     # the same passes below in one C++ call (ops/decoder.py)
+        if table is not None:     # the same passes below in one C++ call (ops/fused_decoder.py)
             rows = self.native(x, cos, sin, table, self.final_norm.module.weight,
                                step.slot_mapping, step.block_tables, step.seq_lens,
                                step.cu_seqlens_q, step.layout.k_caches[0],
