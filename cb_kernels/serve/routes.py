@@ -37,11 +37,6 @@ from cb_kernels.serve.protocol import (ChatRequest, CompletionRequest, RequestEr
 RETRY_AFTER_S = 1
 
 
-def max_model_len(engine) -> int:
-    """The longest sequence (prompt + generated tokens) the engine's model takes."""
-    return engine.runner.max_positions
-
-
 class ServerConfig:
     def __init__(self, model_name: str, max_waiting: int = 256, drain_timeout: float = 30.0):
         self.model_name, self.max_waiting, self.drain_timeout = model_name, max_waiting, drain_timeout
@@ -129,8 +124,8 @@ class _State:
     def __init__(self, engine, loop: EngineLoop, metrics: ServerMetrics, config: ServerConfig):
         self.engine, self.loop, self.metrics, self.config = engine, loop, metrics, config
         self.prompts = Prompts(engine.tokenizer)
-        self.max_positions = max_model_len(engine)
-        self.pool_tokens = engine.stats()["num_blocks"] * engine.resolved.block_size
+        self.max_positions = engine.max_positions
+        self.pool_tokens = engine.num_pool_tokens
         self.created = int(time.time())
 
     def counts(self) -> dict:
