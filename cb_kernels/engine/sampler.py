@@ -306,15 +306,27 @@ class Sampler:
             return []
         rows = logits[:len(seqs)].float()
         forks = [i for i, s in enumerate(seqs) if s.group is not None and s.group.forks_now(s)]
-        items, src, index = list(seqs), list(seqs), list(range(len(seqs)))
-        for i in forks:        # the other samples' first tokens come from the same row
-            root = seqs[i]
-            for j in range(1, root.params.n):
-                items.append(root.group.new_sample(root, j))
-                src.append(root)
-                index.append(i)
-        if forks:
-            rows = rows[torch.tensor(index, device=rows.device)]
+        # The other samples' first tokens come from their root's row. They are drawn in chunks
+        # of at most the step's row count from one copy of the roots' raw rows, never one copy
+        # of the logits per sample (256 prompts x n=128 would be 32,768 rows of the vocabulary).
+        # Made before the roots are sampled: a sample starts as its root was before this step.
+        extra = [(f, seqs[i].group.new_sample(seqs[i], j)) for f, i in enumerate(forks)
+                 for j in range(1, seqs[i].params.n)]
+        raw = rows[torch.tensor(forks, device=rows.device)] if forks else None
+        tokens = self._sample(rows, list(seqs), list(seqs))
+        step = len(seqs)
+        for at in range(0, len(extra), step):
+            part = extra[at:at + step]
+            chunk = raw[torch.tensor([f for f, _ in part], device=rows.device)]
+            samples = [s for _, s in part]
+            for sample, token in zip(samples, self._sample(chunk, samples,
+                                                           [seqs[forks[f]] for f, _ in part])):
+                sample.token_ids.append(token)
+        return tokens
+
+    def _sample(self, rows: torch.Tensor, items: list, src: list) -> list:
+        """One token id per row of `rows` (changed in place): items[i] is the sequence row i
+        samples for, src[i] the one whose tokens its penalties count."""
         params = [s.params for s in items]
         asks = [i for i, p in enumerate(params) if p.logprobs is not None]
         if asks:      # of the raw logits: logsumexp and the top k now, the chosen one's later
@@ -345,10 +357,7 @@ class Sampler:
             entries = top_logprobs(chosen[:, 0], chosen_lp, top, lse, ks)
             for i, (entry, lp) in zip(asks, entries):
                 items[i].record_logprob(entry, lp)
-        tokens = tokens.tolist()
-        for k in range(len(seqs), len(items)):
-            items[k].token_ids.append(tokens[k])
-        return tokens[:len(seqs)]
+        return tokens.tolist()
 
     # -- prompt logprobs ------------------------------------------------------------------------
     @staticmethod
