@@ -306,12 +306,17 @@ def parse_logit_bias(mapping, max_abs: Optional[float] = None) -> Optional[dict]
                         f"{type(mapping).__name__}")
     out = {}
     for key, value in mapping.items():
-        try:
-            token = int(key)
-        except (TypeError, ValueError):
-            raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
-        if token < 0:
+        # A string key must be a canonical decimal: int() also takes " 5 ", "1_0", "+5" and
+        # "٥", so two spellings of one token could pass a filter that checked the other.
+        text = key if isinstance(key, str) else None
+        if text is not None and text[:1] == "-" and text[1:].isascii() and text[1:].isdigit():
             raise ValueError(f"logit_bias key {key} is not a token id")
+        canonical = text is not None and text.isascii() and text.isdigit() and \
+            (text == "0" or text[0] != "0")
+        if not canonical and not (type(key) is int and key >= 0):
+            raise ValueError(f"logit_bias keys must be token ids, got {key!r} (write them as "
+                             f"decimal integers: \"42\")")
+        token = int(key)
         if max_abs is not None and isinstance(value, (int, float)) and \
                 not (math.isfinite(value) and -max_abs <= value <= max_abs):
             raise ValueError(f"logit_bias[{key}] must be in [{-max_abs:g}, {max_abs:g}], "
