@@ -116,6 +116,7 @@ def start_server(name: str, args, model_dir: Path, log: Path) -> ServerProcess:
     if name == "cb_kernels":
         cmd = [sys.executable, "-m", "cb_kernels", "serve", "--model", args.model, "--port",
                str(port), "--dtype", args.dtype, "--log-level", "warning",
+               "--served-model-name", args.model,
                "--max-waiting", str(max(256, args.num_requests))]
         if args.max_num_seqs:
             cmd += ["--max-num-seqs", str(args.max_num_seqs)]

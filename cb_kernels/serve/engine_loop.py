@@ -3,13 +3,16 @@
 The HTTP side (an asyncio event loop) never touches the Engine. It hands a `Ticket` in through a
 thread-safe inbox (queue.SimpleQueue: its put is safe from a signal handler too) and reads the
 request's deltas and final RequestOutput from the ticket's asyncio.Queue, which the engine thread
-fills with `loop.call_soon_threadsafe` and never waits on: a slow client cannot stall a step.
+fills with `loop.call_soon_threadsafe` and never waits on: a slow client cannot stall a step. A
+stream's queue holds at most `stream_buffer` chunks; past that its deltas are paused (coalesced
+into the next one) until the client reads.
 
 Per pass the thread takes every command waiting in the inbox (blocking only when the engine is
 idle), then runs one step, publishes the engine's stats, and hands each ticket its news: stream
 deltas (streaming tickets only) and, when its request ended, the final output.
 
-Admission is bounded: at most `max_waiting` requests may be accepted but not yet scheduled;
+Admission is bounded: at most `max_waiting` sequences (a request of n samples counts n) may be
+accepted but not yet scheduled;
 `submit` raises QueueFull past that (the server answers 503 with Retry-After). `drain(timeout)`
 stops admission; requests still unfinished `timeout` seconds later are cancelled (finish_reason
 "cancelled"), and a second drain cancels them at once.
@@ -27,7 +30,7 @@ logger = logging.getLogger("cb_kernels.serve")
 
 
 class QueueFull(Exception):
-    """The waiting queue holds max_waiting requests."""
+    """The waiting queue holds max_waiting sequences."""
 
 
 class Draining(Exception):
@@ -69,14 +72,16 @@ def _deliver_soon(aio_loop, items: list) -> None:
 
 
 class EngineLoop:
-    def __init__(self, engine, max_waiting: int = 256, metrics=None, idle_poll_s: float = 0.5):
+    def __init__(self, engine, max_waiting: int = 256, metrics=None, idle_poll_s: float = 0.5,
+                 stream_buffer: int = 256):
         self.engine = engine
         self.max_waiting = max_waiting
+        self.stream_buffer = stream_buffer
         self.metrics = metrics
         self.idle_poll_s = idle_poll_s
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.lock = threading.Lock()
-        self.num_queued = 0              # accepted, not yet scheduled (guarded by lock)
+        self.num_queued = 0              # sequences accepted, not yet scheduled (guarded by lock)
         self.draining = False
         self.drain_deadline: Optional[float] = None
         self.stopping = False
@@ -99,9 +104,10 @@ class EngineLoop:
         with self.lock:
             if self.draining or not self.alive:
                 raise Draining()
-            if self.num_queued + len(tickets) > self.max_waiting:
+            seqs = sum(t.params.n for t in tickets)
+            if self.num_queued + seqs > self.max_waiting:
                 raise QueueFull()
-            self.num_queued += len(tickets)
+            self.num_queued += seqs
         for t in tickets:
             self.inbox.put(("add", t))
 
@@ -220,7 +226,7 @@ class EngineLoop:
         if not t.scheduled:
             t.scheduled = True
             with self.lock:
-                self.num_queued -= 1
+                self.num_queued -= t.params.n
 
     def _dispatch(self, ended: dict) -> None:
         """Every ticket's news of this step, handed to each event loop in one wake-up."""
@@ -230,7 +236,10 @@ class EngineLoop:
             done = rid in ended
             if not t.scheduled and (done or t.seq.metrics.first_scheduled_time is not None):
                 self._unqueue(t)
-            if t.stream and not t.abandoned:
+            # A stream whose client does not read holds at most stream_buffer chunks: past it,
+            # its deltas wait in the Sequence (the next one carries them all), not in memory
+            # here (16 such streams used to grow ~200 MB).
+            if t.stream and not t.abandoned and (done or t.queue.qsize() < self.stream_buffer):
                 for delta in frontend.deltas(t.seq, done):
                     news.setdefault(t.aio_loop, []).append((t.queue, ("delta", t.index, delta)))
             if done:

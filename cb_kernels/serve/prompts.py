@@ -7,12 +7,47 @@ import copy
 
 from cb_kernels.serve.protocol import ChatRequest, CompletionRequest, RequestError
 
+# apply_chat_template's own parameters: a client passing one of these through chat_template_kwargs
+# would choose the template itself (a 245-byte nested loop froze the server for 12 s; vLLM's
+# CVE-2025-61620 is the same hole) or the tokenizer's padding (`max_length` 3e7 cost 3.3 GB).
+# chat_template_kwargs carries template variables only.
+TEMPLATE_OPTIONS = frozenset({
+    "chat_template", "tokenize", "padding", "truncation", "max_length", "tokenizer_kwargs",
+    "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    "pad_to_multiple_of", "padding_side", "add_special_tokens", "kwargs"})
+
+
+def check_template_kwargs(kwargs) -> None:
+    """RequestError naming the first key of chat_template_kwargs that is not a template
+    variable (an apply_chat_template or tokenizer option)."""
+    for key in kwargs or {}:
+        if key in TEMPLATE_OPTIONS or key.startswith("return_"):
+            raise RequestError(f"chat_template_kwargs.{key} is not allowed: chat_template_kwargs "
+                               "carries template variables only, not chat template or tokenizer "
+                               "options", f"chat_template_kwargs.{key}")
+
 
 class Prompts:
-    def __init__(self, tokenizer):
-        # The engine thread decodes with engine.tokenizer; the event loop encodes with its own copy
-        # (a fast tokenizer is not safe to use from two threads at once).
+    """Not thread-safe: the server calls it from its one tokenizer thread."""
+
+    def __init__(self, tokenizer, max_positions: int):
+        # The engine thread decodes with engine.tokenizer; the tokenizer thread encodes with its
+        # own copy (a fast tokenizer is not safe to use from two threads at once).
         self.tokenizer = copy.deepcopy(tokenizer) if tokenizer is not None else None
+        # No token of the vocabulary spells more than `longest` characters, so a text longer than
+        # max_positions x longest characters is more tokens than the model takes: refused before
+        # tokenizing (a 20 MB prompt took 26 s and +4.6 GB to reach its 400). A tokenizer mapping
+        # unknown words to one <unk> token breaks this bound; byte-level BPE and SentencePiece
+        # with byte fallback keep it.
+        longest = max((len(t) for t in tokenizer.get_vocab()), default=1) \
+            if tokenizer is not None else 1
+        self.max_chars = max_positions * max(longest, 1)
+
+    def check_length(self, chars: int, param: str) -> None:
+        if chars > self.max_chars:
+            raise RequestError(f"{param} holds {chars} characters, more than the model's context "
+                               f"can hold as tokens (at most {self.max_chars} characters: "
+                               "max positions x the longest token)", param)
 
     def of(self, req) -> list:
         """The token ids of each prompt of `req` (one for chat)."""
@@ -22,6 +57,7 @@ class Prompts:
         if self.tokenizer is None:
             raise RequestError("this model has no tokenizer: send prompt token ids instead of "
                                "text", param)
+        self.check_length(len(text), param)
         return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
 
     def completion(self, req: CompletionRequest) -> list:
@@ -40,6 +76,7 @@ class Prompts:
         return [list(ids) for ids in p]
 
     def chat(self, req: ChatRequest) -> list:
+        check_template_kwargs(req.chat_template_kwargs)
         tok = self.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise RequestError("this model's tokenizer has no chat template; use /v1/completions",
@@ -58,6 +95,7 @@ class Prompts:
             if m.name is not None:
                 msg["name"] = m.name
             messages.append(msg)
+        self.check_length(sum(len(m["content"] or "") for m in messages), "messages")
         try:
             ids = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
                                           tokenize=True, return_dict=False,

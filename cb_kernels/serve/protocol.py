@@ -131,6 +131,26 @@ class ChatRequest(_Request):
     parallel_tool_calls: Optional[bool] = None
 
 
+def _no_duplicates(pairs: list) -> dict:
+    seen = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise RequestError(f"the request body holds the key {key!r} twice (which one is "
+                               "meant is ambiguous)", key, code="duplicate_key")
+        seen.add(key)
+    return dict(pairs)
+
+
+def check_duplicate_keys(raw: bytes) -> None:
+    """RequestError naming a key that appears twice in one JSON object of `raw` (a JSON parser
+    keeps the last one silently; a proxy or filter in front may have checked the first). Invalid
+    JSON is left to the schema's parser, whose message says where it breaks."""
+    try:
+        json.loads(raw, object_pairs_hook=_no_duplicates)
+    except (ValueError, RecursionError):
+        pass
+
+
 def check_unsupported(req: _Request) -> None:
     """RequestError for a field this server cannot honour (set to anything but its default)."""
     if isinstance(req, CompletionRequest):

@@ -9,9 +9,13 @@ EngineLoop.
                                  logprobs + top_logprobs
     GET  /metrics                Prometheus text (serve/metrics.py)
 
-Everything the event loop does is parse (protocol.py), tokenize (prompts.py), check the request as
+Per request the routes parse (protocol.py), tokenize (prompts.py), check the request as
 Engine.add_request would, hand it to the engine thread and format what comes back
-(openai_format.py). A refused request gets OpenAI's error body naming the field, with 400 (bad
+(openai_format.py). Parsing runs on a worker thread, tokenizing, template rendering and the body
+of a finished request on one tokenizer thread, so the event loop only moves bytes: /health
+answers while a 166 MB logprobs body is built (it used to stall other requests up to 27 s).
+guard.py refuses oversized, unauthenticated, non-JSON and misdirected requests before a route
+reads them. A refused request gets OpenAI's error body naming the field, with 400 (bad
 value), 404 (unknown model) or 503 + Retry-After (queue full, shutting down). Routes are grouped
 below by what they serve: server state, models, generation.
 """
@@ -19,6 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+from concurrent.futures import ThreadPoolExecutor
 import time
 import uuid
 
@@ -27,10 +33,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from cb_kernels.serve.engine_loop import Draining, EngineLoop, QueueFull, Ticket
+from cb_kernels.serve.guard import Guard
 from cb_kernels.serve.metrics import ServerMetrics
 from cb_kernels.serve.openai_format import Reply
 from cb_kernels.serve.prompts import Prompts
-from cb_kernels.serve.protocol import (ChatRequest, CompletionRequest, RequestError, check_unsupported,
+from cb_kernels.serve.protocol import (ChatRequest, CompletionRequest, RequestError,
+                                       check_duplicate_keys, check_unsupported,
                                        error_body, prompt_error, requested_max_tokens,
                                        sampling_params, validation_error)
 
@@ -38,19 +46,29 @@ RETRY_AFTER_S = 1
 
 
 class ServerConfig:
-    def __init__(self, model_name: str, max_waiting: int = 256, drain_timeout: float = 30.0):
+    """What the routes need of the command line; the defaults are `cb-kernels serve`'s."""
+
+    def __init__(self, model_name: str, max_waiting: int = 256, drain_timeout: float = 30.0,
+                 max_request_seqs: int = 256, max_request_tokens: int = 1 << 20,
+                 max_request_bytes: int = 8 << 20, api_key=None, allowed_hosts=None,
+                 protect_metrics: bool = False, stream_buffer: int = 256,
+                 stream_stall_timeout: float = 30.0):
         self.model_name, self.max_waiting, self.drain_timeout = model_name, max_waiting, drain_timeout
+        self.max_request_seqs, self.max_request_tokens = max_request_seqs, max_request_tokens
+        self.max_request_bytes, self.api_key = max_request_bytes, api_key
+        self.allowed_hosts, self.protect_metrics = allowed_hosts, protect_metrics
+        self.stream_buffer, self.stream_stall_timeout = stream_buffer, stream_stall_timeout
 
 
 class ClientGone(Exception):
     pass
 
 
-def create_app(engine, config: ServerConfig, on_ready=None) -> FastAPI:
-    """The app of `engine` (its thread starts with the app's lifespan). `on_ready()` runs once the
-    engine thread is up."""
+def create_app(engine, config: ServerConfig, on_ready=None):
+    """The ASGI app of `engine` (the FastAPI app behind guard.Guard; its engine thread starts
+    with the app's lifespan). `on_ready()` runs once the engine thread is up."""
     metrics = ServerMetrics(config.model_name)
-    loop = EngineLoop(engine, config.max_waiting, metrics)
+    loop = EngineLoop(engine, config.max_waiting, metrics, stream_buffer=config.stream_buffer)
     state = _State(engine, loop, metrics, config)
 
     @contextlib.asynccontextmanager
@@ -62,6 +80,7 @@ def create_app(engine, config: ServerConfig, on_ready=None) -> FastAPI:
             yield
         finally:
             await asyncio.get_running_loop().run_in_executor(None, loop.stop)
+            state.pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="cb_kernels", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
@@ -117,13 +136,16 @@ def create_app(engine, config: ServerConfig, on_ready=None) -> FastAPI:
     async def chat_completions(request: Request):
         return await state.handle(request, ChatRequest)
 
-    return app
+    return Guard(app, config.max_request_bytes, config.api_key, config.allowed_hosts,
+                 config.protect_metrics, config.stream_stall_timeout)
 
 
 class _State:
     def __init__(self, engine, loop: EngineLoop, metrics: ServerMetrics, config: ServerConfig):
         self.engine, self.loop, self.metrics, self.config = engine, loop, metrics, config
-        self.prompts = Prompts(engine.tokenizer)
+        self.prompts = Prompts(engine.tokenizer, engine.max_positions)
+        # One thread: the tokenizer copy is not safe to use from two threads at once.
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="cb-kernels-tokenizer")
         self.max_positions = engine.max_positions
         self.pool_tokens = engine.num_pool_tokens
         self.created = int(time.time())
@@ -144,25 +166,25 @@ class _State:
 
     # -- one request -----------------------------------------------------------------------------
     async def handle(self, request: Request, schema):
-        req = self.parse(await request.body(), schema)
+        aio_loop = asyncio.get_running_loop()
+        req = await asyncio.to_thread(self.parse, await request.body(), schema)
         if req.model != self.config.model_name:
             raise self.unknown_model(req.model)
         check_unsupported(req)
         chat = schema is ChatRequest
-        prompts = self.prompts.of(req)
-        if len(prompts) > self.config.max_waiting:     # a 503 would never clear
-            raise RequestError(f"prompt holds {len(prompts)} prompts, more than this server "
-                               f"queues at once ({self.config.max_waiting}, --max-waiting)",
-                               "prompt")
+        count = len(req.prompt) if not chat and isinstance(req.prompt, list) and req.prompt \
+            and not isinstance(req.prompt[0], int) else 1
+        self.check_fan_out(req, count)
+        prompts = await aio_loop.run_in_executor(self.pool, self.prompts.of, req)
         tickets = self.tickets(req, prompts, chat)
-        aio_loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        queue = asyncio.Queue()
         for t in tickets:
             t.aio_loop, t.queue = aio_loop, queue
         try:
             self.loop.submit(tickets)
         except QueueFull:
             self.metrics.reject()
-            raise RequestError(f"the server is at capacity ({self.config.max_waiting} requests "
+            raise RequestError(f"the server is at capacity ({self.config.max_waiting} sequences "
                                "waiting); retry later", None, 503, "server_overloaded",
                                "queue_full", {"Retry-After": str(RETRY_AFTER_S)}) from None
         except Draining:
@@ -175,8 +197,8 @@ class _State:
         reply = Reply(req, tickets, chat, self.config.model_name, self.prompts.tokenizer,
                       self.loop.cancel)
         if req.stream:
-            return StreamingResponse(reply.events(queue), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return _Stream(reply.events(queue), media_type="text/event-stream",
+                           headers={"Cache-Control": "no-cache"})
         try:
             finals = await _collect(request, queue, len(tickets))
         except ClientGone:
@@ -187,9 +209,30 @@ class _State:
             for t in tickets:
                 self.loop.cancel(t.request_id)
             raise
-        return reply.body(finals)
+        return await aio_loop.run_in_executor(self.pool, _render, reply, finals)
+
+    def check_fan_out(self, req, count: int) -> None:
+        """RequestError naming the cap a request of `count` prompts x n samples passes: the
+        sequences it adds (256 prompts x n=128 in one 5 KB body became 32,768 sequences and
+        +8 GB), and the tokens they may generate."""
+        seqs = count * req.n
+        cap = min(self.config.max_request_seqs, self.config.max_waiting)
+        if seqs > cap:
+            flag = "--max-request-seqs" if cap == self.config.max_request_seqs else "--max-waiting"
+            raise RequestError(f"this request asks for {count} prompts x n={req.n} = {seqs} "
+                               f"sequences, more than this server takes in one request ({cap}, "
+                               f"{flag})", "n" if count == 1 else "prompt",
+                               code="too_many_sequences")
+        asked = requested_max_tokens(req)
+        if asked is not None and seqs * asked > self.config.max_request_tokens:
+            raise RequestError(f"this request may generate {seqs} sequences x max_tokens={asked} "
+                               f"= {seqs * asked} tokens, more than this server allows in one "
+                               f"request ({self.config.max_request_tokens}, "
+                               "--max-request-tokens)", "max_tokens", code="too_many_tokens")
 
     def parse(self, raw: bytes, schema):
+        """The request `raw` as `schema` (run on a worker thread)."""
+        check_duplicate_keys(raw)
         try:
             return schema.model_validate_json(raw)
         except ValidationError as e:
@@ -204,6 +247,9 @@ class _State:
             if max_new is None:      # chat: the rest of the context; completions: OpenAI's 16
                 max_new = max(1, min(self.max_positions, self.pool_tokens) - len(ids) + 1) \
                     if chat else 16
+                # within --max-request-tokens for the request's sequences
+                max_new = max(1, min(max_new, self.config.max_request_tokens
+                                     // (len(prompts) * req.n)))
             params = sampling_params(req, max_new)
             where = what if len(prompts) == 1 or chat else f"prompt[{i}]"
             try:
@@ -214,6 +260,26 @@ class _State:
             tickets.append(Ticket(f"{base}-{i}" if len(prompts) > 1 else base, ids, params,
                                   req.stream, index=i))
         return tickets
+
+
+class _Stream(StreamingResponse):
+    """A stream whose generator is closed however the response ends: when guard.Guard gives up
+    on a client that reads nothing, the generator waits at a `yield` and only its close runs
+    Reply.events' cleanup, which cancels the requests (their KV blocks come back)."""
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+def _render(reply: Reply, finals: dict) -> Response:
+    """The response of a finished request, its JSON bytes made here (on the tokenizer thread)."""
+    body = reply.body(finals)
+    if isinstance(body, Response):
+        return body
+    return Response(json.dumps(body, ensure_ascii=False).encode(), media_type="application/json")
 
 
 async def _wait_disconnect(request: Request) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import socket
 import sys
 
@@ -19,7 +20,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--model", required=True, help="built-in name (smollm2-135m) or checkpoint folder")
     p.add_argument("--served-model-name", default=None,
-                   help="the name clients pass as `model` (default: --model as given)")
+                   help="the name clients pass as `model` (default: --model's last path part, "
+                        "so a checkpoint's folder name, never its full path)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free one, "
                    "printed when ready)")
@@ -29,7 +31,36 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "cb_kernels.models.fast_dtype)")
     p.add_argument("--trust-remote-code", action="store_true", help="let the checkpoint run its own code")
     p.add_argument("--max-waiting", type=int, default=256,
-                   help="requests accepted but not yet scheduled; past it: 503 + Retry-After")
+                   help="sequences (prompts x n) accepted but not yet scheduled; past it: 503 + "
+                        "Retry-After")
+    p.add_argument("--max-request-seqs", type=int, default=256,
+                   help="prompts x n of one request (default 256); more: 400")
+    p.add_argument("--max-request-tokens", type=int, default=1 << 20,
+                   help="prompts x n x max_tokens of one request (default 1048576); more: 400")
+    p.add_argument("--max-request-bytes", type=int, default=8 << 20,
+                   help="request body size in bytes (default 8388608 = 8 MiB); more: 413")
+    p.add_argument("--stream-buffer", type=int, default=256,
+                   help="chunks a stream holds for a client that does not read them (default "
+                        "256); past it the stream is paused")
+    p.add_argument("--stream-stall-timeout", type=float, default=30.0,
+                   help="seconds a paused stream waits for its client to read (default 30); "
+                        "then its request is cancelled and its KV blocks freed")
+    p.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on every /v1 route (default: the "
+                        "CBK_API_KEY environment variable; unset: no key)")
+    p.add_argument("--protect-metrics", action="store_true",
+                   help="with --api-key: /health and /metrics need the key too")
+    p.add_argument("--allowed-hosts", default=None,
+                   help="comma-separated Host header names accepted (others: 421); default: "
+                        "localhost,127.0.0.1,::1 when bound to a loopback address, any otherwise; "
+                        "'*' accepts any")
+    p.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                   help="seconds an idle keep-alive connection stays open (default 5)")
+    p.add_argument("--limit-concurrency", type=int, default=1024,
+                   help="open connections + tasks at once; past it: 503 (default 1024)")
+    p.add_argument("--max-header-bytes", type=int, default=16384,
+                   help="bytes of an incomplete request head (h11_max_incomplete_event_size, "
+                        "default 16384); more: 400")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM (then cancelled)")
     p.add_argument("--seed", type=int, default=0, help="seed of sampled requests without their own")
@@ -51,6 +82,12 @@ def run_serve(args: argparse.Namespace) -> int:
                          "\"cb_kernels[serve]\"")
     if args.max_waiting < 1:
         raise SystemExit(f"--max-waiting must be >= 1, got {args.max_waiting}")
+    for flag in ("max_request_seqs", "max_request_tokens", "max_request_bytes", "stream_buffer",
+                 "limit_concurrency", "max_header_bytes"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.stream_stall_timeout <= 0 or args.timeout_keep_alive <= 0:
+        raise SystemExit("--stream-stall-timeout and --timeout-keep-alive must be > 0")
     if args.drain_timeout < 0:
         raise SystemExit(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
     if not 0 <= args.port < 65536:
@@ -88,20 +125,60 @@ def run_serve(args: argparse.Namespace) -> int:
         model = model.to(dtype)
     engine = Engine(model.to(device), config, tokenizer=tokenizer, seed=args.seed)
     engine.generate([[1, 2, 3, 4]], SamplingParams(max_new_tokens=2))   # warm up the first step
-    name = args.served_model_name or args.model
+    name = args.served_model_name or served_name(args.model)
     port = sock.getsockname()[1]
+    api_key = args.api_key or os.environ.get("CBK_API_KEY") or None
+    loopback = is_loopback(args.host)
+    if not loopback and api_key is None:
+        logging.getLogger("cb_kernels.serve").warning(
+            "listening on %s, which is not a loopback address, with no API key: anyone who can "
+            "reach it can generate; set --api-key or CBK_API_KEY", args.host)
 
     def ready():
         print(f"cb-kernels serve: {name} on http://{args.host}:{port} (ready)", file=sys.stderr,
               flush=True)
 
-    app = create_app(engine, ServerConfig(name, args.max_waiting, args.drain_timeout), ready)
+    config = ServerConfig(name, args.max_waiting, args.drain_timeout, args.max_request_seqs,
+                          args.max_request_tokens, args.max_request_bytes, api_key,
+                          allowed_hosts(args.allowed_hosts, loopback), args.protect_metrics,
+                          args.stream_buffer, args.stream_stall_timeout)
+    app = create_app(engine, config, ready)
     server = _Server(uvicorn.Config(app, log_level=args.log_level, access_log=args.access_log,
                                     timeout_graceful_shutdown=args.drain_timeout + 10,
+                                    timeout_keep_alive=args.timeout_keep_alive,
+                                    limit_concurrency=args.limit_concurrency,
+                                    h11_max_incomplete_event_size=args.max_header_bytes,
                                     lifespan="on"),
                      app.state.serve.loop, args.drain_timeout)
     server.run(sockets=[sock])
     return 0
+
+
+def served_name(model: str) -> str:
+    """The default served model name: a checkpoint folder's name, not its path (the path showed
+    in every response and 404)."""
+    return os.path.basename(os.path.normpath(model)) or model
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def allowed_hosts(flag, loopback: bool):
+    """The Host names accepted (None: any)."""
+    if flag is None:
+        return ("localhost", "127.0.0.1", "[::1]") if loopback else None
+    names = tuple(h.strip() for h in flag.split(",") if h.strip())
+    if "*" in names:
+        return None
+    return tuple(f"[{h}]" if ":" in h and not h.startswith("[") else h for h in names)
 
 
 def _server_class():
