@@ -10,8 +10,10 @@ Two GEMMs on packed weights ("auto" takes the first this CPU runs):
   the batch, the thread count or the ISA.
 - "onednn": `torch.ops.mkldnn._reorder_linear_weight` / `_linear_pointwise`. Against F.linear
   at 16 rows: 1.2-1.45x on one thread, 2-3.3x on two. Its rows were also checked independent of
-  the batch (1..700 rows).
-Either way batch composition cannot change a sequence's tokens. `GEMM` (module attribute:
+  the batch (1..700 rows, AVX-512 and AVX512-BF16 kernels); its bf16 AMX kernels are not: on an
+  AMX Xeon a prefill over 32 rows changed a prompt's bf16 logits (issue #28).
+So batch composition cannot change a sequence's tokens, except in bf16 where oneDNN runs on AMX
+tiles (GEMM = "cbk" keeps the invariance there, at oneDNN's AMX speed lost). `GEMM` (module attribute:
 "auto", "cbk", "onednn" or "torch") picks one for groups packed after it is set (benchmarks, tests).
 
 bf16 weights: "cbk" (ops.PackedLinear's bf16 kernel, csrc/cpu/linear_bf16.cpp: vdpbf16ps,
