@@ -1,7 +1,8 @@
 """Guard: the pure ASGI layer in front of the routes that refuses a request before any route
 reads it.
 
-In order: a Host header outside `allowed_hosts` (DNS rebinding: a page on evil.example resolving
+In order: a request head (path and headers) over `max_head` bytes gets 431 (uvicorn's h11 limit
+only bounds a head still incomplete); a Host header outside `allowed_hosts` (DNS rebinding: a page on evil.example resolving
 to 127.0.0.1) gets 421; a missing or wrong `Authorization: Bearer <api_key>` on a protected path
 gets 401 (compared with hmac.compare_digest, constant time); a POST whose Content-Type is not
 application/json gets 415 (a browser sends text/plain and form bodies cross-site without a
@@ -30,20 +31,24 @@ class _Stalled(Exception):
 class Guard:
     def __init__(self, app, max_body: int, api_key: Optional[str] = None,
                  allowed_hosts: Optional[tuple] = None, protect_metrics: bool = False,
-                 write_timeout: Optional[float] = None):
+                 write_timeout: Optional[float] = None, max_head: int = 16384):
         self.app, self.max_body = app, max_body
         self.state = app.state          # the FastAPI app's (state.serve: the routes' state)
         self.api_key = api_key.encode() if api_key else None
         self.allowed_hosts = {h.lower() for h in allowed_hosts} if allowed_hosts else None
         self.open_paths = set() if protect_metrics else {"/health", "/metrics"}
-        self.write_timeout = write_timeout
+        self.write_timeout, self.max_head = write_timeout, max_head
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1")
                    for k, v in scope.get("headers", ())}
-        refused = self.refusal(scope, headers)
+        head = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"") + \
+            sum(len(k) + len(v) + 4 for k, v in scope.get("headers", ()))
+        refused = (431, f"the request head is {head} bytes, more than {self.max_head} "
+                        "(--max-header-bytes)", "headers_too_large") if head > self.max_head \
+            else self.refusal(scope, headers)
         if refused is not None:
             return await _answer(send, *refused)
         length = headers.get("content-length")

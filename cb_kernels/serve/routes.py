@@ -52,12 +52,13 @@ class ServerConfig:
                  max_request_seqs: int = 256, max_request_tokens: int = 1 << 20,
                  max_request_bytes: int = 8 << 20, api_key=None, allowed_hosts=None,
                  protect_metrics: bool = False, stream_buffer: int = 256,
-                 stream_stall_timeout: float = 30.0):
+                 stream_stall_timeout: float = 30.0, max_header_bytes: int = 16384):
         self.model_name, self.max_waiting, self.drain_timeout = model_name, max_waiting, drain_timeout
         self.max_request_seqs, self.max_request_tokens = max_request_seqs, max_request_tokens
         self.max_request_bytes, self.api_key = max_request_bytes, api_key
         self.allowed_hosts, self.protect_metrics = allowed_hosts, protect_metrics
         self.stream_buffer, self.stream_stall_timeout = stream_buffer, stream_stall_timeout
+        self.max_header_bytes = max_header_bytes
 
 
 class ClientGone(Exception):
@@ -137,7 +138,7 @@ def create_app(engine, config: ServerConfig, on_ready=None):
         return await state.handle(request, ChatRequest)
 
     return Guard(app, config.max_request_bytes, config.api_key, config.allowed_hosts,
-                 config.protect_metrics, config.stream_stall_timeout)
+                 config.protect_metrics, config.stream_stall_timeout, config.max_header_bytes)
 
 
 class _State:

@@ -58,9 +58,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="seconds an idle keep-alive connection stays open (default 5)")
     p.add_argument("--limit-concurrency", type=int, default=1024,
                    help="open connections + tasks at once; past it: 503 (default 1024)")
+    p.add_argument("--request-head-timeout", type=float, default=10.0,
+                   help="seconds a connection has to send a whole request head (default 10); "
+                        "then it is closed (a client dripping a header byte at a time)")
     p.add_argument("--max-header-bytes", type=int, default=16384,
-                   help="bytes of an incomplete request head (h11_max_incomplete_event_size, "
-                        "default 16384); more: 400")
+                   help="bytes of a request head (default 16384); more: 431 (400 while the "
+                        "head is still incomplete: uvicorn's h11_max_incomplete_event_size)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM (then cancelled)")
     p.add_argument("--seed", type=int, default=0, help="seed of sampled requests without their own")
@@ -86,8 +89,9 @@ def run_serve(args: argparse.Namespace) -> int:
                  "limit_concurrency", "max_header_bytes"):
         if getattr(args, flag) < 1:
             raise SystemExit(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    if args.stream_stall_timeout <= 0 or args.timeout_keep_alive <= 0:
-        raise SystemExit("--stream-stall-timeout and --timeout-keep-alive must be > 0")
+    for flag in ("stream_stall_timeout", "timeout_keep_alive", "request_head_timeout"):
+        if not getattr(args, flag) > 0:
+            raise SystemExit(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
     if args.drain_timeout < 0:
         raise SystemExit(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
     if not 0 <= args.port < 65536:
@@ -141,13 +145,14 @@ def run_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(name, args.max_waiting, args.drain_timeout, args.max_request_seqs,
                           args.max_request_tokens, args.max_request_bytes, api_key,
                           allowed_hosts(args.allowed_hosts, loopback), args.protect_metrics,
-                          args.stream_buffer, args.stream_stall_timeout)
+                          args.stream_buffer, args.stream_stall_timeout, args.max_header_bytes)
     app = create_app(engine, config, ready)
     server = _Server(uvicorn.Config(app, log_level=args.log_level, access_log=args.access_log,
                                     timeout_graceful_shutdown=args.drain_timeout + 10,
                                     timeout_keep_alive=args.timeout_keep_alive,
                                     limit_concurrency=args.limit_concurrency,
                                     h11_max_incomplete_event_size=args.max_header_bytes,
+                                    http=head_timeout_protocol(args.request_head_timeout),
                                     lifespan="on"),
                      app.state.serve.loop, args.drain_timeout)
     server.run(sockets=[sock])
@@ -179,6 +184,46 @@ def allowed_hosts(flag, loopback: bool):
     if "*" in names:
         return None
     return tuple(f"[{h}]" if ":" in h and not h.startswith("[") else h for h in names)
+
+
+def head_timeout_protocol(timeout: float):
+    """uvicorn's h11 protocol with a deadline for each request head: uvicorn has none (its
+    keep-alive timer stops at the first byte), so a client sending a header byte at a time held
+    its connection for ever."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class Protocol(H11Protocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm_head_deadline()
+
+        def on_response_complete(self) -> None:
+            self._arm_head_deadline()        # first: a pipelined next request disarms it
+            super().on_response_complete()
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.cycle is not self._head_cycle and self._head_timer is not None:
+                self._head_timer.cancel()          # a whole head arrived
+                self._head_timer = None
+
+        def connection_lost(self, exc) -> None:
+            if getattr(self, "_head_timer", None) is not None:
+                self._head_timer.cancel()
+            super().connection_lost(exc)
+
+        def _arm_head_deadline(self) -> None:
+            if getattr(self, "_head_timer", None) is not None:
+                self._head_timer.cancel()
+            self._head_cycle = self.cycle
+            self._head_timer = self.loop.call_later(timeout, self._head_expired)
+
+        def _head_expired(self) -> None:
+            self._head_timer = None
+            if self.cycle is self._head_cycle and not self.transport.is_closing():
+                self.transport.close()
+
+    return Protocol
 
 
 def _server_class():

@@ -71,10 +71,11 @@ def test_template_variables_still_reach_the_template(server):
 @pytest.fixture(scope="module")
 def small(model_dir, tmp_path_factory):      # noqa: F811
     """Two sequences at once, eight waiting, 64 KiB bodies, 4-chunk stream buffers, 2 s for a
-    client that reads nothing."""
+    client that reads nothing or sends its head slowly, 1 s keep-alive."""
     s = Server(model_dir, tmp_path_factory.mktemp("small_log") / "server.log",
                "--max-num-seqs", "2", "--max-waiting", "8", "--max-request-bytes", "65536",
-               "--stream-buffer", "4", "--stream-stall-timeout", "2")
+               "--stream-buffer", "4", "--stream-stall-timeout", "2",
+               "--request-head-timeout", "2", "--timeout-keep-alive", "1")
     yield s
     s.stop()
 
@@ -335,3 +336,40 @@ def test_duplicate_keys_and_non_canonical_logit_bias_are_refused(server):
     assert raw(server, "POST", "/v1/completions", json.dumps(
         {"model": NAME, "prompt": [5], "max_tokens": 1, "logit_bias": {"5": 1, "0": 2}}).encode()
     )[0] == 200
+
+
+def test_slow_heads_and_huge_heads_are_cut_off(small):
+    """--request-head-timeout 2: a client dripping a header byte every 0.2 s is disconnected
+    (uvicorn alone kept it for ever); a 20 KB head is 431 (--max-header-bytes 16384), 400 while
+    it is incomplete (h11's limit); an idle
+    keep-alive connection closes after --timeout-keep-alive (1 s)."""
+    sock = socket.create_connection(("127.0.0.1", small.port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+    sock.settimeout(0.2)
+    start, closed = time.monotonic(), False
+    while time.monotonic() - start < 20:
+        try:
+            sock.sendall(b"X")
+            if sock.recv(1024) == b"":
+                closed = True
+                break
+        except socket.timeout:
+            continue
+        except OSError:
+            closed = True
+            break
+    sock.close()
+    assert closed and time.monotonic() - start < 10, "the dripping client was not cut off"
+    status, reply, _ = raw(small, "GET", "/v1/models", headers={"X-Big": "y" * 20000})
+    assert status == 431 and reply["error"]["code"] == "headers_too_large", reply
+    sock = socket.create_connection(("127.0.0.1", small.port))      # a head that never ends
+    sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"y" * 20000)
+    sock.settimeout(10)
+    assert sock.recv(1024).startswith(b"HTTP/1.1 400")
+    sock.close()
+    conn = http.client.HTTPConnection("127.0.0.1", small.port, timeout=10)
+    conn.request("GET", "/health")
+    assert conn.getresponse().read()
+    time.sleep(2)
+    assert conn.sock.recv(1) == b""        # closed by the server
+    conn.close()
