@@ -2,14 +2,14 @@
 reads it.
 
 In order: a request head (path and headers) over `max_head` bytes gets 431 (uvicorn's h11 limit
-only bounds a head still incomplete); a Host header outside `allowed_hosts` (DNS rebinding: a page on evil.example resolving
-to 127.0.0.1) gets 421; a missing or wrong `Authorization: Bearer <api_key>` on a protected path
-gets 401 (compared with hmac.compare_digest, constant time); a POST whose Content-Type is not
-application/json gets 415 (a browser sends text/plain and form bodies cross-site without a
-preflight: CSRF); a body over `max_body` bytes gets 413, from its Content-Length before reading
-and, for a chunked body, as soon as the bytes read pass the cap (a 50 MB body used to be read
-whole). A response its client does not read for `write_timeout` seconds is abandoned and the
-connection closed.
+only bounds a head still incomplete); a Host header outside `allowed_hosts` gets 421 (DNS
+rebinding: a page on evil.example resolving to 127.0.0.1); a missing or wrong `Authorization:
+Bearer <api_key>` on a protected path gets 401 (hmac.compare_digest, constant time); a POST whose
+Content-Type is not application/json gets 415 (a browser sends text/plain and form bodies
+cross-site without a preflight: CSRF); a body over `max_body` bytes gets 413, from its
+Content-Length before reading and, for a chunked body, as soon as the bytes read pass the cap (a
+50 MB body used to be read whole). A response its client does not read for `write_timeout`
+seconds is abandoned and the connection closed.
 """
 from __future__ import annotations
 
@@ -33,11 +33,14 @@ class Guard:
                  allowed_hosts: Optional[tuple] = None, protect_metrics: bool = False,
                  write_timeout: Optional[float] = None, max_head: int = 16384):
         self.app, self.max_body = app, max_body
-        self.state = app.state          # the FastAPI app's (state.serve: the routes' state)
         self.api_key = api_key.encode() if api_key else None
         self.allowed_hosts = {h.lower() for h in allowed_hosts} if allowed_hosts else None
         self.open_paths = set() if protect_metrics else {"/health", "/metrics"}
         self.write_timeout, self.max_head = write_timeout, max_head
+
+    def __getattr__(self, name):
+        """The FastAPI app's attributes (state, routes, include_router, ...) through the guard."""
+        return getattr(self.app, name)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":

@@ -53,7 +53,8 @@ class ServerConfig:
                  max_request_bytes: int = 8 << 20, api_key=None, allowed_hosts=None,
                  protect_metrics: bool = False, stream_buffer: int = 256,
                  stream_stall_timeout: float = 30.0, max_header_bytes: int = 16384):
-        self.model_name, self.max_waiting, self.drain_timeout = model_name, max_waiting, drain_timeout
+        self.model_name, self.max_waiting = model_name, max_waiting
+        self.drain_timeout = drain_timeout
         self.max_request_seqs, self.max_request_tokens = max_request_seqs, max_request_tokens
         self.max_request_bytes, self.api_key = max_request_bytes, api_key
         self.allowed_hosts, self.protect_metrics = allowed_hosts, protect_metrics
