@@ -373,3 +373,27 @@ def test_slow_heads_and_huge_heads_are_cut_off(small):
     time.sleep(2)
     assert conn.sock.recv(1) == b""        # closed by the server
     conn.close()
+
+
+# -- soak -----------------------------------------------------------------------------------------
+def test_soak_3000_mixed_requests_keeps_rss_flat(tmp_path):
+    """bench/soak_serve.py: 3,000 requests of ten kinds (answers, streams, hang-ups, bad bodies);
+    each gets its expected status, the server's RSS grows under 50 MiB after 500 warm-up
+    requests, and no KV block is left."""
+    import subprocess
+    import sys
+
+    from tests.serve.test_serve_http import ROOT
+
+    out = tmp_path / "soak.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "soak_serve.py"), "--requests",
+                        "3000", "--json", str(out)], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(out.read_text())
+    expected = {"chat 200", "stream 200", "stream_hangup 200", "wait_hangup hung up",
+                "bad_json 400", "duplicate_key 400", "text_plain 415", "too_big 413",
+                "template_option 400", "logprobs 200"}
+    assert result["counts"] == {k: 300 for k in expected}, result["counts"]
+    assert result["rss_growth_mib"] < 50 and result["used_blocks_end"] == 0, result
