@@ -72,8 +72,10 @@ def test_error_paths_and_names():
 @pytest.mark.parametrize("bias, message, http_only", [
     ({"x": 1.0}, "logit_bias keys must be token ids, got 'x'", False),
     ({"-2": 1.0}, "logit_bias key -2 is not a token id", False),
+    ({" 5 ": 1.0}, "logit_bias keys must be token ids, got ' 5 '", False),    # int() took these
+    ({"1_0": 1.0}, "logit_bias keys must be token ids, got '1_0'", False),
     ({"5": 500.0}, r"logit_bias\[5\] must be in \[-100, 100\], got 500.0", True),   # OpenAI's bound
-], ids=["not-an-id", "negative-id", "out-of-range"])
+], ids=["not-an-id", "negative-id", "spaces", "underscore", "out-of-range"])
 def test_logit_bias_has_one_parser_for_http_and_the_cli(bias, message, http_only):
     from cb_kernels.engine.config import SamplingParams
     from cb_kernels.generate_cli import params_of
