@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import json
-from concurrent.futures import ThreadPoolExecutor
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -146,8 +147,10 @@ class _State:
     def __init__(self, engine, loop: EngineLoop, metrics: ServerMetrics, config: ServerConfig):
         self.engine, self.loop, self.metrics, self.config = engine, loop, metrics, config
         self.prompts = Prompts(engine.tokenizer, engine.max_positions)
-        # One thread: the tokenizer copy is not safe to use from two threads at once.
+        # One thread: the tokenizer copy is not safe to use from two threads at once. Streams
+        # decode their logprob tokens on the event loop, with a copy of their own.
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="cb-kernels-tokenizer")
+        self.stream_tokenizer = copy.deepcopy(self.prompts.tokenizer)
         self.max_positions = engine.max_positions
         self.pool_tokens = engine.num_pool_tokens
         self.created = int(time.time())
@@ -196,7 +199,8 @@ class _State:
                                    None, 503, "server_error", "engine_failed") from None
             raise RequestError("the server is shutting down", None, 503, "server_unavailable",
                                "shutting_down", {"Retry-After": str(RETRY_AFTER_S)}) from None
-        reply = Reply(req, tickets, chat, self.config.model_name, self.prompts.tokenizer,
+        reply = Reply(req, tickets, chat, self.config.model_name,
+                      self.stream_tokenizer if req.stream else self.prompts.tokenizer,
                       self.loop.cancel)
         if req.stream:
             return _Stream(reply.events(queue), media_type="text/event-stream",
