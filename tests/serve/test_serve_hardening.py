@@ -397,3 +397,46 @@ def test_soak_3000_mixed_requests_keeps_rss_flat(tmp_path):
                 "template_option 400", "logprobs 200"}
     assert result["counts"] == {k: 300 for k in expected}, result["counts"]
     assert result["rss_growth_mib"] < 50 and result["used_blocks_end"] == 0, result
+
+
+def test_a_stream_past_its_buffer_is_paused_and_its_tokens_coalesced():
+    """EngineLoop's dispatch, driven by hand: while a stream's queue holds --stream-buffer
+    chunks, its tokens stay in the engine's Sequence; the next chunk carries them all."""
+    from cb_kernels import Engine, EngineConfig, SamplingParams
+    from cb_kernels.serve.engine_loop import EngineLoop, Ticket
+    from tests.helpers import make_model, make_tokenizer
+
+    class Queue:              # what the HTTP side has not read yet
+        size = 0
+
+        def qsize(self):
+            return self.size
+
+    class AioLoop:            # what the engine thread hands over
+        def __init__(self):
+            self.items = []
+
+        def call_soon_threadsafe(self, fn, items):
+            self.items.extend(item for _, item in items)
+
+    engine = Engine(make_model("llama"), EngineConfig(num_blocks=64, block_size=8,
+                                                      cpu_offload_gib=0),
+                    tokenizer=make_tokenizer())
+    loop = EngineLoop(engine, stream_buffer=2)
+    ticket = Ticket("r", [5, 6, 7], SamplingParams(max_new_tokens=6, ignore_eos=True), True,
+                    aio_loop=AioLoop(), queue=Queue())
+    loop._add(ticket)
+
+    def step():
+        loop._dispatch({o.request_id: o for o in engine.step()})
+        got, ticket.aio_loop.items = ticket.aio_loop.items, []
+        return [(kind, len(item.outputs[0].token_ids)) for kind, _, item in got]
+
+    assert step() == [("delta", 1)]
+    ticket.queue.size = 2                        # the client reads nothing: paused
+    assert step() == [] and step() == []
+    ticket.queue.size = 1                        # it read one: the 2 tokens held come at once
+    assert step() == [("delta", 3)]
+    ticket.queue.size = 2
+    assert step() == []
+    assert step() == [("delta", 2), ("final", 6)]    # the end is never held back
