@@ -142,11 +142,12 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"cb-kernels serve: {name} on http://{args.host}:{port} (ready)", file=sys.stderr,
               flush=True)
 
-    config = ServerConfig(name, args.max_waiting, args.drain_timeout, args.max_request_seqs,
-                          args.max_request_tokens, args.max_request_bytes, api_key,
-                          allowed_hosts(args.allowed_hosts, loopback), args.protect_metrics,
-                          args.stream_buffer, args.stream_stall_timeout, args.max_header_bytes)
-    app = create_app(engine, config, ready)
+    server_config = ServerConfig(name, args.max_waiting, args.drain_timeout, args.max_request_seqs,
+                                 args.max_request_tokens, args.max_request_bytes, api_key,
+                                 allowed_hosts(args.allowed_hosts, loopback),
+                                 args.protect_metrics, args.stream_buffer,
+                                 args.stream_stall_timeout, args.max_header_bytes)
+    app = create_app(engine, server_config, ready)
     server = _Server(uvicorn.Config(app, log_level=args.log_level, access_log=args.access_log,
                                     timeout_graceful_shutdown=args.drain_timeout + 10,
                                     timeout_keep_alive=args.timeout_keep_alive,

@@ -440,3 +440,14 @@ def test_a_stream_past_its_buffer_is_paused_and_its_tokens_coalesced():
     ticket.queue.size = 2
     assert step() == []
     assert step() == [("delta", 2), ("final", 6)]    # the end is never held back
+
+
+def test_limit_flags_are_checked(model_dir):      # noqa: F811
+    from cb_kernels import cli
+
+    for flag, value, message in (("--max-request-bytes", "0", "must be >= 1"),
+                                 ("--max-request-seqs", "-1", "must be >= 1"),
+                                 ("--stream-stall-timeout", "0", "must be > 0"),
+                                 ("--request-head-timeout", "nan", "must be > 0")):
+        with pytest.raises(SystemExit, match=f"{flag} {message}"):
+            cli.main(["serve", "--model", str(model_dir), "--port", "0", flag, value])
