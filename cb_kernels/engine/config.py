@@ -14,7 +14,7 @@ PREEMPTION_MODES = ("auto", "swap", "recompute")
 OVERLAP_MODES = ("auto", "on", "off")
 ATTENTION_BACKENDS = ("cuda", "triton", "cpu", "torch")
 DTYPES = ("float32", "float16", "bfloat16")
-FINISH_REASONS = ("length", "stop", "cancelled", "error")
+FINISH_REASONS = ("length", "stop", "cancelled", "error", "abort")
 
 
 def _check_int(name: str, value, low: int, allow_none: bool = True) -> None:
@@ -366,7 +366,10 @@ class RequestOutput:
     ones of that step). finish_reason is None while the request still runs. outputs: one
     CompletionOutput per sample (SamplingParams.n); token_ids, text and finish_reason are those
     of outputs[0]. prompt_logprobs: None for the first prompt token, then a dict token id ->
-    logprob per prompt token (when SamplingParams.prompt_logprobs asked), else None."""
+    logprob per prompt token (when SamplingParams.prompt_logprobs asked), else None.
+    weight_version: the Engine's weight_version when its last token was computed (weights
+    changed since engine construction, counted: Engine.update_weights, weights_updated, or any
+    change step() saw)."""
 
     request_id: str
     prompt_token_ids: list
@@ -377,6 +380,7 @@ class RequestOutput:
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     outputs: list = field(default_factory=list)
     prompt_logprobs: Optional[list] = None
+    weight_version: Optional[int] = None
 
     def __post_init__(self) -> None:
         if not self.outputs:
