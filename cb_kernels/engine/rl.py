@@ -3,6 +3,7 @@ by name, and a scheduler that admits nothing new while pause(mode="wait") drains
 from __future__ import annotations
 
 import contextlib
+import difflib
 from collections import deque
 
 import torch
@@ -24,9 +25,9 @@ def load_named(model: torch.nn.Module, named_tensors) -> int:
         name, tensor = item
         p = params.get(name)
         if p is None:
-            near = sorted(n for n in params if n.rsplit(".", 1)[-1] == str(name).rsplit(".", 1)[-1])
+            near = difflib.get_close_matches(str(name), params, n=3) or list(params)[:3]
             raise ValueError(f"update_weights: the model has no parameter {name!r} (names as "
-                             f"model.named_parameters() gives them, e.g. {near[:3] or list(params)[:3]})")
+                             f"model.named_parameters() gives them; close: {near})")
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"update_weights: {name!r} must be a torch.Tensor, got "
                             f"{type(tensor).__name__}")
