@@ -173,13 +173,10 @@ class Engine:
         step(). An exception that is not an Exception (KeyboardInterrupt, SystemExit) fails the
         step's requests as any error does, then propagates; their outputs come with the next
         step().
-        Paused or asleep, it computes nothing and returns only outputs already ended (asleep
-        with requests queued: RuntimeError, wake_up() first). Every output carries the
+        Paused or asleep, it computes nothing and returns only outputs already ended (requests
+        added meanwhile wait for resume() / wake_up()). Every output carries the
         weight_version its last token was computed with."""
         if self._paused or self._asleep:
-            if self._asleep and self.table.num_live:
-                raise RuntimeError(f"the engine is asleep ({sorted(self._asleep)} freed) with "
-                                   f"{self.table.num_live} requests queued; call wake_up() first")
             return self._stamp(self.table.take_outputs(), self.weight_version)
         # With overlap on, this step resolves the one launched before the check below.
         version = self.weight_version
