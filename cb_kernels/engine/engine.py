@@ -240,6 +240,8 @@ class Engine:
         (engine/weights.py; every step() does this): weight_version + 1, the prefix cache
         forgets every block. The runner's copies follow by themselves (their own checks)."""
         if self.weights.changed():
+            if self.weights.modules_moved and "weights" not in self._asleep:
+                self.runner.refresh_weights()     # rebuilds what holds the old submodules
             self._new_weights()
 
     def _new_weights(self) -> None:

@@ -48,15 +48,23 @@ class WeightWatch:
         self.params: list = []
         self.key: list = []
         self.replaced = True          # walk the tree at the next check
+        self.modules: list = []
+        self.modules_moved = False    # the last change put a submodule in place of another
         if isinstance(model, torch.nn.Module):
             _flag_on_registration(self)
         self.changed()
 
     def changed(self) -> bool:
         """Whether any parameter was replaced or written (through torch) since the last call."""
-        moved = False
+        moved = self.modules_moved = False
         if self.replaced:
             self.replaced = False
+            if isinstance(self.model, torch.nn.Module):
+                modules = list(self.model.modules())
+                self.modules_moved = bool(self.modules) and (
+                    len(modules) != len(self.modules)
+                    or any(a is not b for a, b in zip(modules, self.modules)))
+                self.modules = modules
             params = list(self.model.parameters()) \
                 if isinstance(self.model, torch.nn.Module) else []
             # The old objects were held until now, so a new one cannot reuse an old address.

@@ -139,11 +139,9 @@ class TransformersRunner:
         self.cuda_graphs = cuda_graphs
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         # None off CPU fp32 or when the packed copy does not fit (runner/packed_linears.py).
-        self.packed = PackedLinears.build(model, pack_weights, available_host_bytes)
-        self.fused = None if self.state_layers else FusedForward.build(
-            model, self.packed, num_hidden, self.num_heads, self.num_kv_heads)
+        self._pack_args = (pack_weights, available_host_bytes, num_hidden)
         self._greedy_mode = greedy_head
-        self.head, self._decoder = self._choose_head(greedy_head)
+        self._build_weight_paths()
         self.graphs = None
         self.k_caches: list = []
         self.v_caches: list = []
@@ -152,6 +150,16 @@ class TransformersRunner:
         self._max_num_seqs = 0
         self._slept_shapes: list = []      # (tensor, shape) of the pool while asleep
         self._weights_released = False
+
+    def _build_weight_paths(self) -> None:
+        """The packed copies, the fused forward and the head, from the model's modules as they
+        are now (again by refresh_weights when a submodule was replaced)."""
+        pack_weights, available_host_bytes, num_hidden = self._pack_args
+        self._modules = list(self.model.modules())
+        self.packed = PackedLinears.build(self.model, pack_weights, available_host_bytes)
+        self.fused = None if self.state_layers else FusedForward.build(
+            self.model, self.packed, num_hidden, self.num_heads, self.num_kv_heads)
+        self.head, self._decoder = self._choose_head(self._greedy_mode)
 
     def _choose_head(self, mode):
         """(head, decoder). head: None when the output embedding is no nn.Linear (the model's
@@ -341,7 +349,16 @@ class TransformersRunner:
 
     def refresh_weights(self) -> None:
         """Repack every packed copy now (after writes torch's version counter misses, e.g.
-        through `.data`); copies are otherwise refreshed when a weight changes through torch."""
+        through `.data`); copies are otherwise refreshed when a weight changes through torch.
+        A submodule replaced since the build (the packed groups and the fused layers hold the
+        modules) rebuilds those paths from the modules as they are now."""
+        if self._weights_released:
+            return              # rebuilt from the weights of the moment at wake_up
+        modules = list(self.model.modules())
+        if len(modules) != len(self._modules) or \
+                any(a is not b for a, b in zip(modules, self._modules)):
+            self._build_weight_paths()
+            return
         if self.packed is not None:
             self.packed.refresh(force=True)
         head = getattr(self.head, "greedy", None)

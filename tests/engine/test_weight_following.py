@@ -49,9 +49,20 @@ def _data_assign(model, other):
         p.data = q.detach().clone()
 
 
+def _module(model, other):
+    """New submodules (their Parameters new with them): an MLP projection and a norm."""
+    layer, new = model.model.layers[0], other.model.layers[0]
+    down = torch.nn.Linear(128, 64, bias=False)
+    down.load_state_dict(new.mlp.down_proj.state_dict())
+    layer.mlp.down_proj = down
+    norm = type(layer.post_attention_layernorm)(64, eps=layer.post_attention_layernorm.variance_epsilon)
+    norm.load_state_dict(new.post_attention_layernorm.state_dict())
+    layer.post_attention_layernorm = norm
+
+
 CHANGES = {"optimizer_step": _optimizer_step, "mul_": _mul, "load_state_dict": _load,
            "load_state_dict_assign": _load_assign, "attribute": _attribute,
-           "data_assign": _data_assign}
+           "data_assign": _data_assign, "module": _module}
 PATHS = {"native": {}, "fused_loop": {"native": False},
          "transformers_packed": {"cfg": {"greedy_head": False}, "no_fused": True},
          "unpacked": {"cfg": {"pack_weights": False, "greedy_head": False}}}
