@@ -343,8 +343,7 @@ class TransformersRunner:
                 self.graphs = decode_graph_runner(self, self._max_num_seqs, max_blocks)
         if weights and self._weights_released:
             self._weights_released = False
-            if self.packed is not None:
-                self.packed.refresh(force=True)
+            self.refresh_weights()     # repacks (rebuilds, if a submodule was replaced asleep)
             self.head, self._decoder = self._choose_head(self._greedy_mode)
 
     def refresh_weights(self) -> None:

@@ -211,6 +211,11 @@ def test_sleep_level_2_frees_the_weight_copies_too():
     freed = engine.sleep(level=2)
     assert freed > pool if packed else freed >= pool
     assert engine.stats()["sleeping"] == ["kv_cache", "weights"]
+    down = torch.nn.Linear(128, 64, bias=False)          # the trainer swaps a submodule
+    layer = model.model.layers[0]
+    down.load_state_dict({"weight": layer.mlp.down_proj.weight.detach() * -0.5})
+    layer.mlp.down_proj = down
+    engine.weights_updated()                             # asleep: the rebuild waits for wake_up
     engine.wake_up(["kv_cache"])
     assert engine.is_sleeping and engine.stats()["sleeping"] == ["weights"]
     engine.wake_up(tags=["weights"])
