@@ -45,7 +45,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     for _ in range(16):
         engine.add_request(torch.randint(1, 49152, (32,), generator=g).tolist(),
-                           SamplingParams(max_new_tokens=10_000, ignore_eos=True))
+                           SamplingParams(max_new_tokens=1000, ignore_eos=True))
     for _ in range(3):          # prefill and warm up
         engine.step()
     steps = []
