@@ -11,8 +11,7 @@ import torch
 
 from cb_kernels import _C
 from cb_kernels.ops import _backend
-from cb_kernels.ops.paged_attention.checks import (check_args, check_sinks, check_values,
-                                                   index_params)
+from cb_kernels.ops.paged_attention.checks import check_args, check_sinks, check_values
 from cb_kernels.ops.reference import ref_paged_attention
 
 # Default backend for CUDA tensors: reasoned, not yet measured (bench/gpu_check.sh's attention
@@ -154,14 +153,13 @@ def _run_cpu(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, sca
         raise RuntimeError("the 'cpu' paged_attention kernel is not compiled into cb_kernels._C "
                            "(rebuild the extension)")
     _backend.sync_threads()
-    p = index_params(q.shape[0], k_cache, block_tables, seq_lens, cu_seqlens_q)
-    p.q, p.k_cache, p.v_cache, p.out = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), \
-        out.data_ptr()
-    p.num_heads, p.head_dim, p.num_kv_heads = q.shape[1], q.shape[2], k_cache.shape[2]
-    p.q_stride_token, p.q_stride_head = q.stride(0), q.stride(1)
-    p.out_stride_token, p.out_stride_head = out.stride(0), out.stride(1)
-    p.k_stride_block, p.k_stride_token, p.k_stride_head = k_cache.stride()[:3]
-    p.v_stride_block, p.v_stride_token, p.v_stride_head = v_cache.stride()[:3]
-    p.dtype, p.scale, p.sliding_window, p.softcap = _backend.DTYPE_CODES[q.dtype], scale, window, cap
-    p.sinks = sinks.data_ptr() if sinks is not None else 0
-    _C.paged_attention(p, isa)
+    _C.paged_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        seq_lens.data_ptr(), cu_seqlens_q.data_ptr(), out.data_ptr(),
+        q.shape[0], q.shape[1], q.shape[2], block_tables.shape[0], block_tables.shape[1],
+        k_cache.shape[0], k_cache.shape[1], k_cache.shape[2],
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        _backend.DTYPE_CODES[q.dtype], scale, window, cap, isa,
+        sinks.data_ptr() if sinks is not None else 0)

@@ -104,19 +104,9 @@ def check_values(num_tokens: int, k_cache: torch.Tensor, block_tables: torch.Ten
     """Index checks on CPU tensors (see the module docstring for why CUDA skips them)."""
     if block_tables.device.type != "cpu":
         return
-    err = _C.paged_attention_index_error(index_params(num_tokens, k_cache, block_tables, seq_lens,
-                                                      cu_seqlens_q))
+    err = _C.paged_attention_index_error(
+        block_tables.data_ptr(), seq_lens.data_ptr(), cu_seqlens_q.data_ptr(),
+        block_tables.shape[0], block_tables.shape[1], block_tables.stride(0), num_tokens,
+        k_cache.shape[0], k_cache.shape[1])
     if err:
         raise ValueError(err)
-
-
-def index_params(num_tokens: int, k_cache, block_tables, seq_lens, cu_seqlens_q):
-    """A _C.PagedAttentionParams holding the index tensors and the sizes they are checked
-    against (all `_C.paged_attention_index_error` reads; the kernel call fills the rest)."""
-    p = _C.PagedAttentionParams()
-    p.block_tables, p.seq_lens, p.cu_seqlens_q = block_tables.data_ptr(), seq_lens.data_ptr(), \
-        cu_seqlens_q.data_ptr()
-    p.num_seqs, p.max_blocks_per_seq = block_tables.shape
-    p.block_table_stride, p.num_tokens = block_tables.stride(0), num_tokens
-    p.num_blocks, p.block_size = k_cache.shape[0], k_cache.shape[1]
-    return p
