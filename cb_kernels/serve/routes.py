@@ -33,6 +33,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
+from cb_kernels.serve import rl_routes
 from cb_kernels.serve.engine_loop import Draining, EngineLoop, QueueFull, Ticket
 from cb_kernels.serve.guard import Guard
 from cb_kernels.serve.metrics import ServerMetrics
@@ -50,12 +51,14 @@ class ServerConfig:
     """What the routes need of the command line; the defaults are `cb-kernels serve`'s."""
 
     def __init__(self, model_name: str, max_waiting: int = 256, drain_timeout: float = 30.0,
-                 max_request_seqs: int = 256, max_request_tokens: int = 1 << 20,
-                 max_request_bytes: int = 8 << 20, api_key=None, allowed_hosts=None,
-                 protect_metrics: bool = False, stream_buffer: int = 256,
-                 stream_stall_timeout: float = 30.0, max_header_bytes: int = 16384):
+                 enable_rl_endpoints: bool = False, max_request_seqs: int = 256,
+                 max_request_tokens: int = 1 << 20, max_request_bytes: int = 8 << 20,
+                 api_key=None, allowed_hosts=None, protect_metrics: bool = False,
+                 stream_buffer: int = 256, stream_stall_timeout: float = 30.0,
+                 max_header_bytes: int = 16384):
         self.model_name, self.max_waiting = model_name, max_waiting
         self.drain_timeout = drain_timeout
+        self.enable_rl_endpoints = enable_rl_endpoints      # serve/rl_routes.py
         self.max_request_seqs, self.max_request_tokens = max_request_seqs, max_request_tokens
         self.max_request_bytes, self.api_key = max_request_bytes, api_key
         self.allowed_hosts, self.protect_metrics = allowed_hosts, protect_metrics
@@ -139,6 +142,8 @@ def create_app(engine, config: ServerConfig, on_ready=None):
     async def chat_completions(request: Request):
         return await state.handle(request, ChatRequest)
 
+    if config.enable_rl_endpoints:       # behind the Guard too: the API key covers them
+        rl_routes.register(app, loop)
     return Guard(app, config.max_request_bytes, config.api_key, config.allowed_hosts,
                  config.protect_metrics, config.stream_stall_timeout, config.max_header_bytes)
 

@@ -69,6 +69,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of sampled requests without their own")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    p.add_argument("--enable-rl-endpoints", action="store_true",
+                   help="add vLLM's RL routes: /sleep, /wake_up, /pause, /resume, /update_weights, "
+                        "... (serve/rl_routes.py; anyone who reaches the port can use them)")
     add_engine_args(p)
 
 
@@ -142,11 +145,13 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"cb-kernels serve: {name} on http://{args.host}:{port} (ready)", file=sys.stderr,
               flush=True)
 
-    server_config = ServerConfig(name, args.max_waiting, args.drain_timeout, args.max_request_seqs,
-                                 args.max_request_tokens, args.max_request_bytes, api_key,
-                                 allowed_hosts(args.allowed_hosts, loopback),
-                                 args.protect_metrics, args.stream_buffer,
-                                 args.stream_stall_timeout, args.max_header_bytes)
+    server_config = ServerConfig(
+        name, args.max_waiting, args.drain_timeout, args.enable_rl_endpoints,
+        max_request_seqs=args.max_request_seqs, max_request_tokens=args.max_request_tokens,
+        max_request_bytes=args.max_request_bytes, api_key=api_key,
+        allowed_hosts=allowed_hosts(args.allowed_hosts, loopback),
+        protect_metrics=args.protect_metrics, stream_buffer=args.stream_buffer,
+        stream_stall_timeout=args.stream_stall_timeout, max_header_bytes=args.max_header_bytes)
     app = create_app(engine, server_config, ready)
     server = _Server(uvicorn.Config(app, log_level=args.log_level, access_log=args.access_log,
                                     timeout_graceful_shutdown=args.drain_timeout + 10,

@@ -451,3 +451,17 @@ def test_limit_flags_are_checked(model_dir):      # noqa: F811
                                  ("--request-head-timeout", "nan", "must be > 0")):
         with pytest.raises(SystemExit, match=f"{flag} {message}"):
             cli.main(["serve", "--model", str(model_dir), "--port", "0", flag, value])
+
+
+def test_rl_routes_need_the_key_and_json_too(model_dir, tmp_path):  # noqa: F811
+    s = Server(model_dir, tmp_path / "server.log", "--api-key", API_KEY, "--enable-rl-endpoints")
+    key = {"Authorization": f"Bearer {API_KEY}"}
+    try:
+        assert raw(s, "GET", "/is_paused")[0] == 401
+        assert raw(s, "POST", "/pause?mode=keep")[0] == 401
+        assert raw(s, "POST", "/pause?mode=keep", headers={**key, "Content-Type": ""})[0] == 415
+        assert raw(s, "POST", "/pause?mode=keep", headers=key)[0] == 200
+        assert raw(s, "GET", "/is_paused", headers=key)[1] == {"is_paused": True}
+        assert raw(s, "POST", "/resume", headers=key)[0] == 200
+    finally:
+        s.stop()
