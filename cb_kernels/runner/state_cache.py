@@ -42,6 +42,8 @@ from typing import Optional
 
 import torch
 
+from cb_kernels.runner import hybrid_kernels
+
 _STATE_CALLS = (".get_conv_state(", ".get_recurrent_state(", ".update_conv_state(",
                 ".update_recurrent_state(",
                 ".get_linear_cache(")     # MiniMax's lightning attention (MiniMaxCache)
@@ -228,6 +230,7 @@ class _Group:
 class StateStep:
     groups: list = field(default_factory=list)
     num_tokens: int = 0
+    varlen: Optional[object] = None   # hybrid_kernels.VarlenRows, built once by the first layer
 
 
 def plan(seqs: list, num_new_tokens: list, device: torch.device) -> StateStep:
@@ -396,6 +399,9 @@ class _Wrapped:
         self.entry = entry
         self.number_of_states = 1 + max((si for _, si in entry), default=0) if entry else 1
         self.stepwise = False      # later prefill chunks one token at a time (StateSwitch)
+        # One call for all rows on cb_kernels' ops where the layer maps onto them.
+        self.kernel, self.kernel_reason = (hybrid_kernels.kernel_for(module, entry)
+                                           if pool is not None else (None, "no state pool"))
 
     def _groups(self, step: StateStep):
         for g in step.groups:
@@ -424,6 +430,8 @@ class _Wrapped:
             raise RuntimeError(f"layer {self.layer_idx} got hidden states "
                                f"{tuple(hidden_states.shape)}, not the step's packed row "
                                f"[1, {n}, ...]")
+        if self.kernel is not None:
+            return self.kernel(hidden_states, hybrid_kernels.varlen_rows(step))
         per_token = {k for k, v in kwargs.items() if isinstance(v, torch.Tensor)
                      and v.dim() >= 2 and v.shape[0] == 1 and v.shape[1] == n}
         if self.held is not None:
