@@ -22,7 +22,8 @@ cache object (`_SlotCache`) and calls the module's own forward on it:
     (the layer's prefill path), else from its slot (a later chunk: the cache-continuation path);
 then writes the states the call read or wrote back into the slots (a layer may have several
 stateful modules, each with its own state index: Inkling). So the model's own layer code
-computes every state; nothing of ours reimplements a scan.
+computes every state, except in layers runner/hybrid_kernels.py has kernels for (gated
+delta-net, Mamba-2): those run all the step's rows in one call on the slots in place.
 
 Also handled: MiniMax's lightning attention (`get_linear_cache` / `set_linear_cache`: one state
 per layer, kept as recurrent state 0); blocks that keep their state on the module rather than in
