@@ -100,6 +100,8 @@ def test_registered_op():
     want = ref_causal_conv1d(x, w, b, s2, slots, cu, has)
     torch.testing.assert_close(got, want, **TOL[torch.float32])
     assert torch.equal(state, s2)
+    torch.library.opcheck(torch.ops.cb_kernels.causal_conv1d.default,
+                          (x, w, b, state, slots, cu, has, True))
 
 
 def _bad(**change):

@@ -137,6 +137,8 @@ def test_registered_op_and_torch_backend():
     want = ops.gated_delta_rule(*args[:5], s2, *args[6:], backend="torch")
     torch.testing.assert_close(got, want, **TOL[torch.float32])
     torch.testing.assert_close(s1, s2, **TOL[torch.float32])
+    torch.library.opcheck(torch.ops.cb_kernels.gated_delta_rule.default,
+                          (*args[:5], args[5].clone(), *args[6:], 24 ** -0.5))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

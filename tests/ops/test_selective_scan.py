@@ -96,6 +96,8 @@ def test_batch_invariance_and_registered_op():
         got = ops.selective_scan(x[a:e], dt[a:e], A, B[a:e], C[a:e], alone, slots[i:i + 1],
                                  torch.tensor([0, e - a], dtype=torch.int32), has[i:i + 1], **kw)
         assert torch.equal(got, out[a:e]) and torch.equal(alone[slots[i]], together[slots[i]])
+    torch.library.opcheck(torch.ops.cb_kernels.selective_scan.default,
+                          (x, dt, A, B, C, state.clone(), slots, cu, has, kw["D"], kw["dt_bias"]))
 
 
 def _bad(**change):
