@@ -43,11 +43,11 @@ PYBIND11_MODULE(_C, m) {
   bind_runtime(m);
   bind_paged_attention(m);
   bind_cache_ops(m);
-  bind_sampling(m);
+  bind_greedy_tokens(m);
   bind_elementwise(m);
   bind_greedy_head(m);
   bind_linear(m);
-  bind_decoder(m);
+  bind_fused_decoder(m);
   bind_gated_delta(m);
   bind_causal_conv1d(m);
   bind_selective_scan(m);

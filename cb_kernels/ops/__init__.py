@@ -7,7 +7,7 @@ checks, for arguments the caller has checked once (their docstrings say what is 
 from cb_kernels.ops._backend import available_backends
 from cb_kernels.ops.causal_conv1d import causal_conv1d, causal_conv1d_unchecked
 from cb_kernels.ops.copy_blocks import copy_blocks
-from cb_kernels.ops.decoder import FusedDecoder
+from cb_kernels.ops.fused_decoder import FusedDecoder
 from cb_kernels.ops.gated_delta_rule import gated_delta_rule, gated_delta_rule_unchecked
 from cb_kernels.ops.greedy_head import GreedyHead
 from cb_kernels.ops.greedy_tokens import greedy_tokens
