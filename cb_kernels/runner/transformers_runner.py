@@ -24,7 +24,8 @@ from typing import Optional
 import torch
 
 from cb_kernels import ops
-from cb_kernels.runner import state_cache, step_inputs, support, tensor_parallel
+from cb_kernels.runner import (hybrid_kernels, state_cache, step_inputs, support,
+                               tensor_parallel)
 from cb_kernels.runner.attention import AttentionSwitch, model_lock, step_context, text_config
 from cb_kernels.runner.positions import explicit_positions, position_modules
 from cb_kernels.runner.base import StepOutput
@@ -213,6 +214,8 @@ class TransformersRunner:
             self.state_tensors = self.state_pool.tensors
             self._states = state_cache.StateSwitch(self.state_layers, self.state_pool,
                                                    self._stepwise_chunks)
+            for line in hybrid_kernels.describe([w for _, w in self._states._wrapped]):
+                logger.info("stateful layers: %s", line)
         # The decode graphs carry no chunked view, and no state slots.
         if graphs_enabled(self.cuda_graphs, self.device) and self.chunk_size is None \
                 and not self.state_layers:
