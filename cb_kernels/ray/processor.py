@@ -78,7 +78,7 @@ def build_processor(config: ProcessorConfig, preprocess: Optional[Callable] = No
             EngineReplica, fn_constructor_kwargs=config.replica_kwargs(),
             batch_size=config.batch_size, compute=ray.data.ActorPoolStrategy(size=config.replicas),
             num_cpus=config.num_cpus,
-            num_gpus=config.num_gpus, batch_format="numpy")
+            num_gpus=config.num_gpus, batch_format="pyarrow")
         if postprocess is not None:
             dataset = dataset.map(postprocess)
         return dataset

@@ -16,8 +16,6 @@ from __future__ import annotations
 import json
 import os
 
-import numpy as np
-
 from cb_kernels.generate_cli import _sha, error_result, output_record, request_of, result_of
 
 # The columns EngineReplica writes; an input column of the same name is replaced.
@@ -26,17 +24,24 @@ OUTPUT_COLUMNS = ("id", "index", "text", "token_ids", "finish_reason", "error",
 PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
 
 
-def _plain(value):
-    """A value of a Ray Data batch (numpy arrays and scalars inside) as plain Python."""
-    if isinstance(value, np.ndarray):
-        return [_plain(v) for v in value]
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items() if v is not None}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
+def rows_of(batch) -> list:
+    """The rows of a Ray Data batch as plain Python dicts (a null field is None)."""
+    import pyarrow as pa
+
+    if not isinstance(batch, pa.Table):
+        raise TypeError("map_batches(..., batch_format='pyarrow') is needed: numpy batches turn "
+                        f"a missing int into NaN (got a {type(batch).__name__} batch)")
+    return batch.to_pylist()
+
+
+def table_of(batch, columns: dict, types: dict):
+    """The output batch: the input's columns except `columns` and "record", then `columns`."""
+    import pyarrow as pa
+
+    keep = [n for n in batch.column_names if n not in columns and n != "record"]
+    data = {n: batch.column(n) for n in keep}
+    data.update({n: pa.array(v, type=types[n]) for n, v in columns.items()})
+    return pa.table(data)
 
 
 def _record_of(row: dict) -> dict:
@@ -44,12 +49,30 @@ def _record_of(row: dict) -> dict:
         rec = json.loads(row["record"])
         return {"prompt": rec} if isinstance(rec, str) else rec
     # Arrow fills a column a row lacks with null: a null field is an absent one.
-    return {k: v for k, v in row.items() if v is not None}
+    return {k: _drop_nulls(v) for k, v in row.items() if v is not None}
+
+
+def _drop_nulls(value):
+    """Arrow gives a struct (a chat message, a logit_bias map) every key of its column: drop the
+    ones this row does not have."""
+    if isinstance(value, dict):
+        return {k: _drop_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_drop_nulls(v) for v in value]
+    return value
+
+
+def _types() -> dict:
+    import pyarrow as pa
+
+    return {"id": pa.string(), "index": pa.int64(), "text": pa.string(),
+            "token_ids": pa.list_(pa.int64()), "finish_reason": pa.string(),
+            "error": pa.string(), "num_prompt_tokens": pa.int64(), "output": pa.string()}
 
 
 class EngineReplica:
-    """A stateful callable for `ray.data.Dataset.map_batches(EngineReplica, concurrency=N,
-    fn_constructor_kwargs={...})`: builds one Engine per actor and runs every row of a batch
+    """A stateful callable for `ray.data.Dataset.map_batches(EngineReplica,
+    batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=N), fn_constructor_kwargs={...})`: builds one Engine per actor and runs every row of a batch
     through it at once, so continuous batching sees the whole batch (batch_size rows in flight,
     up to the engine's max_num_seqs).
 
@@ -80,11 +103,9 @@ class EngineReplica:
         self.chat, self.seed, self.settings = chat, seed, settings_fingerprint
 
     def __call__(self, batch: dict) -> dict:
-        names = list(batch)
-        count = len(batch[names[0]]) if names else 0
-        rows = [{k: _plain(batch[k][i]) for k in names} for i in range(count)]
+        rows = rows_of(batch)
         records = [_record_of(row) for row in rows]
-        results, pending = [None] * count, {}
+        results, pending = [None] * len(rows), {}
         for i, (row, rec) in enumerate(zip(rows, records)):
             index = row.get("index")
             try:
@@ -104,11 +125,9 @@ class EngineReplica:
             rid = row.get("id", rec.get("id", row.get("index")))
             lines.append(output_record(row.get("index"), None if rid is None else str(rid),
                                        result, _sha(rec), self.settings))
-        out = {k: batch[k] for k in names if k not in OUTPUT_COLUMNS and k != "record"}
-        for column in OUTPUT_COLUMNS[:-1]:
-            out[column] = [line[column] for line in lines]
-        out["output"] = [json.dumps(line, ensure_ascii=False) for line in lines]
-        return out
+        columns = {c: [line[c] for line in lines] for c in OUTPUT_COLUMNS[:-1]}
+        columns["output"] = [json.dumps(line, ensure_ascii=False) for line in lines]
+        return table_of(batch, columns, _types())
 
     def pid(self) -> int:
         """The actor's process id (tests kill it)."""

@@ -23,32 +23,6 @@ else:
 from cb_kernels import cli  # noqa: E402
 
 ROWS = 36
-TEMPLATE = ("{% for m in messages %}w1 {{ m['content'].strip() }} {% endfor %}"
-            "{% if add_generation_prompt %}w2{% endif %}")
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    """One local Ray cluster for the module: 2 CPUs (one per replica), no dashboard."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def model_dir(tiny_checkpoint, tmp_path_factory):
-    """The tiny random Llama with a word tokenizer (w1..w299) and a chat template."""
-    from tests.helpers import make_tokenizer
-
-    path = tmp_path_factory.mktemp("ray_model")
-    for f in tiny_checkpoint.iterdir():
-        shutil.copy(f, path)
-    tok = make_tokenizer()
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(path)
-    return path
 
 
 def _records():
