@@ -23,6 +23,9 @@ Logprob dicts map token ids (as JSON strings) to logprobs. The fingerprints (sha
 the input record and of the options that change results: model, dtype, --chat, sampling) let
 `--resume` refuse an output made from another input or with other settings instead of mixing
 them.
+
+`--ray [ADDRESS] --replicas N` runs the same job on a Ray cluster (cb_kernels.ray.generate, the
+`ray` extra) with the same input checks and output lines.
 """
 from __future__ import annotations
 

@@ -167,6 +167,8 @@ def test_an_interrupted_job_resumes(cluster, model_dir, single, tmp_path, monkey
     assert list(_lines(dst))[:len(kept)] == list(kept)        # the kept lines stay first
     assert cli.main(_argv(model_dir, src, dst, *RAY, "--resume")) == 0   # nothing left: no Ray job
     assert _lines(dst) == reference
+    assert cli.main(_argv(model_dir, src, dst, "--resume")) == 0     # the single engine agrees
+    assert _lines(dst) == reference
 
 
 def test_a_model_that_cannot_load_fails_at_start(cluster, model_dir, tmp_path):
