@@ -125,8 +125,28 @@ def settings_fingerprint(args: argparse.Namespace, device: str) -> str:
 
 
 def read_records(path: Path) -> list:
-    """[(index, id, record)] of the input; SystemExit naming the line for anything malformed."""
+    """[(index, id, record)] of the input (jsonl, or parquet: one row per line); SystemExit naming
+    the line for anything malformed."""
     records = []
+    for n, rec in _parquet_rows(path) if path.suffix == ".parquet" else _jsonl_rows(path):
+        if isinstance(rec, str):
+            rec = {"prompt": rec}
+        keys = [k for k in ("prompt", "messages", "prompt_token_ids")
+                if isinstance(rec, dict) and k in rec]
+        if len(keys) != 1:
+            raise SystemExit(f"--input {path}, line {n + 1}: expected a string or an object with exactly "
+                             f"one of 'prompt', 'messages', 'prompt_token_ids'")
+        records.append((n, str(rec.get("id", n)), rec))
+    first_line = {}
+    for n, rid, _ in records:
+        if rid in first_line:
+            raise SystemExit(f"--input {path}: ids must be unique; id {rid!r} is on lines "
+                             f"{first_line[rid] + 1} and {n + 1}")
+        first_line[rid] = n
+    return records
+
+
+def _jsonl_rows(path: Path):
     with open(path, "rb") as f:
         for n, raw in enumerate(f):
             try:
@@ -137,24 +157,35 @@ def read_records(path: Path) -> list:
             if not line.strip():
                 continue
             try:
-                rec = json.loads(line)
+                yield n, json.loads(line)
             except ValueError as e:
                 raise SystemExit(f"--input {path}, line {n + 1}: not JSON ({e})") from None
-            if isinstance(rec, str):
-                rec = {"prompt": rec}
-            keys = [k for k in ("prompt", "messages", "prompt_token_ids")
-                    if isinstance(rec, dict) and k in rec]
-            if len(keys) != 1:
-                raise SystemExit(f"--input {path}, line {n + 1}: expected a string or an object with exactly "
-                                 f"one of 'prompt', 'messages', 'prompt_token_ids'")
-            records.append((n, str(rec.get("id", n)), rec))
-    first_line = {}
-    for n, rid, _ in records:
-        if rid in first_line:
-            raise SystemExit(f"--input {path}: ids must be unique; id {rid!r} is on lines "
-                             f"{first_line[rid] + 1} and {n + 1}")
-        first_line[rid] = n
-    return records
+
+
+def _parquet_rows(path: Path):
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise SystemExit(f"--input {path}: reading parquet needs pyarrow (pip install pyarrow, "
+                         "or the ray extra)") from None
+    try:
+        table = pq.read_table(path)
+    except (OSError, pa.ArrowException) as e:
+        raise SystemExit(f"--input {path}: not a readable parquet file ({e})") from None
+    for n, row in enumerate(table.to_pylist()):
+        yield n, drop_nulls(row)
+
+
+def drop_nulls(value):
+    """A row from Arrow as the jsonl line it stands for: Arrow gives a row every column of its
+    table, and a struct (a chat message, a logit_bias map) every key of its column, null where
+    the row has none; those fields are dropped."""
+    if isinstance(value, dict):
+        return {k: drop_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [drop_nulls(v) for v in value]
+    return value
 
 
 def _render_chat(tokenizer, messages) -> list:
@@ -348,6 +379,10 @@ def prepare_job(args: argparse.Namespace, device: str) -> Job:
     in_path, out_path = Path(args.input), Path(args.output)
     if not in_path.is_file():
         raise SystemExit(f"--input {in_path} does not exist")
+    if out_path.suffix == ".parquet":
+        raise SystemExit(f"--output {out_path}: results are written as jsonl (one line the moment "
+                         "each finishes, which --resume needs); convert afterwards, e.g. "
+                         "pyarrow.json.read_json(...) then pyarrow.parquet.write_table(...)")
     records = read_records(in_path)
     settings = settings_fingerprint(args, device)
     inputs = {rid: (index, _sha(rec)) for index, rid, rec in records}

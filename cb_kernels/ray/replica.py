@@ -16,7 +16,8 @@ from __future__ import annotations
 import json
 import os
 
-from cb_kernels.generate_cli import _sha, error_result, output_record, request_of, result_of
+from cb_kernels.generate_cli import (_sha, drop_nulls, error_result, output_record, request_of,
+                                     result_of)
 
 # The columns EngineReplica writes; an input column of the same name is replaced.
 OUTPUT_COLUMNS = ("id", "index", "text", "token_ids", "finish_reason", "error",
@@ -49,17 +50,7 @@ def _record_of(row: dict) -> dict:
         rec = json.loads(row["record"])
         return {"prompt": rec} if isinstance(rec, str) else rec
     # Arrow fills a column a row lacks with null: a null field is an absent one.
-    return {k: _drop_nulls(v) for k, v in row.items() if v is not None}
-
-
-def _drop_nulls(value):
-    """Arrow gives a struct (a chat message, a logit_bias map) every key of its column: drop the
-    ones this row does not have."""
-    if isinstance(value, dict):
-        return {k: _drop_nulls(v) for k, v in value.items() if v is not None}
-    if isinstance(value, list):
-        return [_drop_nulls(v) for v in value]
-    return value
+    return drop_nulls(row)
 
 
 def _types() -> dict:

@@ -101,6 +101,27 @@ def test_ray_output_equals_the_single_engine(cluster, model_dir, single, tmp_pat
     assert sum(r["finish_reason"] == "length" for r in res.values()) == ROWS
 
 
+def test_parquet_input_gives_the_jsonl_lines(cluster, model_dir, single, tmp_path):
+    """A parquet --input (one row per line; Arrow's nulls for the fields a row lacks are dropped)
+    gives the lines the jsonl input gives, fingerprints included; a parquet --output is refused
+    (results stream out as jsonl)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    _, reference = single
+    good = _records()[:ROWS]                    # the bad rows mix types in a column: not Arrow
+    src, dst = tmp_path / "in.parquet", tmp_path / "out.jsonl"
+    schema = pa.unify_schemas([pa.Table.from_pylist([r]).schema for r in good])
+    pq.write_table(pa.Table.from_pylist(good, schema=schema), src)
+    assert cli.main(_argv(model_dir, src, dst, *RAY)) == 0
+    assert _lines(dst) == {r["id"]: reference[r["id"]] for r in good}
+    with pytest.raises(SystemExit, match="results are written as jsonl"):
+        cli.main(_argv(model_dir, src, tmp_path / "out.parquet", *RAY))
+    src.write_bytes(b"PAR1 not really")
+    with pytest.raises(SystemExit, match="not a readable parquet file"):
+        cli.main(_argv(model_dir, src, dst, *RAY))
+
+
 def _map_workers() -> list:
     """Pids of this cluster's Ray Data actor processes (their title is ray::MapWorker(...))."""
     import psutil
