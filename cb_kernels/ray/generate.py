@@ -25,19 +25,23 @@ def _output_batches(dataset):
     return dataset.iter_batches(batch_size=None, batch_format="numpy")
 
 
+# ProcessorConfig's fields as the flags that set them (its errors name the field first).
+_FLAGS = {"replicas": "--replicas", "batch_size": "--ray-batch-size",
+          "num_cpus": "--cpus-per-replica", "num_gpus": "--gpus-per-replica"}
+
+
 def _processor_config(args, config, params) -> ProcessorConfig:
     try:
         return ProcessorConfig(
             model=args.model, engine_config=config, sampling_params=params, dtype=args.dtype,
             device=args.device, chat=args.chat, seed=args.seed,
-            trust_remote_code=args.trust_remote_code, replicas=1 if args.replicas is None else args.replicas,
+            trust_remote_code=args.trust_remote_code,
+            replicas=1 if args.replicas is None else args.replicas,
             batch_size=args.ray_batch_size, num_cpus=args.cpus_per_replica,
             num_gpus=args.gpus_per_replica)
     except (ValueError, TypeError) as e:
-        raise SystemExit(f"--ray: {e}".replace("replicas must", "--replicas must")
-                         .replace("batch_size must", "--ray-batch-size must")
-                         .replace("num_cpus must", "--cpus-per-replica must")
-                         .replace("num_gpus must", "--gpus-per-replica must")) from None
+        field, _, rest = str(e).partition(" ")
+        raise SystemExit(f"--ray: {_FLAGS.get(field, field)} {rest}") from None
 
 
 def _init_ray(address: str) -> bool:
@@ -66,7 +70,7 @@ def run_on_ray(args, config, params) -> int:
     from tqdm import tqdm
 
     device = args.device or ("cuda" if args.gpus_per_replica > 0 else "cpu")
-    checked = _processor_config(args, config, params)         # bad flags fail before the input is read
+    checked = _processor_config(args, config, params)    # bad flags fail before the input is read
     job = prepare_job(args, device)
     processor = build_processor(replace(checked, settings_fingerprint=job.settings))
     started = _init_ray(args.ray) if job.todo else False
@@ -75,7 +79,8 @@ def run_on_ray(args, config, params) -> int:
     mode = "a" if args.resume else "w"
     try:
         with open(job.out_path, mode, encoding="utf-8") as out, \
-                tqdm(total=len(job.todo), unit="req", desc=f"generate (ray, {checked.replicas} replicas)", file=sys.stderr) as bar:
+                tqdm(total=len(job.todo), unit="req", file=sys.stderr,
+                     desc=f"generate (ray, {checked.replicas} replicas)") as bar:
             if not job.todo:
                 return _done(0, job.out_path)
             rows = [{"id": rid, "index": index, "record": json.dumps(rec, ensure_ascii=False)}

@@ -45,7 +45,7 @@ class ServeClient:
                         **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
         self.offset = os.getpid()          # actors start their rows on different replicas
 
-    def __call__(self, batch: dict) -> dict:
+    def __call__(self, batch):
         import pyarrow as pa
 
         rows = [_record_of(row) for row in rows_of(batch)]

@@ -1,4 +1,4 @@
-"""build_processor: a `Dataset -> Dataset` callable in the style of `ray.data.llm.build_processor`."""
+"""build_processor: a `Dataset -> Dataset` callable in the style of ray.data.llm's."""
 from __future__ import annotations
 
 import os
@@ -31,7 +31,8 @@ class ProcessorConfig:
 
     def __post_init__(self):
         if not isinstance(self.model, (str, os.PathLike)) or not str(self.model).strip():
-            raise ValueError(f"model must be a built-in name or a checkpoint folder, got {self.model!r}")
+            raise ValueError("model must be a built-in name or a checkpoint folder, got "
+                             f"{self.model!r}")
         for name in ("replicas", "batch_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -45,7 +46,8 @@ class ProcessorConfig:
             raise ValueError(f"engine_config.tensor_parallel_size={tp}: tensor parallelism inside "
                              "a Ray replica is not supported yet; run one replica per device")
         if self.device == "cuda" and not self.num_gpus:
-            raise ValueError("device='cuda' needs num_gpus > 0 (Ray gives an actor no GPU otherwise)")
+            raise ValueError("device='cuda' needs num_gpus > 0 (Ray gives an actor no GPU "
+                             "otherwise)")
 
     def replica_kwargs(self) -> dict:
         """EngineReplica's constructor arguments."""
@@ -76,9 +78,8 @@ def build_processor(config: ProcessorConfig, preprocess: Optional[Callable] = No
             dataset = dataset.map(preprocess)
         dataset = dataset.map_batches(
             EngineReplica, fn_constructor_kwargs=config.replica_kwargs(),
-            batch_size=config.batch_size, compute=ray.data.ActorPoolStrategy(size=config.replicas),
-            num_cpus=config.num_cpus,
-            num_gpus=config.num_gpus, batch_format="pyarrow")
+            batch_size=config.batch_size, batch_format="pyarrow", num_cpus=config.num_cpus,
+            num_gpus=config.num_gpus, compute=ray.data.ActorPoolStrategy(size=config.replicas))
         if postprocess is not None:
             dataset = dataset.map(postprocess)
         return dataset

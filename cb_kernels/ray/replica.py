@@ -14,7 +14,6 @@ token id, which Arrow would turn into a column per id). Other input columns pass
 from __future__ import annotations
 
 import json
-import os
 
 from cb_kernels.generate_cli import (_sha, drop_nulls, error_result, output_record, request_of,
                                      result_of)
@@ -62,10 +61,10 @@ def _types() -> dict:
 
 
 class EngineReplica:
-    """A stateful callable for `ray.data.Dataset.map_batches(EngineReplica,
-    batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=N), fn_constructor_kwargs={...})`: builds one Engine per actor and runs every row of a batch
-    through it at once, so continuous batching sees the whole batch (batch_size rows in flight,
-    up to the engine's max_num_seqs).
+    """A stateful callable for `ray.data.Dataset.map_batches(EngineReplica, batch_format="pyarrow",
+    compute=ray.data.ActorPoolStrategy(size=N), fn_constructor_kwargs={...})`: builds one Engine
+    per actor and puts every row of a batch into it at once, so continuous batching sees the
+    whole batch (batch_size rows in flight, up to the engine's max_num_seqs).
 
     model: built-in name or checkpoint folder (readable on every node); engine_config:
     EngineConfig; sampling_params: SamplingParams, the default of every row; dtype: as
@@ -93,7 +92,7 @@ class EngineReplica:
         self.params = sampling_params or SamplingParams()
         self.chat, self.seed, self.settings = chat, seed, settings_fingerprint
 
-    def __call__(self, batch: dict) -> dict:
+    def __call__(self, batch):
         rows = rows_of(batch)
         records = [_record_of(row) for row in rows]
         results, pending = [None] * len(rows), {}
@@ -113,13 +112,10 @@ class EngineReplica:
                 results[pending.pop(o.request_id)] = result_of(o)
         lines = []
         for row, rec, result in zip(rows, records, results):
-            rid = row.get("id", rec.get("id", row.get("index")))
+            rid = next((v for v in (row.get("id"), rec.get("id"), row.get("index"))
+                        if v is not None), None)
             lines.append(output_record(row.get("index"), None if rid is None else str(rid),
                                        result, _sha(rec), self.settings))
         columns = {c: [line[c] for line in lines] for c in OUTPUT_COLUMNS[:-1]}
         columns["output"] = [json.dumps(line, ensure_ascii=False) for line in lines]
         return table_of(batch, columns, _types())
-
-    def pid(self) -> int:
-        """The actor's process id (tests kill it)."""
-        return os.getpid()
