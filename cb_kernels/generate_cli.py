@@ -54,13 +54,13 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
                         "AVX512-BF16 or AMX, else float32)")
     p.add_argument("--trust-remote-code", action="store_true", help="let the checkpoint run its own code")
     add_engine_args(p)
-    r = p.add_argument_group("Ray (the `ray` extra; cb_kernels.ray)")
-    r.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
-                   help="run on a Ray cluster (ray.init(ADDRESS); none: a local cluster)")
-    r.add_argument("--replicas", type=int, default=None, help="engines (Ray actors); default 1")
-    r.add_argument("--ray-batch-size", type=int, default=64, help="rows per Ray Data batch")
-    r.add_argument("--cpus-per-replica", type=float, default=1.0)
-    r.add_argument("--gpus-per-replica", type=float, default=0.0)
+    ray = p.add_argument_group("Ray (the `ray` extra; cb_kernels.ray)")
+    ray.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                     help="run on a Ray cluster (ray.init(ADDRESS); none: a local cluster)")
+    ray.add_argument("--replicas", type=int, default=None, help="engines (Ray actors); default 1")
+    ray.add_argument("--ray-batch-size", type=int, default=64, help="rows per Ray Data batch")
+    ray.add_argument("--cpus-per-replica", type=float, default=1.0)
+    ray.add_argument("--gpus-per-replica", type=float, default=0.0)
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the model over N processes (torch.distributed; started here "
                         "unless run under torchrun)")

@@ -53,7 +53,7 @@ class ServeClient:
             results = list(pool.map(self._one, range(len(rows)), rows))
         self.offset += len(rows)
         types = {c: pa.int64() if c.startswith("num_") else pa.string() for c in COLUMNS}
-        return table_of(batch, {c: [r.get(c) for r in results] for c in COLUMNS}, types)
+        return table_of(batch, {c: [res.get(c) for res in results] for c in COLUMNS}, types)
 
     def _body(self, rec: dict) -> tuple:
         keys = [k for k in PROMPT_KEYS if k in rec]
@@ -75,8 +75,8 @@ class ServeClient:
             url = self.urls[(self.offset + i + k) % len(self.urls)]
             req = urllib.request.Request(url + path, data=data, headers=self.headers)
             try:
-                with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
-                    answer = json.loads(r.read())
+                with urllib.request.urlopen(req, timeout=self.timeout_s) as response:
+                    answer = json.loads(response.read())
             except urllib.error.HTTPError as e:
                 if e.code == 503:            # draining or its queue is full: another replica
                     failures.append(f"{url}: 503")
