@@ -126,13 +126,17 @@ def main() -> int:
                   identical_lines=f"{same}/{len(single_out)}", ray_s_per_row=per_row,
                   ray_overhead_vs_single_row=per_row * rate["single"],
                   load_average_end=os.getloadavg()[0], cpu=open("/proc/cpuinfo").read()
-                  .split("model name")[1].split("\n")[0].strip(": "), cores=os.cpu_count())
+                  .split("model name")[1].split("\n")[0].split(":", 1)[1].strip(), cores=os.cpu_count())
     for name in ("single", "ray"):
         print(f"{name:6s}: start-up {walls[name]['small']:.1f} s, {a.rows} rows {walls[name]['big']:.1f} s,"
               f" {rate[name]:.2f} rows/s ({rate[name] * a.max_new_tokens:.0f} tok/s) once running")
     print(f"ray x2 / single x2 threads: {result['ray_vs_single']:.2f}x; identical lines {same}/{len(single_out)}")
-    print(f"Ray Data per row (do-nothing actors): {per_row * 1e3:.2f} ms = "
-          f"{result['ray_overhead_vs_single_row'] * 100:.1f}% of a row's generation time")
+    if per_row > 0:
+        print(f"Ray Data per row (do-nothing actors): {per_row * 1e3:.2f} ms = "
+              f"{result['ray_overhead_vs_single_row'] * 100:.1f}% of a row's generation time")
+    else:
+        print("Ray Data per row (do-nothing actors): below resolution (the big job took no longer "
+              "than the small one)")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1)
