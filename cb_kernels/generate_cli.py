@@ -23,6 +23,9 @@ Logprob dicts map token ids (as JSON strings) to logprobs. The fingerprints (sha
 the input record and of the options that change results: model, dtype, --chat, sampling) let
 `--resume` refuse an output made from another input or with other settings instead of mixing
 them.
+
+`--ray [ADDRESS] --replicas N` runs the same job on a Ray cluster (cb_kernels.ray.generate, the
+`ray` extra) with the same input checks and output lines.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ import hashlib
 import json
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 # Requests queued in the engine at once: enough to keep every batch full, few enough that a
 # million-line file does not sit in memory as token ids.
@@ -50,6 +54,13 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
                         "AVX512-BF16 or AMX, else float32)")
     p.add_argument("--trust-remote-code", action="store_true", help="let the checkpoint run its own code")
     add_engine_args(p)
+    ray = p.add_argument_group("Ray (the `ray` extra; cb_kernels.ray)")
+    ray.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                     help="run on a Ray cluster (ray.init(ADDRESS); none: a local cluster)")
+    ray.add_argument("--replicas", type=int, default=None, help="engines (Ray actors); default 1")
+    ray.add_argument("--ray-batch-size", type=int, default=64, help="rows per Ray Data batch")
+    ray.add_argument("--cpus-per-replica", type=float, default=1.0)
+    ray.add_argument("--gpus-per-replica", type=float, default=0.0)
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the model over N processes (torch.distributed; started here "
                         "unless run under torchrun)")
@@ -90,7 +101,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 _NOT_IN_FINGERPRINT = frozenset({
     "fn", "command", "input", "output", "resume", "device", "trust_remote_code", "block_size",
     "num_blocks", "max_batch_tokens", "max_num_seqs", "cpu_offload_gib", "preemption",
-    "no_prefix_caching", "attention_backend", "tensor_parallel_size"})
+    "no_prefix_caching", "attention_backend", "tensor_parallel_size", "ray", "replicas",
+    "ray_batch_size", "cpus_per_replica", "gpus_per_replica"})
 
 
 def _sha(value) -> str:
@@ -113,8 +125,28 @@ def settings_fingerprint(args: argparse.Namespace, device: str) -> str:
 
 
 def read_records(path: Path) -> list:
-    """[(index, id, record)] of the input; SystemExit naming the line for anything malformed."""
+    """[(index, id, record)] of the input (jsonl, or parquet: one row per line); SystemExit naming
+    the line for anything malformed."""
     records = []
+    for n, rec in _parquet_rows(path) if path.suffix == ".parquet" else _jsonl_rows(path):
+        if isinstance(rec, str):
+            rec = {"prompt": rec}
+        keys = [k for k in ("prompt", "messages", "prompt_token_ids")
+                if isinstance(rec, dict) and k in rec]
+        if len(keys) != 1:
+            raise SystemExit(f"--input {path}, line {n + 1}: expected a string or an object with exactly "
+                             f"one of 'prompt', 'messages', 'prompt_token_ids'")
+        records.append((n, str(rec.get("id", n)), rec))
+    first_line = {}
+    for n, rid, _ in records:
+        if rid in first_line:
+            raise SystemExit(f"--input {path}: ids must be unique; id {rid!r} is on lines "
+                             f"{first_line[rid] + 1} and {n + 1}")
+        first_line[rid] = n
+    return records
+
+
+def _jsonl_rows(path: Path):
     with open(path, "rb") as f:
         for n, raw in enumerate(f):
             try:
@@ -125,24 +157,35 @@ def read_records(path: Path) -> list:
             if not line.strip():
                 continue
             try:
-                rec = json.loads(line)
+                yield n, json.loads(line)
             except ValueError as e:
                 raise SystemExit(f"--input {path}, line {n + 1}: not JSON ({e})") from None
-            if isinstance(rec, str):
-                rec = {"prompt": rec}
-            keys = [k for k in ("prompt", "messages", "prompt_token_ids")
-                    if isinstance(rec, dict) and k in rec]
-            if len(keys) != 1:
-                raise SystemExit(f"--input {path}, line {n + 1}: expected a string or an object with exactly "
-                                 f"one of 'prompt', 'messages', 'prompt_token_ids'")
-            records.append((n, str(rec.get("id", n)), rec))
-    first_line = {}
-    for n, rid, _ in records:
-        if rid in first_line:
-            raise SystemExit(f"--input {path}: ids must be unique; id {rid!r} is on lines "
-                             f"{first_line[rid] + 1} and {n + 1}")
-        first_line[rid] = n
-    return records
+
+
+def _parquet_rows(path: Path):
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise SystemExit(f"--input {path}: reading parquet needs pyarrow (pip install pyarrow, "
+                         "or the ray extra)") from None
+    try:
+        table = pq.read_table(path)
+    except (OSError, pa.ArrowException) as e:
+        raise SystemExit(f"--input {path}: not a readable parquet file ({e})") from None
+    for n, row in enumerate(table.to_pylist()):
+        yield n, drop_nulls(row)
+
+
+def drop_nulls(value):
+    """A row from Arrow as the jsonl line it stands for: Arrow gives a row every column of its
+    table, and a struct (a chat message, a logit_bias map) every key of its column, null where
+    the row has none; those fields are dropped."""
+    if isinstance(value, dict):
+        return {k: drop_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [drop_nulls(v) for v in value]
+    return value
 
 
 def _render_chat(tokenizer, messages) -> list:
@@ -158,7 +201,7 @@ def _render_chat(tokenizer, messages) -> list:
                          f"{e})") from None
 
 
-def _prompt_of(rec: dict, tokenizer, chat: bool):
+def prompt_of(rec: dict, tokenizer, chat: bool):
     if "prompt_token_ids" in rec:
         ids = rec["prompt_token_ids"]
         if not isinstance(ids, list) or any(isinstance(t, bool) or not isinstance(t, int)
@@ -206,22 +249,25 @@ def engine_config(args):
 
 
 def _configs(args):
-    from cb_kernels import SamplingParams
-
     try:
-        config = engine_config(args)
-        params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                                ignore_eos=args.ignore_eos, n=args.n, logprobs=args.logprobs,
-                                prompt_logprobs=args.prompt_logprobs, stop=args.stop,
-                                include_stop_str_in_output=args.include_stop_str_in_output,
-                                min_new_tokens=args.min_new_tokens, min_p=args.min_p,
-                                repetition_penalty=args.repetition_penalty,
-                                frequency_penalty=args.frequency_penalty,
-                                presence_penalty=args.presence_penalty)
+        return engine_config(args), sampling_params(args)
     except (ValueError, TypeError) as e:
         raise SystemExit(f"bad option: {e}") from None
-    return config, params
+
+
+def sampling_params(args):
+    """The SamplingParams of the command line (ValueError/TypeError for a bad one)."""
+    from cb_kernels import SamplingParams
+
+    return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                          top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                          ignore_eos=args.ignore_eos, n=args.n, logprobs=args.logprobs,
+                          prompt_logprobs=args.prompt_logprobs, stop=args.stop,
+                          include_stop_str_in_output=args.include_stop_str_in_output,
+                          min_new_tokens=args.min_new_tokens, min_p=args.min_p,
+                          repetition_penalty=args.repetition_penalty,
+                          frequency_penalty=args.frequency_penalty,
+                          presence_penalty=args.presence_penalty)
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -232,19 +278,17 @@ def run_generate(args: argparse.Namespace) -> int:
     from cb_kernels.models import fast_dtype, load
 
     config, params = _configs(args)
+    if args.ray is not None:
+        from cb_kernels.ray.generate import run_on_ray
+
+        return run_on_ray(args, config, params)
+    if args.replicas is not None:
+        raise SystemExit("--replicas needs --ray (replicas are Ray actors)")
     rank = torch.distributed.get_rank() if torch.distributed.is_available() and \
         torch.distributed.is_initialized() else 0
-    in_path, out_path = Path(args.input), Path(args.output)
-    if not in_path.is_file():
-        raise SystemExit(f"--input {in_path} does not exist")
-    records = read_records(in_path)
-    settings = settings_fingerprint(args, args.device or ("cuda" if torch.cuda.is_available()
-                                                          else "cpu"))
-    inputs = {rid: (index, _sha(rec)) for index, rid, rec in records}
-    done = _finished_ids(out_path, inputs, settings) if args.resume else set()
-    _check_output(out_path)
-    todo = [r for r in records if r[1] not in done]
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    job = prepare_job(args, device)
+    out_path, todo, inputs, settings = job.out_path, job.todo, job.inputs, job.settings
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device")
     if config.tensor_parallel_size > 1 and not _in_process_group():
@@ -289,9 +333,8 @@ def run_generate(args: argparse.Namespace) -> int:
             tqdm(total=len(todo), unit="req", desc="generate", file=sys.stderr) as bar:
         def emit(index, rid, result):
             nonlocal written
-            out.write(json.dumps({"id": rid, "index": index, **result,
-                                  "input_fingerprint": inputs[rid][1],
-                                  "settings_fingerprint": settings}, ensure_ascii=False) + "\n")
+            out.write(json.dumps(output_record(index, rid, result, inputs[rid][1], settings),
+                                 ensure_ascii=False) + "\n")
             out.flush()
             written += 1
             bar.update(1)
@@ -301,12 +344,10 @@ def run_generate(args: argparse.Namespace) -> int:
             while True:
                 for index, rid, rec in feed if len(pending) < MAX_QUEUED else ():
                     try:
-                        p = params_of(rec, params, args.seed, index)
-                        pending[engine.add_request(_prompt_of(rec, tokenizer, args.chat), p)] = (index, rid)
+                        prompt, p = request_of(rec, index, params, tokenizer, args.chat, args.seed)
+                        pending[engine.add_request(prompt, p)] = (index, rid)
                     except (ValueError, TypeError) as e:
-                        emit(index, rid, {"text": None, "token_ids": [], "finish_reason": "error",
-                                          "error": f"line {index + 1}: {e}",
-                                          "num_prompt_tokens": None})
+                        emit(index, rid, error_result(index, e))
                     if len(pending) >= MAX_QUEUED:
                         break
                 if not engine.has_unfinished():
@@ -323,6 +364,51 @@ def run_generate(args: argparse.Namespace) -> int:
             engine.release()             # the other ranks' follow() returns
     print(f"{written} results written to {out_path}", file=sys.stderr)
     return 0
+
+
+class Job(NamedTuple):
+    """A checked `generate` job: the input's records, those still to run (not in the output
+    when resuming), id -> (index, input fingerprint), the settings fingerprint, the output path."""
+    records: list
+    todo: list
+    inputs: dict
+    settings: str
+    out_path: Path
+
+
+def prepare_job(args: argparse.Namespace, device: str) -> Job:
+    """Reads and checks --input, --output and (with --resume) what the output already holds;
+    SystemExit naming the problem. Runs before any model loads."""
+    in_path, out_path = Path(args.input), Path(args.output)
+    if not in_path.is_file():
+        raise SystemExit(f"--input {in_path} does not exist")
+    if out_path.suffix == ".parquet":
+        raise SystemExit(f"--output {out_path}: results are written as jsonl (one line the moment "
+                         "each finishes, which --resume needs); convert afterwards, e.g. "
+                         "pyarrow.json.read_json(...) then pyarrow.parquet.write_table(...)")
+    records = read_records(in_path)
+    settings = settings_fingerprint(args, device)
+    inputs = {rid: (index, _sha(rec)) for index, rid, rec in records}
+    done = _finished_ids(out_path, inputs, settings) if args.resume else set()
+    _check_output(out_path)
+    return Job(records, [r for r in records if r[1] not in done], inputs, settings, out_path)
+
+
+def request_of(rec: dict, index: int, params, tokenizer, chat: bool, seed) -> tuple:
+    """(prompt, SamplingParams) of input line `index`; ValueError/TypeError naming the problem."""
+    return prompt_of(rec, tokenizer, chat), params_of(rec, params, seed, index)
+
+
+def error_result(index: int, error: Exception) -> dict:
+    """The result of a line that could not run (its output record says why)."""
+    return {"text": None, "token_ids": [], "finish_reason": "error",
+            "error": f"line {index + 1}: {error}", "num_prompt_tokens": None}
+
+
+def output_record(index: int, rid: str, result: dict, input_fingerprint: str, settings: str) -> dict:
+    """One line of --output: the id and input line, the result, the two fingerprints."""
+    return {"id": rid, "index": index, **result, "input_fingerprint": input_fingerprint,
+            "settings_fingerprint": settings}
 
 
 def _in_process_group() -> bool:

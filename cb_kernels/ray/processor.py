@@ -1,0 +1,87 @@
+"""build_processor: a `Dataset -> Dataset` callable in the style of ray.data.llm's."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from cb_kernels.ray.replica import EngineReplica
+
+
+@dataclass
+class ProcessorConfig:
+    """What build_processor runs: `replicas` Ray actors (num_cpus / num_gpus each), each with an
+    Engine of `model` (a built-in name or a checkpoint folder readable on every node) built from
+    `engine_config`; rows are fed `batch_size` at a time (make it at least the engine's
+    max_num_seqs so continuous batching stays full; every row of a batch is in the engine at
+    once). The other fields are EngineReplica's."""
+    model: str
+    engine_config: object = None
+    sampling_params: object = None
+    dtype: Optional[str] = None
+    device: Optional[str] = None
+    chat: bool = False
+    seed: Optional[int] = None
+    trust_remote_code: bool = False
+    replicas: int = 1
+    batch_size: int = 64
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    settings_fingerprint: Optional[str] = None
+
+    def __post_init__(self):
+        if not isinstance(self.model, (str, os.PathLike)) or not str(self.model).strip():
+            raise ValueError("model must be a built-in name or a checkpoint folder, got "
+                             f"{self.model!r}")
+        for name in ("replicas", "batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not self.num_cpus > 0:
+            raise ValueError(f"num_cpus must be > 0 (torch runs on them), got {self.num_cpus!r}")
+        if not self.num_gpus >= 0:
+            raise ValueError(f"num_gpus must be >= 0, got {self.num_gpus!r}")
+        tp = getattr(self.engine_config, "tensor_parallel_size", 1)
+        if tp != 1:
+            raise ValueError(f"engine_config.tensor_parallel_size={tp}: tensor parallelism inside "
+                             "a Ray replica is not supported yet; run one replica per device")
+        if self.device == "cuda" and not self.num_gpus:
+            raise ValueError("device='cuda' needs num_gpus > 0 (Ray gives an actor no GPU "
+                             "otherwise)")
+
+    def replica_kwargs(self) -> dict:
+        """EngineReplica's constructor arguments."""
+        return dict(model=str(self.model), engine_config=self.engine_config,
+                    sampling_params=self.sampling_params, dtype=self.dtype,
+                    device=self.device or ("cuda" if self.num_gpus else "cpu"), chat=self.chat,
+                    seed=self.seed, trust_remote_code=self.trust_remote_code,
+                    torch_threads=max(1, int(self.num_cpus)),
+                    settings_fingerprint=self.settings_fingerprint)
+
+
+def build_processor(config: ProcessorConfig, preprocess: Optional[Callable] = None,
+                    postprocess: Optional[Callable] = None) -> Callable:
+    """A callable `Dataset -> Dataset`: `preprocess` (row -> row, e.g. to build "messages" or
+    "prompt_token_ids" from your columns) maps each input row, the replicas generate, and
+    `postprocess` (row -> row) maps each output row (EngineReplica's columns). Lazy, as Ray Data
+    is: nothing runs until the Dataset is consumed (iterated, written, materialized)."""
+    if not isinstance(config, ProcessorConfig):
+        raise TypeError(f"config must be a ProcessorConfig, got {type(config).__name__}")
+    for name, fn in (("preprocess", preprocess), ("postprocess", postprocess)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name} must be a callable row -> row, got {type(fn).__name__}")
+
+    def process(dataset):
+        import ray.data
+
+        if preprocess is not None:
+            dataset = dataset.map(preprocess)
+        dataset = dataset.map_batches(
+            EngineReplica, fn_constructor_kwargs=config.replica_kwargs(),
+            batch_size=config.batch_size, batch_format="pyarrow", num_cpus=config.num_cpus,
+            num_gpus=config.num_gpus, compute=ray.data.ActorPoolStrategy(size=config.replicas))
+        if postprocess is not None:
+            dataset = dataset.map(postprocess)
+        return dataset
+
+    return process

@@ -1,0 +1,121 @@
+"""EngineReplica: one Engine per Ray actor, mapping a batch of input rows to output rows.
+
+A row is one line of `cb-kernels generate`'s jsonl input: "prompt" (text), "messages" (a chat) or
+"prompt_token_ids", optional "id" and "index" (its position in the job: request `index` samples
+with seed + index), and any SamplingParams field, which overrides the replica's for that row. Or
+the same line as JSON text in a "record" column: that is how `generate --ray` ships lines whose
+fields differ from line to line (Arrow gives every row of a block one schema).
+
+The output row has the columns `generate` writes ("id", "index", "text", "token_ids",
+"finish_reason", "error", "num_prompt_tokens") and "output": the whole output line as JSON text,
+with "stop_reason", the fingerprints and the logprobs when asked (logprob dicts have a key per
+token id, which Arrow would turn into a column per id). Other input columns pass through.
+"""
+from __future__ import annotations
+
+import json
+
+from cb_kernels.generate_cli import (_sha, drop_nulls, error_result, output_record, request_of,
+                                     result_of)
+
+# The columns EngineReplica writes; an input column of the same name is replaced.
+OUTPUT_COLUMNS = ("id", "index", "text", "token_ids", "finish_reason", "error",
+                  "num_prompt_tokens", "output")
+PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
+
+
+def rows_of(batch) -> list:
+    """The rows of a Ray Data batch as plain Python dicts (a null field is None)."""
+    import pyarrow as pa
+
+    if not isinstance(batch, pa.Table):
+        raise TypeError("map_batches(..., batch_format='pyarrow') is needed: numpy batches turn "
+                        f"a missing int into NaN (got a {type(batch).__name__} batch)")
+    return batch.to_pylist()
+
+
+def table_of(batch, columns: dict, types: dict):
+    """The output batch: the input's columns except `columns` and "record", then `columns`."""
+    import pyarrow as pa
+
+    keep = [n for n in batch.column_names if n not in columns and n != "record"]
+    data = {n: batch.column(n) for n in keep}
+    data.update({n: pa.array(v, type=types[n]) for n, v in columns.items()})
+    return pa.table(data)
+
+
+def _record_of(row: dict) -> dict:
+    if "record" in row:
+        rec = json.loads(row["record"])
+        return {"prompt": rec} if isinstance(rec, str) else rec
+    # Arrow fills a column a row lacks with null: a null field is an absent one.
+    return drop_nulls(row)
+
+
+def _types() -> dict:
+    import pyarrow as pa
+
+    return {"id": pa.string(), "index": pa.int64(), "text": pa.string(),
+            "token_ids": pa.list_(pa.int64()), "finish_reason": pa.string(),
+            "error": pa.string(), "num_prompt_tokens": pa.int64(), "output": pa.string()}
+
+
+class EngineReplica:
+    """A stateful callable for `ray.data.Dataset.map_batches(EngineReplica, batch_format="pyarrow",
+    compute=ray.data.ActorPoolStrategy(size=N), fn_constructor_kwargs={...})`: builds one Engine
+    per actor and puts every row of a batch into it at once, so continuous batching sees the
+    whole batch (batch_size rows in flight, up to the engine's max_num_seqs).
+
+    model: built-in name or checkpoint folder (readable on every node); engine_config:
+    EngineConfig; sampling_params: SamplingParams, the default of every row; dtype: as
+    cb_kernels.models.load (None: models.fast_dtype's choice for the device); chat: apply the chat
+    template to text prompts; seed: row `index` samples with seed + index unless it sets its own;
+    torch_threads: torch's intra-op threads in this actor (match the actor's num_cpus);
+    settings_fingerprint: written in every output line (`generate --resume` checks it).
+    """
+
+    def __init__(self, model, *, engine_config=None, sampling_params=None, dtype=None,
+                 device=None, chat: bool = False, seed=None, trust_remote_code: bool = False,
+                 torch_threads: int = 1, settings_fingerprint=None):
+        import torch
+
+        from cb_kernels import Engine, EngineConfig, SamplingParams
+        from cb_kernels.models import fast_dtype, load
+
+        torch.set_num_threads(max(1, int(torch_threads)))
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        loaded, self.tokenizer = load(model, dtype=dtype, trust_remote_code=trust_remote_code)
+        if dtype is None:
+            loaded = loaded.to(fast_dtype(loaded.dtype, device)[0])
+        self.engine = Engine(loaded.to(device), engine_config or EngineConfig(),
+                             tokenizer=self.tokenizer)
+        self.params = sampling_params or SamplingParams()
+        self.chat, self.seed, self.settings = chat, seed, settings_fingerprint
+
+    def __call__(self, batch):
+        rows = rows_of(batch)
+        records = [_record_of(row) for row in rows]
+        results, pending = [None] * len(rows), {}
+        for i, (row, rec) in enumerate(zip(rows, records)):
+            index = row.get("index")
+            try:
+                if sum(k in rec for k in PROMPT_KEYS) != 1:
+                    raise ValueError("expected exactly one of " + ", ".join(map(repr, PROMPT_KEYS)))
+                prompt, params = request_of(rec, index, self.params, self.tokenizer, self.chat,
+                                            self.seed if index is not None else None)
+                pending[self.engine.add_request(prompt, params)] = i
+            except (ValueError, TypeError) as e:
+                results[i] = error_result(index, e) if index is not None else \
+                    {**error_result(0, e), "error": f"id {rec.get('id')}: {e}"}
+        while self.engine.has_unfinished():
+            for o in self.engine.step():
+                results[pending.pop(o.request_id)] = result_of(o)
+        lines = []
+        for row, rec, result in zip(rows, records, results):
+            rid = next((v for v in (row.get("id"), rec.get("id"), row.get("index"))
+                        if v is not None), None)
+            lines.append(output_record(row.get("index"), None if rid is None else str(rid),
+                                       result, _sha(rec), self.settings))
+        columns = {c: [line[c] for line in lines] for c in OUTPUT_COLUMNS[:-1]}
+        columns["output"] = [json.dumps(line, ensure_ascii=False) for line in lines]
+        return table_of(batch, columns, _types())
