@@ -59,7 +59,8 @@ def test_counts(log: str) -> dict:
 
 def failure_lines(stage: dict, log: str) -> list[str]:
     """The first lines that say what failed: pytest's FAILED/ERROR lines, else the log's tail."""
-    picked = [ln for ln in log.splitlines() if re.match(r"(FAILED|ERROR) |preflight: (MISSING|WARNING)", ln)]
+    picked = [ln for ln in log.splitlines()
+              if re.match(r"(FAILED|ERROR) |preflight: (MISSING|WARNING)", ln)]
     if not picked and not stage["verdict"].startswith("ok"):
         picked = [ln for ln in log.splitlines() if ln.strip()][-FAILURE_LINES:]
     return picked[:FAILURE_LINES]
@@ -97,10 +98,10 @@ def main(work: Path, out: Path, mode: str) -> None:
     _write(out / "results.json", json.dumps(result, indent=1))
 
     v = result["versions"]
-    md = [f"# gpu_check ({mode}): {'every stage passed' if not failed else f'{len(failed)} stage(s) not ok'}",
-          "", f"{v.get('gpu', 'no GPU')}; " + ", ".join(f"{k} {v[k]}" for k in
-                                                        ("python", "torch", "triton", "transformers") if k in v),
-          "", "| stage | verdict | seconds | limit | estimate | tests |", "|---|---|---|---|---|---|"]
+    tools = ", ".join(f"{k} {v[k]}" for k in ("python", "torch", "triton", "transformers") if k in v)
+    verdict = "every stage passed" if not failed else f"{len(failed)} stage(s) not ok"
+    md = [f"# gpu_check ({mode}): {verdict}", "", f"{v.get('gpu', 'no GPU')}; {tools}", "",
+          "| stage | verdict | seconds | limit | estimate | tests |", "|---|---|---|---|---|---|"]
     for r in rows:
         counts = ", ".join(f"{n} {k}" for k, n in tests.get(r["stage"], {}).items())
         md.append(f"| {r['stage']} | {r['verdict']} | {r['seconds']} | {r['limit_s']} | "
@@ -109,7 +110,8 @@ def main(work: Path, out: Path, mode: str) -> None:
         lines = failure_lines(r, logs[r["stage"]])
         if lines:
             md += ["", f"## {r['stage']}: {r['verdict']}", "", "```", *lines, "```"]
-    md += ["", "Every log, the benchmark JSON and the plots: logs.tar.gz. Every row: results.json.", "",
+    md += ["", "Every log, the benchmark JSON and the plots: logs.tar.gz. Every row: results.json.",
+           "",
            summarize(work / "json") if (work / "json").is_dir() else ""]
     _write(out / "summary.md", "\n".join(md) + "\n")
 

@@ -182,8 +182,9 @@ def test_failed_batch_swap_names_the_cuda_result():
     k_caches, _ = make_pool(2, 8, 16, 2, 32, torch.float16, interleaved=False, device="cuda")
     host = ops.HostPool(k_caches, 4)
     torch.cuda.synchronize()
-    with pytest.raises(RuntimeError, match=r"cuMemcpyBatchAsync failed: CUDA_ERROR_[A-Z_]+ \(\d+\)"
-                                           r"( at copy \d+ of \d+ \(\d+ bytes\)| \(the driver names no single copy\))"):
+    words = (r"cuMemcpyBatchAsync failed: CUDA_ERROR_[A-Z_]+ \(\d+\)"
+             r"( at copy \d+ of \d+ \(\d+ bytes\)| \(the driver names no single copy\))")
+    with pytest.raises(RuntimeError, match=words):
         _swap_blocks(k_caches, host.caches, torch.tensor([[5, 0], [1, 3]]), stream=0, backend=None,
                      cuda_method="batch")
 
