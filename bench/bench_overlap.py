@@ -1,4 +1,4 @@
-"""Overlapped steps (cb_kernels/engine/pipeline.py): where a step's time goes with overlap on vs off.
+"""Overlapped steps (cb_kernels/engine/step_loop.py): where a step's time goes with overlap on vs off.
 
     python bench/bench_overlap.py [--quick] [--device cuda] [--model-shape llama-1b] [--json out]
     python bench/bench_engine.py --overlap [--quick] [--device cuda]      (the same run)
@@ -13,7 +13,7 @@ Per step it reports, from Engine.stats() (StepClock):
   busy/idle  (CUDA) device time from a step's forward start to its sampled tokens, and the gaps
              between steps, from timing events on the compute stream
 On a CPU the "device" is the host itself: there is nothing to overlap with, overlap=on runs the
-same pipeline synchronously, so the rows show the synchronous path's split and a ~1.0x ratio.
+same step loop synchronously, so the rows show the synchronous path's split and a ~1.0x ratio.
 Ratios are against overlap=off with the same graphs setting, measured in the same run (each
 config --repeats times in alternating order, best kept: the first engine of a process runs slower
 on a CPU); tokens are checked identical to that same row (graphs on and off may differ: compare()).
@@ -56,7 +56,7 @@ def run_one(model, prompts, new, overlap: str, graphs: bool) -> dict:
     engine = Engine(model, EngineConfig(overlap=overlap, cuda_graphs=graphs,
                                         max_num_seqs=len(prompts), cpu_offload_gib=0))
     engine.generate(*warmup_params(prompts, new, on_cuda))
-    engine.clock.device_events = on_cuda
+    engine.loop.clock.device_events = on_cuda
     before = engine.stats()
     if on_cuda:
         torch.cuda.synchronize()

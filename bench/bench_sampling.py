@@ -112,7 +112,7 @@ def run(args) -> dict:
     cfg = EngineConfig(block_size=16, num_blocks=args.requests * 4 + 64, max_num_seqs=args.requests,
                        max_batch_tokens=max(args.requests, 2048))
     engine = Engine(model, cfg)
-    timed = engine.sampler = TimedSampler(engine.sampler, engine.runner.device)
+    timed = engine.loop.sampler = TimedSampler(engine.loop.sampler, engine.runner.device)
     for i, p in enumerate(prompts):
         engine.add_request(p, all_features(new, i))
     while engine.stats()["running"] < args.requests:     # prefills and forks

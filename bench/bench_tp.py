@@ -8,7 +8,7 @@ parameters), one greedy workload (16 prompts x 64 tokens, 32 new tokens each, no
 warm-up run, through:
   TP=1, 1 thread      the one-process engine on one core
   TP=1, 2 threads     the one-process engine on both cores (what TP=2 competes with here)
-  TP=2, 1 thread/rank  2 processes (engine/distributed.spawn), each half of every layer
+  TP=2, 1 thread/rank  2 processes (engine/launcher.spawn), each half of every layer
   TP=2, no collectives the same with the model's all_reduce/all_gather skipped (local_only):
                       each rank's compute alone, an upper bound (its tokens are wrong)
 Per row: wall time per step and generated tokens/s; for TP=2, rank 0's time inside each kind of
@@ -72,7 +72,7 @@ def run(engine, a, timer=None):
         start = time.perf_counter()
         outs = engine.generate(prompts, params)
         wall = time.perf_counter() - start
-    steps = engine.stats()["steps"] - before if engine.tp is None or engine.tp.rank == 0 else 0
+    steps = engine.stats()["steps"] - before if engine.rank == 0 else 0
     return outs, wall, steps
 
 
@@ -136,12 +136,12 @@ def _rank(rank, a, queue):
         _, local_wall, _ = run(engine, a)
     size, calls = max(timer.reduce_by_size.items(), key=lambda kv: len(kv[1]))
     x = torch.randn(size // a.hidden, a.hidden)
-    group = engine.tp.group
+    group = engine.runner.channel.group
     times = []
     for _ in range(200):
         torch.distributed.barrier(group=group)
         t = time.perf_counter()
-        tensor_parallel.all_reduce_(x, engine.tp.local.model._cbk_tp)
+        tensor_parallel.all_reduce_(x, engine.runner.local.model._cbk_tp)
         times.append(time.perf_counter() - t)
     queue.put((rank, {
         "tokens": [o.token_ids for o in outs], "wall_s": wall, "steps": steps,
@@ -149,7 +149,7 @@ def _rank(rank, a, queue):
         "bare_all_reduce_us": statistics.median(times) * 1e6,
         "in_step_all_reduce_us": statistics.median(calls) * 1e6,
         "all_reduce_rows": size // a.hidden,
-        "local_wall_s": local_wall, "fused": engine.tp.local.fused is not None}))
+        "local_wall_s": local_wall, "fused": engine.runner.local.fused is not None}))
 
 
 GATHER = "2**20"
@@ -172,7 +172,7 @@ def main(argv=None) -> int:
     if a.quick:
         a.hidden, a.inter, a.layers, a.heads, a.kv_heads, a.new_tokens = 512, 1408, 4, 8, 4, 8
     from cb_kernels import Engine, EngineConfig
-    from cb_kernels.engine import distributed
+    from cb_kernels.engine import launcher
     import torch.multiprocessing as mp
 
     rows = {}
@@ -187,8 +187,8 @@ def main(argv=None) -> int:
     del model
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = distributed.free_port()
-    procs = [ctx.Process(target=distributed._rank_main,
+    port = launcher.free_port()
+    procs = [ctx.Process(target=launcher._rank_main,
                          args=(r, 2, port, 300.0, 1, _rank, (a, queue))) for r in range(2)]
     for proc in procs:
         proc.start()

@@ -19,7 +19,7 @@ def scheduler_step_ms(num_running: int = 256, steps: int = 200) -> dict:
     from cb_kernels.engine.config import SamplingParams
     from cb_kernels.engine.scheduler import Scheduler
     from cb_kernels.engine.sequence import Sequence
-    from cb_kernels.runner.step_inputs import pack
+    from cb_kernels.runner.step_inputs import LayerLayout, pack
 
     bm = BlockManager(num_running * 40, 16)
     sched = Scheduler(bm, max_batch_tokens=512, max_num_seqs=num_running)
@@ -39,8 +39,7 @@ def scheduler_step_ms(num_running: int = 256, steps: int = 200) -> dict:
         t0 = time.perf_counter()
         batch = sched.schedule()
         t1 = time.perf_counter()
-        pack(batch.seqs, batch.num_new_tokens, 16, num_slots, cpu, k_caches=[], v_caches=[],
-             sliding_windows=[], softcap=None, backend=None)
+        pack(batch.seqs, batch.num_new_tokens, 16, num_slots, cpu, LayerLayout([], [], []))
         t2 = time.perf_counter()
         for s in batch.seqs:
             s.num_computed_tokens += 1

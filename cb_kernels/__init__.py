@@ -17,12 +17,27 @@ import os  # noqa: E402
 if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "2000")
 
-from cb_kernels.runner.support import UnsupportedModelError  # noqa: E402
+import importlib  # noqa: E402
 
-from cb_kernels import models, ops  # noqa: E402
-from cb_kernels.engine import (CompletionOutput, Engine, EngineConfig, RequestOutput,  # noqa: E402
-                               SamplingParams)
+# Public names, imported on first use: `import cb_kernels.ops` loads the kernels and torch, no
+# engine, runner or transformers (tests/test_foundation.py checks it).
+_LAZY = {"models": "cb_kernels.models", "ops": "cb_kernels.ops",
+         "Engine": "cb_kernels.engine", "EngineConfig": "cb_kernels.engine",
+         "SamplingParams": "cb_kernels.engine", "RequestOutput": "cb_kernels.engine",
+         "CompletionOutput": "cb_kernels.engine",
+         "UnsupportedModelError": "cb_kernels.runner.support"}
 
-__all__ = ["models", "ops", "__version__"]
-__all__ += ["Engine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
-__all__ += ["UnsupportedModelError"]
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'cb_kernels' has no attribute {name!r}")
+    module = importlib.import_module(_LAZY[name])
+    value = module if _LAZY[name] == f"cb_kernels.{name}" else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

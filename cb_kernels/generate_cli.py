@@ -249,7 +249,7 @@ def run_generate(args: argparse.Namespace) -> int:
         raise SystemExit("--device cuda: torch sees no CUDA device")
     if config.tensor_parallel_size > 1 and not _in_process_group():
         # Every check above passed here: the N ranks start (each runs this function again).
-        from cb_kernels.engine.distributed import spawn
+        from cb_kernels.engine.launcher import spawn
 
         if device == "cuda":
             raise SystemExit("--tensor-parallel-size on CUDA: run under torchrun "
@@ -267,6 +267,10 @@ def run_generate(args: argparse.Namespace) -> int:
             raise SystemExit(f"--tensor-parallel-size {config.tensor_parallel_size}: {e}") \
                 from None
         return 0
+    if config.tensor_parallel_size > 1:      # each rank its own GPU, before the model moves
+        from cb_kernels.engine.distributed import select_device
+
+        device = select_device(torch.device(device))
     model, tokenizer = load(args.model, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
     if args.dtype is None:
         dtype, why = fast_dtype(model.dtype, device)
@@ -274,8 +278,8 @@ def run_generate(args: argparse.Namespace) -> int:
             print(f"dtype: {str(dtype).replace('torch.', '')} ({why})", file=sys.stderr)
         model = model.to(dtype)
     engine = Engine(model.to(device), config, tokenizer=tokenizer)
-    if engine.tp is not None and engine.tp.rank != 0:
-        engine.tp.serve()           # rank 0 reads the input and writes the output
+    if engine.rank != 0:
+        engine.follow()             # rank 0 reads the input and writes the output
         return 0
 
     pending = {}   # engine request id -> (index, id)
@@ -316,8 +320,7 @@ def run_generate(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 130
         finally:
-            if engine.tp is not None:
-                engine.tp.release()      # the other ranks' serve() returns
+            engine.release()             # the other ranks' follow() returns
     print(f"{written} results written to {out_path}", file=sys.stderr)
     return 0
 
@@ -344,14 +347,12 @@ def params_of(rec: dict, params, seed, index: int):
     i the seed S + i unless the line sets its own."""
     import dataclasses
 
+    from cb_kernels.engine.config import parse_logit_bias
+
     names = {f.name for f in dataclasses.fields(params)}
     fields = {k: v for k, v in rec.items() if k in names}
-    if "logit_bias" in fields and isinstance(fields["logit_bias"], dict):
-        try:       # JSON object keys are strings
-            fields["logit_bias"] = {int(k): v for k, v in fields["logit_bias"].items()}
-        except ValueError:
-            raise ValueError("logit_bias keys must be token ids, got "
-                             f"{list(fields['logit_bias'])[:3]}") from None
+    if "logit_bias" in fields:     # JSON object keys are strings
+        fields["logit_bias"] = parse_logit_bias(fields["logit_bias"])
     if "stop_token_ids" in fields and isinstance(fields["stop_token_ids"], list):
         fields["stop_token_ids"] = tuple(fields["stop_token_ids"])
     if seed is not None and "seed" not in fields:

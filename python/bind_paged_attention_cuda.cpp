@@ -1,5 +1,5 @@
 // Binding of the CUDA decode attention (csrc/cuda/paged_attention.cu). Pointers arrive as ints
-// from tensor.data_ptr(); cb_kernels/ops/paged_attention_cuda.py owns every check.
+// from tensor.data_ptr(); cb_kernels/ops/paged_attention/cuda.py owns every check.
 #include <pybind11/pybind11.h>
 
 #include "bindings.h"

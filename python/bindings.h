@@ -13,11 +13,11 @@
 void bind_runtime(pybind11::module_& m);         // threads, CUDA device checks
 void bind_paged_attention(pybind11::module_& m);
 void bind_cache_ops(pybind11::module_& m);
-void bind_sampling(pybind11::module_& m);          // greedy argmax over logits rows
+void bind_greedy_tokens(pybind11::module_& m);     // the greedy token of each logits row
 void bind_elementwise(pybind11::module_& m);       // fused RMSNorm, SiLU*mul, rotary (CPU)
 void bind_greedy_head(pybind11::module_& m);       // argmax of hidden @ W^T (CPU, int8 + exact rescoring)
 void bind_linear(pybind11::module_& m);            // fp32 linear on a packed weight (CPU)
-void bind_decoder(pybind11::module_& m);           // the fused CPU decoder stack in one call
+void bind_fused_decoder(pybind11::module_& m);           // the fused CPU decoder stack in one call
 void bind_paged_attention_cuda(pybind11::module_& m);  // CUDA kernels (stubs raise when built without CUDA)
 
 namespace cbk {
@@ -25,6 +25,15 @@ namespace cbk {
 template <typename T>
 inline T* as_ptr(uintptr_t p) {
   return reinterpret_cast<T*>(p);
+}
+
+// A pointer field of a bound parameter struct: Python reads and writes it as an int
+// (tensor.data_ptr(); 0 for null).
+template <class S, class T>
+void def_ptr(pybind11::class_<S>& c, const char* name, T* S::*field) {
+  c.def_property(
+      name, [field](const S& s) { return reinterpret_cast<uintptr_t>(s.*field); },
+      [field](S& s, uintptr_t v) { s.*field = reinterpret_cast<T*>(v); });
 }
 
 inline void throw_if_error(const Status& s) {
@@ -46,5 +55,13 @@ inline Isa as_isa(const std::string& name) {
 inline DType as_dtype(int code) {
   if (code < 0 || code > 2) throw std::invalid_argument("dtype code must be 0 (fp32), 1 (fp16) or 2 (bf16)");
   return static_cast<DType>(code);
+}
+
+// A DType field of a bound parameter struct, as its int code (ops/_backend.py DTYPE_CODES).
+template <class S>
+void def_dtype(pybind11::class_<S>& c, const char* name, DType S::*field) {
+  c.def_property(
+      name, [field](const S& s) { return static_cast<int>(s.*field); },
+      [field](S& s, int code) { s.*field = as_dtype(code); });
 }
 }  // namespace cbk

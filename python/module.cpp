@@ -43,10 +43,10 @@ PYBIND11_MODULE(_C, m) {
   bind_runtime(m);
   bind_paged_attention(m);
   bind_cache_ops(m);
-  bind_sampling(m);
+  bind_greedy_tokens(m);
   bind_elementwise(m);
   bind_greedy_head(m);
   bind_linear(m);
-  bind_decoder(m);
+  bind_fused_decoder(m);
   bind_paged_attention_cuda(m);
 }

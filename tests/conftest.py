@@ -22,18 +22,45 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def _process_globals() -> dict:
+    """Every process-wide setting a test may change, by name."""
+    return {
+        "num_threads": torch.get_num_threads(),
+        "default_dtype": torch.get_default_dtype(),
+        "grad_enabled": torch.is_grad_enabled(),
+        "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "environ": dict(os.environ),
+    }
+
+
+def _restore(saved: dict) -> None:
+    torch.set_num_threads(saved["num_threads"])
+    torch.set_default_dtype(saved["default_dtype"])
+    torch.set_grad_enabled(saved["grad_enabled"])
+    torch.backends.cuda.matmul.allow_tf32 = saved["matmul_allow_tf32"]
+    torch.backends.cudnn.allow_tf32 = saved["cudnn_allow_tf32"]
+    torch.set_float32_matmul_precision(saved["float32_matmul_precision"])
+    torch.use_deterministic_algorithms(saved["deterministic"])
+    if dict(os.environ) != saved["environ"]:
+        os.environ.clear()
+        os.environ.update(saved["environ"])
+
+
 @pytest.fixture(autouse=True)
-def _one_torch_thread_when_asked(request):
-    """Tests marked `one_thread` compare tokens or timings: run them on one torch thread."""
-    if "one_thread" not in request.keywords:
-        yield
-        return
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _restore_process_globals(request):
+    """Each test starts from the same torch threads, tf32 flags, default dtype, grad mode and
+    environment, whatever the tests before it set; tests marked `one_thread` (they compare
+    tokens or timings) run on one torch thread."""
+    saved = _process_globals()
+    if "one_thread" in request.keywords:
+        torch.set_num_threads(1)
     try:
         yield
     finally:
-        torch.set_num_threads(old)
+        _restore(saved)
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

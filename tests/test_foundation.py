@@ -97,3 +97,19 @@ def test_openmp_spin_bound_is_set_unless_the_user_chose(user_env, want):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True).stdout.strip()
     assert out == str(want)
+
+
+def test_import_ops_loads_no_engine():
+    """`import cb_kernels.ops` in a fresh interpreter brings the kernels, not the engine, the
+    runner or transformers; the package's public names still resolve (on first use)."""
+    code = ("import sys, cb_kernels.ops\n"
+            "print([m for m in sys.modules if m.split('.')[0] == 'transformers'\n"
+            "       or m.startswith(('cb_kernels.engine', 'cb_kernels.runner'))])\n"
+            "import cb_kernels\n"
+            "print(cb_kernels.Engine.__module__, cb_kernels.UnsupportedModelError.__name__,\n"
+            "      cb_kernels.ops.paged_attention.__name__, 'Engine' in dir(cb_kernels))")
+    lines = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True).stdout.strip().splitlines()
+    assert lines == ["[]", "cb_kernels.engine.engine UnsupportedModelError paged_attention True"]
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        cb_kernels.nope

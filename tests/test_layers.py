@@ -95,3 +95,97 @@ def test_csrc_includes_no_torch_or_python_header():
             if m and re.match(r"(torch|ATen|c10|caffe2|pybind11)/|Python\.h$", m.group(1)):
                 bad.append(f"{path.relative_to(csrc)}:{n}: {m.group(1)}")
     assert not bad, "\n".join(bad)
+
+
+# -- the engine's parts and the runner contract ---------------------------------------------------
+# A sample group and its sequences point at each other by design (data, not a part).
+ENGINE_AND_RUNNER = [p for p in MODULES if _layer(_module_name(p)) in (LAYERS.index("engine"),
+                                                                    LAYERS.index("runner"))
+                     and _module_name(p) != "cb_kernels.engine.sequence"]
+# The runner's callers: the engine and the entry points (the kernel microbenchmarks hold no runner).
+RUNNER_CALLERS = [p for p in MODULES if _layer(_module_name(p)) in (0, LAYERS.index("engine"))
+                  and not _module_name(p).startswith("cb_kernels.benchmarks")]
+
+
+def _back_references(path: Path) -> list:
+    """Where a module hands an object to a part that keeps it as its owner: a class built with
+    `self` among its arguments (`Pipeline(self)`), an `__init__` taking an `engine`, or an
+    attribute `.engine` assigned."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    bad = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            callee = node.func.attr if isinstance(node.func, ast.Attribute) else \
+                getattr(node.func, "id", "")
+            args = list(node.args) + [k.value for k in node.keywords]
+            if callee[:1].isupper() and any(isinstance(a, ast.Name) and a.id == "self"
+                                            for a in args):
+                bad.append(f"line {node.lineno}: {callee}(self, ...)")
+        elif isinstance(node, ast.FunctionDef) and node.name == "__init__":
+            if any(a.arg == "engine" for a in node.args.args + node.args.kwonlyargs):
+                bad.append(f"line {node.lineno}: __init__ takes an engine")
+        elif isinstance(node, ast.Assign):
+            for t in node.targets:
+                if isinstance(t, ast.Attribute) and t.attr == "engine":
+                    bad.append(f"line {node.lineno}: .engine assigned")
+    return bad
+
+
+def _runner_expr(node) -> bool:
+    """`runner`, `r` or `<anything>.runner`: how the engine names its runner."""
+    return (isinstance(node, ast.Name) and node.id in ("runner", "r")) or \
+        (isinstance(node, ast.Attribute) and node.attr == "runner")
+
+
+def _runner_contract() -> set:
+    from cb_kernels.runner.base import ModelRunner
+
+    return set(ModelRunner.__annotations__) | {n for n in vars(ModelRunner)
+                                               if not n.startswith("_")}
+
+
+def _runner_reads(path: Path, contract: set) -> list:
+    """getattr/hasattr on a runner (a default outside the contract), and attributes of a runner
+    that the ModelRunner protocol does not declare."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    bad = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") in ("getattr", "hasattr") \
+                and node.args and _runner_expr(node.args[0]):
+            bad.append(f"line {node.lineno}: {node.func.id}(runner, ...)")
+        elif isinstance(node, ast.Attribute) and _runner_expr(node.value) \
+                and node.attr not in contract:
+            bad.append(f"line {node.lineno}: runner.{node.attr} is not in ModelRunner")
+    return bad
+
+
+@pytest.mark.parametrize("path", ENGINE_AND_RUNNER, ids=[_module_name(p) for p in ENGINE_AND_RUNNER])
+def test_no_part_holds_a_reference_to_its_owner(path):
+    bad = _back_references(path)
+    assert not bad, f"{_module_name(path)}:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("path", RUNNER_CALLERS, ids=[_module_name(p) for p in RUNNER_CALLERS])
+def test_the_runner_is_read_only_through_its_contract(path):
+    bad = _runner_reads(path, _runner_contract())
+    assert not bad, f"{_module_name(path)}:\n" + "\n".join(bad)
+
+
+def test_the_contract_checks_catch_what_they_forbid(tmp_path):
+    """The checkers themselves: a part built with the Engine, an __init__ taking an engine, a
+    getattr default on the runner and an undeclared runner attribute are all reported."""
+    fake = tmp_path / "mod.py"
+    fake.write_text(
+        "class Engine:\n"
+        "    def __init__(self):\n"
+        "        self.pipeline = OverlapPipeline(self)\n"
+        "        n = getattr(self.runner, 'state_bytes_per_seq', 0)\n"
+        "        w = self.runner.sliding_windows_of_my_own\n"
+        "        t = self.runner.k_caches\n"
+        "class Part:\n"
+        "    def __init__(self, engine):\n"
+        "        self.engine = engine\n")
+    assert len(_back_references(fake)) == 3
+    reads = _runner_reads(fake, _runner_contract())
+    assert reads == ["line 4: getattr(runner, ...)",
+                     "line 5: runner.sliding_windows_of_my_own is not in ModelRunner"]

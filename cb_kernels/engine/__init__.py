@@ -9,15 +9,19 @@ the ModelRunner protocol (cb_kernels/runner), the kernels behind cb_kernels.ops.
     sampler.py        Sampler: penalties, bias, temperature, min-p/top-k/top-p, logprobs, batched
     detokenizer.py    IncrementalDetokenizer: output text as tokens arrive, stop strings
     requests.py       the checks a request passes before it is queued; its RequestOutput
-    engine.py         Engine: add_request / step (schedule -> run -> postprocess) / cancel
+    engine.py         Engine: the facade (add_request, cancel, step, generate/stream, stats)
+    table.py          RequestTable: live sequences, n > 1 groups, outputs not yet returned, ids
+    step_loop.py      StepLoop: schedule -> launch -> resolve; overlap decides when resolve runs
+    placeholders.py   overlap: the input ids of step N+1 filled on the device from step N
     step.py           LaunchedStep (a step issued to the device), StepClock (where time goes)
-    pipeline.py       OverlapPipeline: step N+1 launched before step N's tokens reach the host
-    frontend.py       Frontend: generate / stream over many prompts
+    frontend.py       generate / stream over many prompts; Frontend: a request's stream deltas
     streams.py        StreamOrchestrator: compute and copy streams, token copies to the host
     memory.py         host memory and cgroup limits (psutil or /proc)
     offload.py        OffloadManager: the host pool and block swaps
     preemption.py     swap or recompute: the policy
     swapper.py        Swapper: the scheduler's view of offload
+    distributed.py    tensor parallelism, the engine's side: process group, agreed config
+    launcher.py       spawn: the ranks of a tensor-parallel run on one machine
 """
 from cb_kernels.engine.config import (CompletionOutput, EngineConfig, RequestMetrics, RequestOutput,
                                       SamplingParams)

@@ -47,7 +47,7 @@ class EngineConfig:
     preemption: "auto", "swap" or "recompute" (what to do with a victim when blocks run out).
     prefix_caching: reuse KV blocks of identical prompt prefixes across requests.
     overlap: "auto", "on" or "off": schedule and launch step N+1 before step N's tokens reach the
-        host (pipeline.py). auto = on for CUDA; "on" on a CPU runs the same pipeline with no gain.
+        host (step_loop.py). auto = on for CUDA; "on" on a CPU runs the same loop with no gain.
     attention_backend: backend of the paged-attention op (None = the op's default).
     dtype: the dtype the engine computes and caches K/V in: None = the model's; a name
         ("float32", "bfloat16", "float16") must be the model's (Engine() refuses another: convert
@@ -292,6 +292,32 @@ def _check_logit_bias(bias) -> Optional[dict]:
         out[t] = float(b)
     return out or None
 
+
+
+def parse_logit_bias(mapping, max_abs: Optional[float] = None) -> Optional[dict]:
+    """SamplingParams.logit_bias from a JSON object (token ids as string keys, as the HTTP
+    server and the generate command read them): {int token id: bias}. `max_abs` bounds each
+    bias (OpenAI's API allows [-100, 100]); SamplingParams checks the rest. ValueError/TypeError
+    with one set of messages for every caller."""
+    if mapping is None:
+        return None
+    if not isinstance(mapping, dict):
+        raise TypeError(f"logit_bias must be an object token id -> bias, got "
+                        f"{type(mapping).__name__}")
+    out = {}
+    for key, value in mapping.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+        if token < 0:
+            raise ValueError(f"logit_bias key {key} is not a token id")
+        if max_abs is not None and isinstance(value, (int, float)) and \
+                not (math.isfinite(value) and -max_abs <= value <= max_abs):
+            raise ValueError(f"logit_bias[{key}] must be in [{-max_abs:g}, {max_abs:g}], "
+                             f"got {value}")
+        out[token] = value
+    return out
 
 @dataclass
 class RequestMetrics:

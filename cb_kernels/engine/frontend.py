@@ -1,5 +1,6 @@
-"""Frontend: generate and stream over many prompts, built only on the Engine's request API
-(add_request, step, reject, sequence, defer). Engine.generate/stream delegate here."""
+"""generate and stream over many prompts, built only on the Engine's public request API
+(check_request, add_request, step, reject, sequence, defer); Engine.generate/stream call them.
+Frontend: one request's stream deltas (stream() and the server's streaming use it)."""
 from __future__ import annotations
 
 from typing import Iterator, Optional
@@ -9,68 +10,71 @@ from cb_kernels.engine.config import RequestOutput
 from cb_kernels.engine.sequence import Sequence
 
 
+def _add_all(engine, prompts, params) -> list:
+    """Add every prompt; a bad one becomes an "error" output instead of stopping the rest.
+    Returns one entry per prompt: a request id, or the finished error output. Every prompt
+    is checked before any is queued, so an exception out of here leaves nothing queued."""
+    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__iter__"):
+        raise TypeError("prompts must be a list of prompts (token-id lists or strings), got "
+                        f"{type(prompts).__name__}")
+    prompts = list(prompts)
+    if isinstance(params, (list, tuple)):
+        if len(params) != len(prompts):
+            raise ValueError(f"params has {len(params)} entries for {len(prompts)} prompts")
+        per_prompt = list(params)
+    else:
+        per_prompt = [params] * len(prompts)
+    checked = []
+    for prompt, p in zip(prompts, per_prompt):
+        try:
+            checked.append(engine.check_request(prompt, p))
+        except (ValueError, TypeError) as e:
+            checked.append(engine.reject(prompt, e))
+    engine.check_weights(full=True)
+    return [engine.add_request(*c) if isinstance(c, tuple) else c for c in checked]
+
+
+def generate(engine, prompts, params=None) -> list:
+    """Run `prompts` to completion; returns their RequestOutputs in prompt order. A prompt
+    that add_request rejects gets an output with finish_reason "error" and the message."""
+    entries = _add_all(engine, prompts, params)
+    wanted = {e for e in entries if isinstance(e, str)}
+    done, others = {}, []
+    while wanted - done.keys():
+        for out in engine.step():
+            if out.request_id in wanted:
+                done[out.request_id] = out
+            else:
+                others.append(out)
+    engine.defer(others)   # requests added by add_request() still reach step()'s caller
+    return [done[e] if isinstance(e, str) else e for e in entries]
+
+
+def stream(engine, prompts, params=None) -> Iterator[RequestOutput]:
+    """Yield, after each step, one RequestOutput per request that got new tokens, holding
+    only those tokens (and their text); the last one of a request has its finish_reason."""
+    entries = _add_all(engine, prompts, params)
+    for e in entries:
+        if not isinstance(e, str):
+            yield e
+    live = {e: engine.sequence(e) for e in entries if isinstance(e, str)}
+    others = []
+    while live:
+        ended = set()
+        for out in engine.step():
+            (ended.add(out.request_id) if out.request_id in live else others.append(out))
+        for rid, seq in list(live.items()):
+            yield from engine.frontend.deltas(seq, rid in ended)
+            if rid in ended:
+                del live[rid]
+    engine.defer(others)
+
+
 class Frontend:
-    """Many prompts through one Engine."""
+    """The stream deltas of requests, text decoded with `tokenizer` (None: token ids only)."""
 
-    def __init__(self, engine):
-        self.engine = engine
-
-    def _add_all(self, prompts, params) -> list:
-        """Add every prompt; a bad one becomes an "error" output instead of stopping the rest.
-        Returns one entry per prompt: a request id, or the finished error output. Every prompt
-        is checked before any is queued, so an exception out of here leaves nothing queued."""
-        if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__iter__"):
-            raise TypeError("prompts must be a list of prompts (token-id lists or strings), got "
-                            f"{type(prompts).__name__}")
-        prompts = list(prompts)
-        if isinstance(params, (list, tuple)):
-            if len(params) != len(prompts):
-                raise ValueError(f"params has {len(params)} entries for {len(prompts)} prompts")
-            per_prompt = list(params)
-        else:
-            per_prompt = [params] * len(prompts)
-        checked = []
-        for prompt, p in zip(prompts, per_prompt):
-            try:
-                checked.append(self.engine.check_request(prompt, p))
-            except (ValueError, TypeError) as e:
-                checked.append(self.engine.reject(prompt, e))
-        self.engine.check_weights(full=True)
-        return [self.engine.add_request(*c) if isinstance(c, tuple) else c for c in checked]
-
-    def generate(self, prompts, params=None) -> list:
-        """Run `prompts` to completion; returns their RequestOutputs in prompt order. A prompt
-        that add_request rejects gets an output with finish_reason "error" and the message."""
-        entries = self._add_all(prompts, params)
-        wanted = {e for e in entries if isinstance(e, str)}
-        done, others = {}, []
-        while wanted - done.keys():
-            for out in self.engine.step():
-                if out.request_id in wanted:
-                    done[out.request_id] = out
-                else:
-                    others.append(out)
-        self.engine.defer(others)   # requests added by add_request() still reach step()'s caller
-        return [done[e] if isinstance(e, str) else e for e in entries]
-
-    def stream(self, prompts, params=None) -> Iterator[RequestOutput]:
-        """Yield, after each step, one RequestOutput per request that got new tokens, holding
-        only those tokens (and their text); the last one of a request has its finish_reason."""
-        entries = self._add_all(prompts, params)
-        for e in entries:
-            if not isinstance(e, str):
-                yield e
-        live = {e: self.engine.sequence(e) for e in entries if isinstance(e, str)}
-        others = []
-        while live:
-            ended = set()
-            for out in self.engine.step():
-                (ended.add(out.request_id) if out.request_id in live else others.append(out))
-            for rid, seq in list(live.items()):
-                yield from self.deltas(seq, rid in ended)
-                if rid in ended:
-                    del live[rid]
-        self.engine.defer(others)
+    def __init__(self, tokenizer=None):
+        self.tokenizer = tokenizer
 
     def deltas(self, seq: Sequence, ended: bool) -> list:
         """The stream deltas of one request since the last call (what stream() yields for it
@@ -93,12 +97,12 @@ class Frontend:
             return None
         text = self._text_delta(seq, final)
         seq.num_streamed_tokens = -1 if final else seq.num_streamed_tokens + len(new)
-        return requests.delta_of(seq, new, self.engine.tokenizer, text)
+        return requests.delta_of(seq, new, self.tokenizer, text)
 
     def _text_delta(self, seq: Sequence, final: bool = False) -> Optional[str]:
         """New text since the last delta. Decoding all output tokens and cutting off what was
         sent keeps the spaces and multi-token characters that decoding a delta alone loses."""
-        tokenizer = self.engine.tokenizer
+        tokenizer = self.tokenizer
         if tokenizer is None:
             return None
         if seq.detokenizer is not None:     # stop strings: hold back a possible match's start

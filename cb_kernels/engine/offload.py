@@ -188,6 +188,7 @@ class OffloadManager:
         return self.bytes_moved / self._copy_seconds
 
     def stats(self) -> dict:
+        """Its counters; EMPTY_STATS has the same keys (an engine without a host pool)."""
         return {
             "host_total_blocks": self.num_host_blocks,
             "host_used_blocks": self.host_used_blocks,
@@ -209,3 +210,8 @@ class OffloadManager:
             f"{self.num_host_blocks}, duplicates or strays: "
             f"{sorted(set(b for b in every if every.count(b) > 1 or not 0 <= b < self.num_host_blocks))}")
         assert all(self._owned.values()), "a swapped request owns zero host blocks"
+
+
+EMPTY_STATS = {"host_total_blocks": 0, "host_used_blocks": 0, "host_occupancy": 0.0,
+               "swaps_out": 0, "swaps_in": 0, "swap_blocks_out": 0, "swap_blocks_in": 0,
+               "swap_bytes": 0, "swap_failures": 0}

@@ -7,7 +7,7 @@ from cb_kernels.engine.config import RequestMetrics, SamplingParams
 from cb_kernels.engine.detokenizer import IncrementalDetokenizer
 
 # The last token of a sequence whose sampled token is still on the device (overlapped steps, see
-# pipeline.py): it holds the token's slot while the next step is scheduled; never a real id.
+# step_loop.py): it holds the token's slot while the next step is scheduled; never a real id.
 PLACEHOLDER = -1
 
 

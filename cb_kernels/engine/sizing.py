@@ -137,7 +137,7 @@ def resolve(config: EngineConfig, shape: ModelShape) -> ResolvedConfig:
         overlap = "on" if on_cuda else "off"
         chosen["overlap"] = f"{overlap} ({shape.device.type})"
     elif overlap == "on" and not on_cuda:
-        # Kept on: the steps are pipelined the same way (pipeline.py), which is what the CPU
+        # Kept on: the steps are pipelined the same way (step_loop.py), which is what the CPU
         # tests check; with no asynchronous device nothing runs concurrently, so it buys nothing.
         logger.info("overlap='on' on %s: steps are pipelined, but the device runs them "
                     "synchronously (same tokens, no speed-up)", shape.device)

@@ -3,7 +3,7 @@
 On CUDA there are three named streams: `compute` (the forward pass and sampling), `h2d` (swap-ins
 and step inputs), `d2h` (swap-outs and the sampled tokens). The engine issues step N on compute,
 asks for its tokens with `tokens_to_host` (a copy on d2h behind an event) and, with overlap on,
-schedules and launches step N+1 before it calls `PendingTokens.result()` (pipeline.py). Every cross-stream dependency is made in exactly
+schedules and launches step N+1 before it calls `PendingTokens.result()` (step_loop.py). Every cross-stream dependency is made in exactly
 one method:
 
 - `_copy_stream`: a copy waits for the compute issued so far (it reads or overwrites blocks the

@@ -6,7 +6,7 @@ checks, for arguments the caller has checked once (their docstrings say what is 
 """
 from cb_kernels.ops._backend import available_backends
 from cb_kernels.ops.copy_blocks import copy_blocks
-from cb_kernels.ops.decoder import FusedDecoder
+from cb_kernels.ops.fused_decoder import FusedDecoder
 from cb_kernels.ops.greedy_head import GreedyHead
 from cb_kernels.ops.greedy_tokens import greedy_tokens
 from cb_kernels.ops.host_pool import HostPool

@@ -1,7 +1,7 @@
 """`greedy_tokens`: the greedy token of each row of logits, torch.argmax's result, faster on CPU.
 
-The engine calls this on every all-greedy step (csrc/cpu/sampling.cpp says why and what it
-measured). fp32 CPU logits go to the kernel (binding `_C.argmax_rows`); anything else (GPU,
+The engine calls this on every all-greedy step (csrc/cpu/greedy_tokens.cpp says why and what it
+measured). fp32 CPU logits go to the kernel (binding `_C.greedy_tokens`); anything else (GPU,
 other dtypes, logits that require grad) to torch.argmax, which is also the reference
 (`ref_greedy_tokens`).
 """
@@ -43,7 +43,7 @@ def _run(logits: torch.Tensor) -> torch.Tensor:
     if logits.stride(1) != 1 or (logits.shape[0] > 1 and logits.stride(0) < logits.shape[1]):
         logits = logits.contiguous()      # columns apart, or rows that overlap (expand)
     out = torch.empty(logits.shape[0], dtype=torch.int64)
-    _C.argmax_rows(logits.data_ptr(), out.data_ptr(), logits.shape[0], logits.shape[1],
+    _C.greedy_tokens(logits.data_ptr(), out.data_ptr(), logits.shape[0], logits.shape[1],
                    logits.stride(0) if logits.shape[0] > 1 else logits.shape[1])
     return out
 

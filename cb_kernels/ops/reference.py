@@ -1,4 +1,4 @@
-"""Pure-torch references of every op: slow, obviously right, and the tests' oracle."""
+"""Pure-torch references of every op (`ref_<op>`): slow, obviously right, and the tests' oracle."""
 from __future__ import annotations
 
 import math
@@ -142,3 +142,33 @@ def ref_rope_write_kv_(q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> Non
     ref_rope_(q, cos, sin)
     ref_rope_(k, cos, sin)
     ref_write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
+def ref_fused_decoder(x, cos, sin, layers, final_norm, slot_mapping, block_tables, seq_lens,
+                      cu_seqlens_q, k_caches, v_caches, *, heads: int, kv_heads: int,
+                      head_dim: int, eps: float, scale: float) -> torch.Tensor:
+    """The decoder stack FusedDecoder runs, as the loop of the references above in its order.
+
+    x: [num_tokens, hidden], updated in place to the residual stream; cos, sin: [num_tokens,
+    head_dim]; layers[i] = (in_norm weight [hidden], post_norm weight [hidden], (qkv weight
+    [(heads + 2 kv_heads) head_dim, hidden], bias or None), (o weight [hidden, heads head_dim],
+    bias), (gate_up weight [2 intermediate, hidden]: gate rows then up rows, bias), (down weight
+    [hidden, intermediate], bias), sliding window or None); final_norm: [hidden]; slot_mapping
+    and the caches (one k and v per layer, written) as ref_rope_write_kv_ takes them,
+    block_tables, seq_lens, cu_seqlens_q as ref_paged_attention. Returns [num_tokens, hidden]:
+    final_norm of the residual stream after the last layer.
+    """
+    t, q_n, kv_n = x.shape[0], heads * head_dim, kv_heads * head_dim
+    pending = None          # the last sublayer's output, added into x by the next norm
+    for (in_w, post_w, qkv, o, gate_up, down, window), k_cache, v_cache in \
+            zip(layers, k_caches, v_caches):
+        h = ref_rms_norm(x, in_w, eps, pending)
+        q, k, v = ref_linear(h, *qkv).split([q_n, kv_n, kv_n], dim=-1)
+        q, k, v = q.view(t, heads, head_dim), k.view(t, kv_heads, head_dim), \
+            v.view(t, kv_heads, head_dim)
+        ref_rope_write_kv_(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+        attn = ref_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
+                                   scale=scale, sliding_window=window)
+        h = ref_rms_norm(x, post_w, eps, ref_linear(attn.view(t, q_n), *o))
+        pending = ref_linear(ref_silu_mul(ref_linear(h, *gate_up)), *down)
+    return ref_rms_norm(x, final_norm, eps, pending)

@@ -83,7 +83,7 @@ def rms_norm_unchecked(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 # The torch.library op, so torch.compile can trace the call. Eager calls skip it: the custom-op
-# dispatch layers cost more than the kernel (see ops/paged_attention.py for the measurement).
+# dispatch layers cost more than the kernel (see ops/paged_attention/__init__.py for the measurement).
 @torch.library.custom_op("cb_kernels::rms_norm", mutates_args=("x",))
 def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: Optional[torch.Tensor] = None) -> torch.Tensor:

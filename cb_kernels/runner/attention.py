@@ -75,9 +75,9 @@ def engine_attention(module, query, key, value, attention_mask, scaling=None, dr
     if step is None:
         raise RuntimeError(f"attention implementation {ATTN_NAME!r} runs only inside "
                            "cb_kernels.Engine steps")
-    layer = module.layer_idx
-    k_cache, v_cache = step.k_caches[layer], step.v_caches[layer]
-    softcap = kwargs["softcap"] if "softcap" in kwargs else step.softcap
+    layer, layout = module.layer_idx, step.layout
+    k_cache, v_cache = layout.k_caches[layer], layout.v_caches[layer]
+    softcap = kwargs["softcap"] if "softcap" in kwargs else layout.softcap
     sinks = kwargs.get("s_aux")              # gpt-oss' per-head sink logits [num_heads]
     if sinks is not None:
         sinks = sinks.detach().float().contiguous()
@@ -92,12 +92,12 @@ def engine_attention(module, query, key, value, attention_mask, scaling=None, dr
         # columns are sums of zeros and are cut off, so the kept ones are exact.
         v = torch.nn.functional.pad(v, (0, v_cache.shape[-1] - v_dim))
     ops.write_kv_unchecked(k, _packed(v), k_cache, v_cache, step.slot_mapping)
-    view = step.chunked if layer < len(step.chunked_layers) and step.chunked_layers[layer] \
+    view = step.chunked if layer < len(layout.chunked_layers) and layout.chunked_layers[layer] \
         else step
     out = ops.paged_attention(q, k_cache, v_cache, view.block_tables, view.seq_lens,
                               view.cu_seqlens_q, scale=scaling,
-                              sliding_window=step.sliding_windows[layer], softcap=softcap,
-                              backend=step.backend, sinks=sinks)
+                              sliding_window=layout.sliding_windows[layer], softcap=softcap,
+                              backend=layout.backend, sinks=sinks)
     if v_dim != out.shape[-1]:
         out = out[..., :v_dim]
     return out.to(query.dtype).unsqueeze(0), None
@@ -115,6 +115,26 @@ def register_attention() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTN_NAME, engine_attention)
+
+
+def text_config(model):
+    """The config of the model's text decoder (a multimodal model's text part, else its own)."""
+    cfg = model.config
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+@contextlib.contextmanager
+def attention_named(configs: list, name: str):
+    """Inside it every config of `configs` names `name` as its attention implementation; the
+    previous names come back on exit (also on an error). The one place that switches it."""
+    saved = [cfg._attn_implementation_internal for cfg in configs]
+    try:
+        for cfg in configs:
+            cfg._attn_implementation_internal = name
+        yield
+    finally:
+        for cfg, old in zip(configs, saved):
+            cfg._attn_implementation_internal = old
 
 
 def _configs_of(model) -> list:
@@ -138,20 +158,18 @@ class AttentionSwitch:
         self.configs = _configs_of(model)
         self.lock = model_lock(model)
         self.per_call = PerCallLayerIdx(model)
-        self._saved: list = []
+        self._named = None
 
     def __enter__(self) -> "AttentionSwitch":
         self.lock.acquire()
-        self._saved = [cfg._attn_implementation_internal for cfg in self.configs]
-        for cfg in self.configs:
-            cfg._attn_implementation_internal = ATTN_NAME
+        self._named = attention_named(self.configs, ATTN_NAME)
+        self._named.__enter__()
         self.per_call.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
         self.per_call.__exit__()
-        for cfg, name in zip(self.configs, self._saved):
-            cfg._attn_implementation_internal = name
+        self._named.__exit__(None, None, None)
         self.lock.release()
 
 

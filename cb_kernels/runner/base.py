@@ -1,8 +1,8 @@
 """The one interface between the Engine and what runs the model: the ModelRunner protocol.
 
 The engine never touches the model; it hands each scheduled batch to its runner. A runner for
-another model kind (tensor parallel, a hybrid model with recurrent state) implements these
-attributes and methods and is passed as `Engine(model, config, runner=...)`.
+another model kind implements these attributes and methods and is passed as
+`Engine(model, config, runner=...)`; TransformersRunner is the default one.
 """
 from __future__ import annotations
 
@@ -11,31 +11,41 @@ from typing import Optional, Protocol, runtime_checkable
 
 import torch
 
-from cb_kernels.runner.step_inputs import StepInputs
+from cb_kernels.runner.step_inputs import LayerLayout, StepInputs
 
 
 @dataclass
 class StepOutput:
-    """What a step gives back for its sampled rows (StepInputs.sampled, in order): fp32 logits
-    [len(logits_indices), vocab_size] (a row per StepInputs.logits_indices entry), or (all-greedy steps only) int64 token ids [num_sampled] on the
-    model's device, with the other field None."""
+    """What a step gives back for its sampled rows (StepInputs.sampled, in order).
+
+    logits: fp32 [len(logits_indices), vocab_size], a row per StepInputs.logits_indices entry
+    (None on an all-greedy step); tokens: int64 [num_sampled] on the model's device, the argmax of
+    each row (set exactly when execute ran with greedy=True); greedy_head: the tokens came from a
+    greedy head, not from full logits (Engine.stats()["greedy_head_steps"] counts those steps).
+    """
 
     logits: Optional[torch.Tensor]
     tokens: Optional[torch.Tensor]
+    greedy_head: bool = False
 
 
 @runtime_checkable
 class ModelRunner(Protocol):
-    """Runs one model on a paged KV cache, one packed step at a time.
+    """Runs one model on a paged KV cache, one packed step at a time. Everything the engine (and
+    the tensor-parallel runners) read of a runner is declared here; nothing else is read.
 
-    Model facts, read once (sizing, request checks): num_layers, num_kv_heads (of this rank's
-    cache), head_dim, max_positions, vocab_size, dtype, device, eos_token_ids (frozenset).
-    After allocate_cache: k_caches, v_caches (per layer [num_blocks, block_size, num_kv_heads,
-    head_dim]; the swapper moves blocks of them) and block_size.
-    Optional, for models with per-sequence state (hybrid / recurrent layers):
-    state_bytes_per_seq (int, 0 or absent: none) and, after allocate_cache, state_tensors (each
-    [max_num_seqs, ...], one slot per running sequence; the engine hands slots out as
-    seq.state_slot, copies them on fork and swaps them with the blocks).
+    Model facts, read once (sizing, request checks): num_layers (layers holding KV),
+    num_kv_heads (of this rank's cache) and head_dim (the widest layer's: a block never holds
+    more than the engine counted), max_positions (the longest sequence the model takes),
+    vocab_size, dtype, device, eos_token_ids (frozenset).
+    state_bytes_per_seq: bytes of per-sequence state of hybrid / recurrent layers (0: none).
+
+    After allocate_cache: k_caches, v_caches (the KV pool, one [num_blocks, block_size,
+    num_kv_heads, head_dim] tensor per KV layer; the swapper moves blocks of them), block_size,
+    state_tensors (each [max_num_seqs, ...], one slot per running sequence; the engine hands
+    slots out as seq.state_slot, copies them on fork and swaps them with the blocks; [] without
+    state), and layout (step_inputs.LayerLayout: the static per-layer view every step's attention
+    reads: caches by layer index, sliding windows, softcap, chunked layers, attention backend).
     """
 
     num_layers: int
@@ -46,13 +56,17 @@ class ModelRunner(Protocol):
     dtype: torch.dtype
     device: torch.device
     eos_token_ids: frozenset
+    state_bytes_per_seq: int
     k_caches: list
     v_caches: list
     block_size: int
+    state_tensors: list
+    layout: Optional[LayerLayout]
 
     def allocate_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype,
                        max_num_seqs: int) -> None:
-        """Create the KV pool (and whatever else is sized by it, e.g. CUDA graph buffers)."""
+        """Create the KV pool, the state slots and the layout (and whatever else is sized by
+        them, e.g. CUDA graph buffers)."""
 
     def copy_blocks(self, pairs: list) -> None:
         """Copy blocks (src, dst) in every layer (copy-on-write of shared prefix blocks)."""
@@ -62,8 +76,8 @@ class ModelRunner(Protocol):
         seq.block_table) and upload them; no device work waits on the host after this."""
 
     def execute(self, inputs: StepInputs, greedy: bool = False) -> StepOutput:
-        """Run the step. `greedy`: every sampled row takes the argmax, so tokens may come back
-        instead of logits."""
+        """Run the step. `greedy` (every sampled row takes the argmax): return the tokens (and no
+        logits); else the logits of every logits_indices row."""
 
     def refresh_weights(self) -> None:
         """Rebuild every copy derived from the weights (packed linears, the greedy head)."""

@@ -206,9 +206,7 @@ def decode_graph_runner(runner, max_num_seqs: int, max_blocks_per_seq: int) -> D
     def decode(input_ids, positions, slot_mapping, seq_lens, block_tables, cu_seqlens_q):
         attn = AttentionMetadata(slot_mapping=slot_mapping, block_tables=block_tables,
                                  seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q,
-                                 k_caches=runner.k_caches, v_caches=runner.v_caches,
-                                 sliding_windows=runner.sliding_windows, softcap=runner.softcap,
-                                 backend=runner.attention_backend)
+                                 layout=runner.layout)
         rows = torch.arange(input_ids.shape[0], device=input_ids.device)
         return runner.forward_logits(input_ids, positions, rows, attn)
 

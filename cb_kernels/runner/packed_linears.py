@@ -37,7 +37,7 @@ call computes all of them and the siblings return their slices when called with 
 tensor object, else compute their own. Weights are packed when built and repacked when a weight
 tensor is replaced or changed in place (data_ptr and version checked on entry). Writes that
 bypass the version counter are not seen: through `.data` (`w.data.copy_(...)`,
-`w.data += delta`) or to inference tensors; after such a write call `engine.refresh_weights()`
+`w.data += delta`) or to inference tensors; after such a write call `engine.weights_updated()`
 (or `refresh(force=True)` on this object), or the steps keep the old weights.
 Assigning `w.data = new` is seen: a group holds the storages it packed from, so the new one
 cannot reuse their address.
@@ -232,7 +232,7 @@ def is_packed_forward(fn) -> bool:
 
 
 def has_hooks(modules: list) -> bool:
-    """A forward hook (the tensor-parallel collectives of runner/tensor_parallel.py aside: the
+    """A forward hook (the tensor-parallel collectives of runner/tensor_parallel/ aside: the
     paths that skip module calls run them themselves), or an instance `forward` not installed by
     PackedLinears (another engine's step may be running on the model in another thread), on any
     of `modules`. Reads each

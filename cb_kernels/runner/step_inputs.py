@@ -13,26 +13,40 @@ from typing import Optional
 import torch
 
 
+@dataclass(frozen=True)
+class LayerLayout:
+    """What the attention layers read that no step changes: built once (the runner's
+    allocate_cache), shared by every step.
+
+    k_caches/v_caches: per layer index [num_blocks, block_size, num_kv_heads, head_dim] (None: a
+    layer without attention); sliding_windows: per layer, from the model config (a fallback when
+    the layer passes none); softcap: the config's attention logit softcap; backend: ops'
+    paged_attention backend (None: auto); chunked_layers: per layer, True for the chunked-attention
+    layers (llama4), which attend through the step's ChunkedView.
+    """
+
+    k_caches: list
+    v_caches: list
+    sliding_windows: list
+    softcap: Optional[float] = None
+    backend: Optional[str] = None
+    chunked_layers: tuple = ()
+
+
 @dataclass
 class AttentionMetadata:
-    """What every attention layer of one step reads.
+    """What every attention layer of one step reads: the step's tensors and the static layout.
 
     slot_mapping: int64 [num_tokens]; block_tables: int32 [num_seqs, max_blocks_per_seq];
     seq_lens: int32 [num_seqs] (KV length including the new tokens); cu_seqlens_q: int32
-    [num_seqs + 1]. k_caches/v_caches: per layer [num_blocks, block_size, num_kv_heads, head_dim].
+    [num_seqs + 1]; chunked: the step as chunked-attention layers see it (None without them).
     """
 
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
     cu_seqlens_q: torch.Tensor
-    k_caches: list
-    v_caches: list
-    sliding_windows: list        # per layer, from the model config (fallback when not passed)
-    softcap: Optional[float]
-    backend: Optional[str]
-    # Chunked attention (llama4): the layers marked True attend through `chunked` instead.
-    chunked_layers: tuple = ()
+    layout: LayerLayout
     chunked: Optional["ChunkedView"] = None
 
 
@@ -143,11 +157,11 @@ def chunked_view(seqs: list, num_new_tokens: list, block_size: int, chunk_size: 
 
 
 def pack(seqs: list, num_new_tokens: list, block_size: int, num_slots: int,
-         device: torch.device, chunk_size: Optional[int] = None, **attention) -> StepInputs:
+         device: torch.device, layout: LayerLayout,
+         chunk_size: Optional[int] = None) -> StepInputs:
     """Pack seqs[i]'s next num_new_tokens[i] tokens (from seq.num_computed_tokens on) into one
-    varlen step. `attention`: the AttentionMetadata fields that do not depend on the batch
-    (k_caches, v_caches, sliding_windows, softcap, backend, chunked_layers); `chunk_size`: the
-    chunk of chunked-attention layers, if any (adds the ChunkedView)."""
+    varlen step over the static `layout`; `chunk_size`: the chunk of chunked-attention layers,
+    if any (adds the ChunkedView)."""
     bs = block_size
     ids, positions, slots, seq_lens, cu, logits_idx, sampled = [], [], [], [], [0], [], []
     max_blocks = 1
@@ -184,7 +198,7 @@ def pack(seqs: list, num_new_tokens: list, block_size: int, num_slots: int,
              array("q", slots), array("i", flat), array("i", seq_lens), array("i", cu)]
     ids_t, pos_t, logits_t, slots_t, tables_t, lens_t, cu_t = upload(parts, device)
     attn = AttentionMetadata(slot_mapping=slots_t, block_tables=tables_t.view(len(seqs), max_blocks),
-                             seq_lens=lens_t, cu_seqlens_q=cu_t, **attention)
+                             seq_lens=lens_t, cu_seqlens_q=cu_t, layout=layout)
     if chunk_size:
         attn.chunked = chunked_view(seqs, num_new_tokens, block_size, chunk_size, device)
     return StepInputs(ids_t, pos_t, logits_t, attn, sampled, len(seqs))

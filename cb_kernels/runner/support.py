@@ -29,7 +29,8 @@ from typing import Optional
 
 import torch
 
-from cb_kernels.runner.attention import PerCallLayerIdx, model_lock
+from cb_kernels.runner.attention import (PerCallLayerIdx, attention_named, model_lock,
+                                         text_config)
 from cb_kernels.runner.masks import mask_pattern, tensor_is_causal
 from cb_kernels.runner.positions import explicit_positions, position_modules
 from cb_kernels.runner.state_cache import StateSwitch
@@ -93,11 +94,6 @@ _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attent
 _STATELESS_LAYER_TYPES = {"mlp", "moe"}
 
 
-def _text_config(model):
-    cfg = model.config
-    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-
-
 def num_heads_of(cfg) -> int:
     """config.num_attention_heads, or 0 where the config has none (or only per layer)."""
     try:
@@ -125,7 +121,7 @@ def static_check(model, state_layers: Optional[dict] = None) -> None:
     """Raises UnsupportedModelError for what the config and module tree already show.
     `state_layers` (layer_idx -> module, runner/state_cache.state_modules): the stateful layers
     the engine keeps state slots for; their modules and layer types are not refused."""
-    cfg = _text_config(model)
+    cfg = text_config(model)
     name = type(model).__name__
     state_layers = state_layers or {}
     if not hasattr(cfg, "num_attention_heads") and not state_layers:
@@ -284,12 +280,9 @@ def check_positions(model, configs, num_tokens: int, state_layers=None) -> None:
 
 
 def _record(model, configs, ids, pos) -> None:
-    saved = [cfg._attn_implementation_internal for cfg in configs]
     try:
-        for cfg in configs:
-            cfg._attn_implementation_internal = PROBE_NAME
-        with torch.inference_mode(), explicit_positions(position_modules(model), pos), \
-                PerCallLayerIdx(model):
+        with attention_named(configs, PROBE_NAME), torch.inference_mode(), \
+                explicit_positions(position_modules(model), pos), PerCallLayerIdx(model):
             model(input_ids=ids, position_ids=pos, use_cache=False, cbk_step=_SENTINEL)
     except UnsupportedModelError:
         raise
@@ -298,8 +291,6 @@ def _record(model, configs, ids, pos) -> None:
             f"{type(model).__name__}'s forward fails under cb_kernels' attention "
             f"({type(e).__name__}: {e})") from e
     finally:
-        for cfg, name in zip(configs, saved):
-            cfg._attn_implementation_internal = name
         _PROBE.rec = None
 
 
@@ -330,7 +321,7 @@ def layer_plans(model, configs, num_layers: int, state_layers: Optional[dict] = 
     state_layers = state_layers or {}
     static_check(model, state_layers)
     name = type(model).__name__
-    cfg = _text_config(model)
+    cfg = text_config(model)
     max_positions = getattr(cfg, "max_position_embeddings", None) or (1 << 30)
     rec = record_calls(model, configs, _PROBE_TOKENS, state_layers=state_layers)
     if not rec.calls and not state_layers:
@@ -481,17 +472,12 @@ def check_state_carry(model, configs, state_layers: dict, specs: dict,
             pos = torch.arange(start, start + n, device=device)[None]
             _register_probe()
             _PROBE.rec = _Recording()
-            saved = [cfg._attn_implementation_internal for cfg in configs]
             try:
-                for cfg in configs:
-                    cfg._attn_implementation_internal = PROBE_NAME
-                with switch(step), explicit_positions(position_modules(model), pos), \
-                        PerCallLayerIdx(model):
+                with attention_named(configs, PROBE_NAME), switch(step), \
+                        explicit_positions(position_modules(model), pos), PerCallLayerIdx(model):
                     out = model(input_ids=ids[None, start:start + n], position_ids=pos,
                                 use_cache=False, cbk_step=_SENTINEL)
             finally:
-                for cfg, old in zip(configs, saved):
-                    cfg._attn_implementation_internal = old
                 _PROBE.rec = None
             logits = out.logits[0, -1].float()
             start += n

@@ -25,7 +25,7 @@ import torch
 
 from cb_kernels import ops
 from cb_kernels.runner import state_cache, step_inputs, support, tensor_parallel
-from cb_kernels.runner.attention import AttentionSwitch, model_lock, step_context
+from cb_kernels.runner.attention import AttentionSwitch, model_lock, step_context, text_config
 from cb_kernels.runner.positions import explicit_positions, position_modules
 from cb_kernels.runner.base import StepOutput
 from cb_kernels.runner.cuda_graphs import decode_graph_runner, graphs_enabled
@@ -35,11 +35,6 @@ from cb_kernels.runner.lm_head import GreedyTokensHead, LogitsHead, choose_lm_he
 from cb_kernels.runner.packed_linears import PackedLinears, has_hooks
 
 logger = logging.getLogger("cb_kernels")
-
-
-def _text_config(model):
-    cfg = model.config
-    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 
 
 def eos_ids_of(model) -> frozenset:
@@ -81,7 +76,7 @@ class TransformersRunner:
         if not hasattr(model, "config") or not callable(getattr(model, "forward", None)):
             raise TypeError(f"model must be a transformers causal LM, got {type(model).__name__}")
         self.model = model
-        cfg = _text_config(model)
+        cfg = text_config(model)
         num_hidden = getattr(cfg, "num_hidden_layers", None) or 0
         self._switch = AttentionSwitch(model)
         self._positions = position_modules(model)   # BART-style decoders (runner/positions.py)
@@ -152,8 +147,7 @@ class TransformersRunner:
         self.graphs = None
         self.k_caches: list = []
         self.v_caches: list = []
-        self._layer_k: list = []      # per layer_idx (None: no attention), what attention reads
-        self._layer_v: list = []
+        self.layout: Optional[step_inputs.LayerLayout] = None     # set by allocate_cache
         self.block_size = 0
 
     def _choose_head(self, mode):
@@ -196,8 +190,11 @@ class TransformersRunner:
         self.k_caches, self.v_caches = allocate_layer_caches(shapes, num_blocks, block_size,
                                                              dtype, self.device)
         it_k, it_v = iter(self.k_caches), iter(self.v_caches)
-        self._layer_k = [next(it_k) if p is not None else None for p in self.layers]
-        self._layer_v = [next(it_v) if p is not None else None for p in self.layers]
+        self.layout = step_inputs.LayerLayout(     # per layer_idx (None: no attention)
+            k_caches=[next(it_k) if p is not None else None for p in self.layers],
+            v_caches=[next(it_v) if p is not None else None for p in self.layers],
+            sliding_windows=self.sliding_windows, softcap=self.softcap,
+            backend=self.attention_backend, chunked_layers=self.chunked_layers)
         self.block_size = block_size
         if self.state_layers:
             # One slot per running sequence (the scheduler runs at most max_num_seqs).
@@ -220,18 +217,21 @@ class TransformersRunner:
     def prepare(self, seqs: list, num_new_tokens: list) -> step_inputs.StepInputs:
         inputs = step_inputs.pack(
             seqs, num_new_tokens, self.block_size, self.k_caches[0].shape[0] * self.block_size,
-            self.device, k_caches=self._layer_k, v_caches=self._layer_v,
-            sliding_windows=self.sliding_windows, softcap=self.softcap,
-            backend=self.attention_backend, chunk_size=self.chunk_size,
-            chunked_layers=self.chunked_layers)
+            self.device, self.layout, self.chunk_size)
         if self.state_pool is not None:
             inputs.state = state_cache.plan(seqs, num_new_tokens, self.device)
         return inputs
 
     @torch.inference_mode()
     def execute(self, inputs: step_inputs.StepInputs, greedy: bool = False) -> StepOutput:
-        """The sampled rows' logits, or with `greedy` (every sampled row is greedy) maybe their
-        argmax tokens straight from the greedy head."""
+        """The sampled rows' logits; with `greedy` (every sampled row is greedy) their argmax
+        tokens instead (from the greedy head where it runs, else the argmax of the logits)."""
+        out = self._execute_any(inputs, greedy)
+        if greedy and out.tokens is None:
+            return StepOutput(None, ops.greedy_tokens(out.logits))
+        return out
+
+    def _execute_any(self, inputs: step_inputs.StepInputs, greedy: bool) -> StepOutput:
         attn = inputs.attn
         if self.graphs is not None and inputs.is_decode:
             # The graph copies input_ids (placeholders already filled) into its static buffer.
@@ -262,7 +262,7 @@ class TransformersRunner:
                                                   inputs.logits_indices, attn), None)
         tokens = head.tokens(rows) if greedy else None
         if tokens is not None:
-            return StepOutput(None, tokens)
+            return StepOutput(None, tokens, greedy_head=True)
         return StepOutput(head.logits(rows), None)
 
     def _hidden_rows(self, input_ids, positions, logits_indices, attn) -> torch.Tensor:

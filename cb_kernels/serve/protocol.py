@@ -1,4 +1,6 @@
-"""The OpenAI request bodies the server takes (pydantic), their SamplingParams, and the error body.
+"""The OpenAI request bodies the server takes (pydantic), their SamplingParams (`sampling_params`,
+the one place a request becomes one), the error body, and the rewriting of pydantic's and the
+engine's refusals as errors that name the request's field.
 
 Requests are parsed strictly (a string where a number belongs is refused, not converted) and
 unknown fields are refused, so a typo ("max_token") is reported instead of silently ignored. A few
@@ -8,12 +10,12 @@ fields that OpenAI clients send but this server does not act on are accepted and
 """
 from __future__ import annotations
 
-import math
+import json
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from cb_kernels.engine.config import SEED_LIMIT, SamplingParams
+from cb_kernels.engine.config import SEED_LIMIT, SamplingParams, parse_logit_bias
 
 MAX_N = 128           # samples per prompt
 MAX_LOGPROBS = 20     # top logprobs per token (OpenAI's chat limit)
@@ -193,21 +195,10 @@ def param_named_in(message: str, default: Optional[str]) -> Optional[str]:
 
 def sampling_params(req: _Request, max_new_tokens: int) -> SamplingParams:
     """The SamplingParams of `req`; RequestError naming the field for a value the engine refuses."""
-    bias = None
-    if req.logit_bias:
-        bias = {}
-        for key, value in req.logit_bias.items():
-            try:
-                token = int(key)
-            except ValueError:
-                raise RequestError(f"logit_bias keys must be token ids, got {key!r}",
-                                   "logit_bias") from None
-            if token < 0:
-                raise RequestError(f"logit_bias key {key} is not a token id", "logit_bias")
-            if not math.isfinite(value) or not -100 <= value <= 100:
-                raise RequestError(f"logit_bias[{key}] must be in [-100, 100], got {value}",
-                                   "logit_bias")
-            bias[token] = value
+    try:
+        bias = parse_logit_bias(req.logit_bias or None, max_abs=100)
+    except ValueError as e:
+        raise RequestError(str(e), "logit_bias") from None
     if req.min_tokens > max_new_tokens:
         raise RequestError(f"min_tokens ({req.min_tokens}) must be <= max_tokens "
                            f"({max_new_tokens})", "min_tokens")
@@ -223,3 +214,50 @@ def sampling_params(req: _Request, max_new_tokens: int) -> SamplingParams:
             logit_bias=bias)
     except (ValueError, TypeError) as e:
         raise RequestError(str(e), param_named_in(str(e), None)) from None
+
+
+# Names pydantic puts in an error location for the member of a union that failed.
+_UNION_TYPES = {"prompt": "a string, a list of strings, a list of token ids or a list of lists of "
+                        "token ids", "stop": "a string or a list of strings"}
+_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "TextPart"}
+
+
+def validation_error(e: ValidationError) -> RequestError:
+    """The RequestError of a body pydantic refused: the first error, its field named."""
+    errors = e.errors(include_url=False)
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return RequestError(f"the request body is not valid JSON ({first.get('ctx', {}).get('error', first['msg'])})")
+    loc = [p for p in first["loc"] if isinstance(p, int) or
+           (p not in _UNION_TAGS and "[" not in str(p) and not str(p).startswith("function-"))]
+    param = field_path(loc) or None
+    if param is None:
+        return RequestError(f"the request body must be a JSON object ({first['msg']})")
+    same = [err for err in errors if err["loc"][:1] == first["loc"][:1]]
+    if first["type"] == "missing":
+        return RequestError(f"{param} is required", param)
+    if first["type"] == "extra_forbidden":
+        return RequestError(f"{param} is not a field this server knows (check the spelling)",
+                            param)
+    if len(same) > 1 and len(loc) == 1:      # no member of a union took it
+        what = _UNION_TYPES.get(param, "of another type")
+        return RequestError(f"{param} must be {what}, got {_short(first['input'])}", param)
+    return RequestError(f"{param}: {first['msg']}, got {_short(first['input'])}", param)
+
+
+def _short(value) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def prompt_error(message: str, where: str, asked_max_tokens: bool) -> tuple:
+    """(message, param) of an Engine.check_request error about the prompt at `where`."""
+    about_length = "max_new_tokens" in message
+    message = message.replace("max_new_tokens", "max_tokens")
+    if message.startswith("prompt"):
+        message = where + message[len("prompt"):]
+    if about_length:          # the prompt fits alone: max_tokens is what to change, if it was asked
+        return message, "max_tokens" if asked_max_tokens else where
+    if message.startswith(where):
+        return message, where
+    return message, param_named_in(message, where)

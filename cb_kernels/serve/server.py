@@ -61,7 +61,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from cb_kernels import Engine, SamplingParams
     from cb_kernels.generate_cli import engine_config
     from cb_kernels.models import fast_dtype, load
-    from cb_kernels.serve.app import ServerConfig, create_app
+    from cb_kernels.serve.routes import ServerConfig, create_app
 
     try:
         config = engine_config(args)

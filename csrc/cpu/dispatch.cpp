@@ -8,7 +8,7 @@
 #include "cb_kernels/isa.h"
 #include "cb_kernels/linear.h"
 #include "cb_kernels/paged_attention.h"
-#include "cb_kernels/sampling.h"
+#include "cb_kernels/greedy_tokens.h"
 
 // Each kernel file defines its body in namespace cbk::CBK_CPU_NS; these are the bodies built.
 #define CBK_DECLARE_BODIES(ns)                        \
@@ -19,7 +19,7 @@
   Status silu_mul(const SiluMulParams&);              \
   Status rope(const RopeParams&);                     \
   Status rope_write_kv(const RopeWriteKvParams&);     \
-  Status argmax_rows(const ArgmaxParams&);            \
+  Status greedy_tokens(const GreedyTokensParams&);     \
   Status linear(const LinearParams&);                 \
   Status linear_bf16(const LinearBf16Params&);        \
   Status greedy_head(const GreedyHeadParams&);        \
@@ -145,8 +145,8 @@ Status rope(const RopeParams& p, Isa isa) { CBK_RUN_AVX2_OR_PORTABLE(rope, p, is
 Status rope_write_kv(const RopeWriteKvParams& p, Isa isa) {
   CBK_RUN_AVX2_OR_PORTABLE(rope_write_kv, p, isa);
 }
-Status argmax_rows(const ArgmaxParams& p, Isa isa) {
-  CBK_RUN_AVX2_OR_PORTABLE(argmax_rows, p, isa);
+Status greedy_tokens(const GreedyTokensParams& p, Isa isa) {
+  CBK_RUN_AVX2_OR_PORTABLE(greedy_tokens, p, isa);
 }
 
 Status linear(const LinearParams& p, Isa isa) {

@@ -25,6 +25,8 @@
 // The file is built portable and avx512_vnni (cb_kernels/isa.h): the flags of each compile pick
 // the three ISA-specific steps (score_tiles, rescore_tile, exact_logit_of). The portable body
 // does the same integer arithmetic, so both give the same tokens.
+//
+// Shared state and constants: greedy_head_work.h; the VNNI body: greedy_head_vnni.h.
 #include "cb_kernels/greedy_head.h"
 
 #include <omp.h>
@@ -35,65 +37,14 @@
 #include <cstring>
 #include <vector>
 
+#include "greedy_head_vnni.h"
+#include "greedy_head_work.h"
 #include "threads.h"
-
-// The body this compile builds (see cb_kernels/isa.h): the flags of the ISA pick it.
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define CBK_GREEDY_HEAD_VNNI 1
-#include <immintrin.h>
-#else
-#define CBK_GREEDY_HEAD_VNNI 0
-#endif
 
 namespace cbk {
 namespace CBK_CPU_NS {
 using cpu::max_threads;
 namespace {
-
-constexpr int64_t kTile = 64;     // vocab rows per tile: 4 blocks of 16 lanes
-// Inputs up to 1e15 keep every product, sum and bound finite in fp32 (65536 x 1e30 < 3e38).
-constexpr float kMaxMagnitude = 1e15f;
-constexpr int64_t kMaxHidden = 65536;
-constexpr int64_t kChunkRows = 64;  // hidden rows per pass over the weight
-constexpr int kRowBlock = 4;      // hidden rows per register block (4 x 4 accumulators)
-constexpr float kBoundScale = 0.5005f;             // the 1/2 of the bound, plus 0.1%
-constexpr float kNormScale = 1.001f;                // the Cauchy-Schwarz bounds, plus 0.1%
-constexpr float kRoundingSlack = 1.0f / 262144.0f;  // 2^-18, times max|h| ||w_j||_1
-// Each exact dim adds one fp32 rounding (<= 2^-24 max|h| ||w_j||_1) to the score: budgeted
-// twice over, on top of the 2^-18, so 64 exact dims stay as safe as 8.
-constexpr float kExactDimSlack = 1.0f / 8388608.0f;  // 2^-23
-constexpr float kTinySlack = 1e-30f;                // absolute, for subnormal corners
-
-// The int8 scale of a vector whose largest magnitude is mx, and its inverse. Below 127 FLT_MIN,
-// 127 / mx overflows fp32 (every value would quantise to +-127 and 0 to NaN -> -127, far past the
-// half step the bound assumes) and mx / 127 is subnormal: the scale is then FLT_MIN, whose inverse
-// 2^126 is exact, so each value still rounds to within half a step.
-inline float int8_scale(float mx, float* inv) {
-  const float s = mx / 127.0f;
-  if (mx == 0.0f) {
-    *inv = 0.0f;
-    return 0.0f;
-  }
-  if (s < FLT_MIN) {
-    *inv = 1.0f / FLT_MIN;
-    return FLT_MIN;
-  }
-  *inv = 127.0f / mx;
-  return s;
-}
-
-inline int64_t packed_offset(int64_t j, int64_t k, int64_t groups) {
-  return (((j / kTile) * groups + k / 4) * kTile + j % kTile) * 4 + k % 4;
-}
-
-// <h, w_j> in double: float products are exact there. 16 partial sums (lane k % 16), folded in a
-// fixed order and rounded once to float; exact_logit_avx512 keeps the same 16 sums in two
-// vectors, so both bodies return the same float. s: [16] partial sums.
-inline float fold_sums(const double* s) {
-  double t[8];
-  for (int i = 0; i < 8; ++i) t[i] = s[i] + s[i + 8];
-  return static_cast<float>(((t[0] + t[4]) + (t[2] + t[6])) + ((t[1] + t[5]) + (t[3] + t[7])));
-}
 
 #if !CBK_GREEDY_HEAD_VNNI
 // h: [n] the hidden row in double; wj: [n] vocab row j of the fp32 weight.
@@ -102,35 +53,7 @@ float exact_logit(const double* h, const float* wj, int64_t n) {
   for (int64_t k = 0; k < n; ++k) s[k % 16] += h[k] * static_cast<double>(wj[k]);
   return fold_sums(s);
 }
-#endif
 
-// Per-call state shared by the passes.
-struct Work {
-  const GreedyHeadParams& p;
-  int64_t padded_hidden, groups, tiles;
-  std::vector<int8_t> hq;        // [rows, padded_hidden]
-  std::vector<int32_t> offset;   // 128 * sum(hq row): the +128 of the packed bytes
-  std::vector<float> hscale;
-  // Per hidden row, the factors of the bound: b_j = min(u l1_j, p l2_j) + min(v s_j, q err_j)
-  // + r l1_j (row_stats: scale s_j, l1, l2, err).
-  std::vector<float> u, v, pn, qn, r;
-  const float *scale = nullptr, *l1 = nullptr, *l2 = nullptr, *err = nullptr;
-  // [rows, tiles]: the largest score + bound of each (hidden row, tile). Pass 2 recomputes the
-  // 64 scores of only the tiles that reach the row's floor: storing every score (rows x vocab
-  // floats) cost ~0.3 ms of DRAM traffic a call in the engine, 39 MB for 64 x 152k.
-  float* tile_hi = nullptr;
-  std::vector<float> hx;         // [rows, num_exact]: h at the exact dims
-  int64_t padded_vocab = 0;
-  explicit Work(const GreedyHeadParams& params) : p(params) {}
-};
-
-// The largest score - bound of each hidden row over one thread's tiles.
-struct Slice {
-  std::vector<float> best_lo;    // [rows]
-  explicit Slice(int64_t rows) : best_lo(rows, -INFINITY) {}
-};
-
-#if !CBK_GREEDY_HEAD_VNNI
 // The epilogue of one row over one tile: 64 integer dots (with the +128 offset still in) ->
 // scores and bounds. Pass 1 (s given): keeps the tile's largest score + bound and the row's
 // largest score - bound. Pass 2 (hi_out given): writes the 64 scores + bounds there.
@@ -195,137 +118,7 @@ void rescore_tile(const Work& w, int64_t t, int64_t row, float* hi) {
 }
 float exact_logit_of(const double* h, const float* wj, int64_t n) { return exact_logit(h, wj, n); }
 
-#else  // CBK_GREEDY_HEAD_VNNI
-// GCC 12's AVX-512 intrinsics start from _mm512_undefined_ps(), which -Wall reports as
-// uninitialised: a false positive.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-
-// tile_epilogue() in 16-lane steps.
-inline void tile_epilogue_vnni(const Work& w, int64_t row, int64_t j0,
-                                               const __m512i (&dots)[4], Slice* s, float* hi_out) {
-  const GreedyHeadParams& p = w.p;
-  const __m512 hs = _mm512_set1_ps(w.hscale[row]), u = _mm512_set1_ps(w.u[row]),
-               v = _mm512_set1_ps(w.v[row]), pn = _mm512_set1_ps(w.pn[row]),
-               qn = _mm512_set1_ps(w.qn[row]), r = _mm512_set1_ps(w.r[row]),
-               tiny = _mm512_set1_ps(kTinySlack),
-               none = _mm512_set1_ps(-INFINITY);
-  const __m512i off = _mm512_set1_epi32(w.offset[row]);
-  __m512 lo[4], hi[4];
-  for (int b = 0; b < 4; ++b) {
-    const int64_t j = j0 + 16 * b;
-    const __m512 sj = _mm512_loadu_ps(w.scale + j), l1 = _mm512_loadu_ps(w.l1 + j),
-                 l2 = _mm512_loadu_ps(w.l2 + j), err = _mm512_loadu_ps(w.err + j);
-    __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dots[b], off)),
-                             _mm512_mul_ps(hs, sj));
-    for (int64_t e = 0; e < p.num_exact; ++e)
-      a = _mm512_fmadd_ps(_mm512_set1_ps(w.hx[row * p.num_exact + e]),
-                          _mm512_loadu_ps(p.exact_cols + e * w.padded_vocab + j), a);
-    const __m512 bound = _mm512_add_ps(
-        _mm512_add_ps(_mm512_min_ps(_mm512_mul_ps(u, l1), _mm512_mul_ps(pn, l2)),
-                      _mm512_min_ps(_mm512_mul_ps(v, sj), _mm512_mul_ps(qn, err))),
-        _mm512_fmadd_ps(r, l1, tiny));
-    lo[b] = _mm512_sub_ps(a, bound);
-    hi[b] = _mm512_add_ps(a, bound);
-    if (j + 16 > p.vocab) {   // padding rows of the last tile never count
-      const int64_t valid = std::max<int64_t>(0, p.vocab - j);
-      const __mmask16 keep = static_cast<__mmask16>((1u << valid) - 1u);
-      lo[b] = _mm512_mask_blend_ps(keep, none, lo[b]);
-      hi[b] = _mm512_mask_blend_ps(keep, none, hi[b]);
-    }
-  }
-  if (hi_out != nullptr) {
-    for (int b = 0; b < 4; ++b) _mm512_storeu_ps(hi_out + 16 * b, hi[b]);
-    return;
-  }
-  w.tile_hi[row * w.tiles + j0 / kTile] = _mm512_reduce_max_ps(
-      _mm512_max_ps(_mm512_max_ps(hi[0], hi[1]), _mm512_max_ps(hi[2], hi[3])));
-  float& best = s->best_lo[row];
-  best = std::max(best, _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(lo[0], lo[1]),
-                                                           _mm512_max_ps(lo[2], lo[3]))));
-}
-
-// MR hidden rows x one tile: MR x 4 accumulators of 16 int32 lanes, one VNNI op per block and
-// group of 4 dims; each weight vector is loaded once for the MR rows. tile: the packed tile,
-// [groups][4 blocks][16 rows][4 bytes]; hi_out: nullptr or [kTile] as in tile_epilogue.
-template <int MR>
-void tile_rows_vnni(const Work& w, const uint8_t* tile, int64_t row0, int64_t j0,
-                                     Slice* s, float* hi_out) {
-  // One array per block: a single [MR][4] array is too large for GCC to keep in registers.
-  __m512i a0[MR], a1[MR], a2[MR], a3[MR];
-  for (int r = 0; r < MR; ++r) a0[r] = a1[r] = a2[r] = a3[r] = _mm512_setzero_si512();
-  const int8_t* h = w.hq.data() + row0 * w.padded_hidden;
-  for (int64_t g = 0; g < w.groups; ++g) {
-    const uint8_t* wg = tile + g * kTile * 4;
-    const __m512i w0 = _mm512_loadu_si512(wg), w1 = _mm512_loadu_si512(wg + 64),
-                  w2 = _mm512_loadu_si512(wg + 128), w3 = _mm512_loadu_si512(wg + 192);
-#pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r) {
-      int32_t four;
-      std::memcpy(&four, h + r * w.padded_hidden + 4 * g, 4);
-      const __m512i x = _mm512_set1_epi32(four);
-      a0[r] = _mm512_dpbusd_epi32(a0[r], w0, x);
-      a1[r] = _mm512_dpbusd_epi32(a1[r], w1, x);
-      a2[r] = _mm512_dpbusd_epi32(a2[r], w2, x);
-      a3[r] = _mm512_dpbusd_epi32(a3[r], w3, x);
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < MR; ++r) {
-    const __m512i dots[4] = {a0[r], a1[r], a2[r], a3[r]};
-    tile_epilogue_vnni(w, row0 + r, j0, dots, s, hi_out);
-  }
-}
-
-void tiles_vnni(const Work& w, int64_t t0, int64_t t1, Slice& s) {
-  const GreedyHeadParams& p = w.p;
-  for (int64_t t = t0; t < t1; ++t) {
-    const uint8_t* tile = p.packed + t * w.groups * kTile * 4;
-    if (t + 1 < t1) _mm_prefetch(reinterpret_cast<const char*>(tile + w.groups * kTile * 4), _MM_HINT_T1);
-    int64_t row = 0;
-    for (; row + kRowBlock <= p.num_rows; row += kRowBlock)
-      tile_rows_vnni<kRowBlock>(w, tile, row, t * kTile, &s, nullptr);
-    static_assert(kRowBlock == 4, "the remainder cases below assume blocks of 4 rows");
-    switch (p.num_rows - row) {
-      case 3: tile_rows_vnni<3>(w, tile, row, t * kTile, &s, nullptr); break;
-      case 2: tile_rows_vnni<2>(w, tile, row, t * kTile, &s, nullptr); break;
-      case 1: tile_rows_vnni<1>(w, tile, row, t * kTile, &s, nullptr); break;
-      default: break;
-    }
-  }
-}
-
-// exact_logit() 16 lanes at a time; h: [n rounded up to 16], zeros past n; wj: [n].
-float exact_logit_avx512(const double* h, const float* wj, int64_t n) {
-  __m512d s0 = _mm512_setzero_pd(), s1 = _mm512_setzero_pd();
-  int64_t k = 0;
-  for (; k + 16 <= n; k += 16) {
-    s0 = _mm512_fmadd_pd(_mm512_loadu_pd(h + k), _mm512_cvtps_pd(_mm256_loadu_ps(wj + k)), s0);
-    s1 = _mm512_fmadd_pd(_mm512_loadu_pd(h + k + 8), _mm512_cvtps_pd(_mm256_loadu_ps(wj + k + 8)), s1);
-  }
-  if (k < n) {   // the tail: masked loads of w, zeros of h past n
-    const int64_t left = n - k;
-    const __mmask8 m0 = static_cast<__mmask8>(left >= 8 ? 0xff : (1u << left) - 1u);
-    const __mmask8 m1 = static_cast<__mmask8>(left <= 8 ? 0 : (1u << (left - 8)) - 1u);
-    s0 = _mm512_fmadd_pd(_mm512_loadu_pd(h + k), _mm512_cvtps_pd(_mm256_maskz_loadu_ps(m0, wj + k)), s0);
-    s1 = _mm512_fmadd_pd(_mm512_loadu_pd(h + k + 8),
-                         _mm512_cvtps_pd(_mm256_maskz_loadu_ps(m1, wj + k + 8)), s1);
-  }
-  alignas(64) double s[16];
-  _mm512_store_pd(s, s0);
-  _mm512_store_pd(s + 8, s1);
-  return fold_sums(s);
-}
-#pragma GCC diagnostic pop
-
-// The three ISA-specific steps, VNNI body.
-void score_tiles(const Work& w, int64_t t0, int64_t t1, Slice& s) { tiles_vnni(w, t0, t1, s); }
-void rescore_tile(const Work& w, int64_t t, int64_t row, float* hi) {
-  tile_rows_vnni<1>(w, w.p.packed + t * w.groups * kTile * 4, row, t * kTile, nullptr, hi);
-}
-float exact_logit_of(const double* h, const float* wj, int64_t n) { return exact_logit_avx512(h, wj, n); }
-#endif  // CBK_GREEDY_HEAD_VNNI
+#endif  // !CBK_GREEDY_HEAD_VNNI
 
 }  // namespace
 

@@ -216,3 +216,10 @@ def test_auto_config_runs(llama, expected, caplog):
     outs = engine.generate(prompts, [SamplingParams(max_new_tokens=n) for n in NEW])
     assert [o.token_ids for o in outs] == ref
     engine.check_invariants()
+
+
+def test_the_facade_says_what_the_server_reads(llama):
+    """Engine.max_positions and num_pool_tokens: what a front end reads, without the parts."""
+    engine = Engine(llama, EngineConfig(block_size=4, num_blocks=12))
+    assert engine.max_positions == llama.config.max_position_embeddings
+    assert engine.num_pool_tokens == 48

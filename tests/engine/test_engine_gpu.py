@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cb_kernels import Engine, EngineConfig, SamplingParams
+from cb_kernels import Engine, EngineConfig, SamplingParams, ops
+from cb_kernels.runner import StepOutput
 from tests.helpers import make_model, random_prompts
 
 pytestmark = pytest.mark.gpu
@@ -82,7 +83,7 @@ def _logit_rows(engine, record):
         out = execute(inputs, greedy=False)        # logits, also on all-greedy steps
         for seq, row in zip(inputs.sampled, out.logits):
             record[(seq.request_id, seq.num_tokens)] = row.detach().clone()
-        return out
+        return StepOutput(None, ops.greedy_tokens(out.logits)) if greedy else out
     engine.runner.execute = recording
 
 
@@ -145,14 +146,14 @@ def test_overlap_stops_and_cancels_while_a_step_is_in_flight(llama, reference):
               for i, n in enumerate(NEW)]
     engine = Engine(llama, EngineConfig(block_size=16, num_blocks=256, overlap="on",
                                         cuda_graphs=True, attention_backend="cuda"))
-    assert engine.pipeline is not None and engine.streams.asynchronous
+    assert engine.loop.overlap and engine.streams.asynchronous
     ids = [engine.add_request(p, s) for p, s in zip(PROMPTS, params)]
     outs, cancelled, steps = {}, set(), 0
     while engine.has_unfinished():
         for out in engine.step():
             outs[out.request_id] = out
         steps += 1
-        if steps == 6 and engine.pipeline.in_flight is not None:
+        if steps == 6 and engine.loop.in_flight is not None:
             for i in (2, 6):
                 if engine.sequence(ids[i]) is not None:
                     engine.cancel(ids[i])

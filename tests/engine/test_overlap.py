@@ -1,4 +1,4 @@
-"""Overlapped steps (engine/pipeline.py) on CPU, where overlap="on" runs the same pipeline with a
+"""Overlapped steps (engine/step_loop.py) on CPU, where overlap="on" runs the same loop with a
 synchronous device: step N+1 is scheduled and launched before step N's tokens are read, its
 placeholder inputs filled from step N's token tensor. Every test compares the tokens with an
 oracle (transformers' greedy generate, cut at stop tokens and cancellations) or with overlap off,
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cb_kernels.engine import Engine, EngineConfig, SamplingParams
-from cb_kernels.engine import pipeline
+from cb_kernels.engine import placeholders
 from cb_kernels.runner.cuda_graphs import decode_graph_runner
 from cb_kernels.engine.swapper import OffloadError
 from tests.helpers import ATTN_BACKEND, fail_nth_model_run, make_model, random_prompts, reference_tokens
@@ -137,7 +137,7 @@ def test_preempted_while_its_token_is_unknown(llama, workload, monkeypatch, pree
         return real_schedule()
 
     rows = {"prefill": 0, "decode": 0}
-    real_rows = pipeline.placeholder_rows
+    real_rows = placeholders.placeholder_rows
 
     def counted_rows(batch, prev, block_size):
         dst, src, late = real_rows(batch, prev, block_size)
@@ -147,7 +147,7 @@ def test_preempted_while_its_token_is_unknown(llama, workload, monkeypatch, pree
         return dst, src, late
 
     monkeypatch.setattr(sched, "schedule", schedule)
-    monkeypatch.setattr(pipeline, "placeholder_rows", counted_rows)
+    monkeypatch.setattr(placeholders, "placeholder_rows", counted_rows)
     outs = run(engine, prompts, [SamplingParams(max_new_tokens=n) for n in NEW])
     assert [o.token_ids for o in outs] == ref
     st = engine.stats()
@@ -227,7 +227,7 @@ def test_cancel_while_in_flight_keeps_the_shown_tokens(llama, workload):
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=20)) for p in short]
     engine.step()
     engine.step()
-    assert engine.pipeline.in_flight is not None and engine.stats()["overlapped_steps"] == 1
+    assert engine.loop.in_flight is not None and engine.stats()["overlapped_steps"] == 1
     shown = list(engine.sequence(ids[1]).output_token_ids)
     assert len(shown) == 1
     engine.cancel(ids[1])
@@ -274,17 +274,17 @@ def test_fill_placeholders_ranges_and_scattered_rows():
     prev = torch.tensor([70, 71, 72, 73, 74])
     ids = torch.full((8,), -1, dtype=torch.int64)
     moved = []
-    pipeline.fill_placeholders(ids, [2, 3, 4], [1, 2, 3], prev, lambda t: moved.append(t) or t)
+    placeholders.fill_placeholders(ids, [2, 3, 4], [1, 2, 3], prev, lambda t: moved.append(t) or t)
     assert ids.tolist() == [-1, -1, 71, 72, 73, -1, -1, -1] and moved == []
-    pipeline.fill_placeholders(ids, [0, 7, 5], [4, 0, 2], prev, lambda t: moved.append(t) or t)
+    placeholders.fill_placeholders(ids, [0, 7, 5], [4, 0, 2], prev, lambda t: moved.append(t) or t)
     assert ids.tolist() == [74, -1, 71, 72, 73, 72, -1, 70] and len(moved) == 1
-    pipeline.fill_placeholders(ids, [], [], prev, None)
+    placeholders.fill_placeholders(ids, [], [], prev, None)
 
 
 def test_overlap_modes_resolve(llama):
-    assert make_engine(llama, "on").pipeline is not None and make_engine(llama, "off").pipeline is None
-    assert make_engine(llama, "auto").pipeline is None         # auto: on for CUDA only
-    assert make_engine(llama, "on").clock.stats()["timed_steps"] == 0
+    assert make_engine(llama, "on").loop.overlap and not make_engine(llama, "off").loop.overlap
+    assert not make_engine(llama, "auto").loop.overlap        # auto: on for CUDA only
+    assert make_engine(llama, "on").loop.clock.stats()["timed_steps"] == 0
 
 
 @pytest.mark.gpu
@@ -297,7 +297,7 @@ def test_overlap_on_gpu_matches_and_is_timed(graphs):
     for overlap in ("off", "on"):
         engine = make_engine(model, overlap, num_blocks=20, host_blocks=200,
                              preemption="swap", cuda_graphs=graphs)
-        engine.clock.device_events = True
+        engine.loop.clock.device_events = True
         got[overlap] = [o.token_ids for o in run(engine, prompts, params)]
         torch.cuda.synchronize()
         st = engine.stats()

@@ -56,8 +56,7 @@ def test_prefix_cache_follows_weight_updates(overlap):
     engine.weights_updated()
     assert engine.stats()["prefix_resets"] == resets + 1
     check_round(engine, model, seed=44)
-    engine.refresh_weights()                                  # the older name does the same
-    assert engine.stats()["prefix_resets"] == resets + 2
+    assert not hasattr(engine, "refresh_weights")             # the old name is gone
     assert engine.stats()["used_blocks"] == 0
 
 

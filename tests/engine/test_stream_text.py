@@ -1,6 +1,5 @@
 """Streamed text of a byte-level tokenizer: a character split over several tokens (emoji, CJK)
 is sent once it is whole, never as U+FFFD followed by the text again."""
-import types
 
 from cb_kernels import SamplingParams
 from cb_kernels.engine.frontend import Frontend
@@ -12,7 +11,7 @@ def test_stream_deltas_hold_back_a_partial_character(smollm2):
     text = "Hi 🦙 there 日本語!"
     ids = tok(text, add_special_tokens=False)["input_ids"]
     assert any(tok.decode(ids[:k]).endswith("\ufffd") for k in range(1, len(ids)))  # splits
-    frontend = Frontend(types.SimpleNamespace(tokenizer=tok))
+    frontend = Frontend(tok)
     seq = Sequence(0, "r", [1], SamplingParams(max_new_tokens=len(ids)))
     pieces = []
     for k, t in enumerate(ids):

@@ -1,4 +1,4 @@
-"""Tensor parallelism (engine/distributed.py, runner/tensor_parallel.py): 2 CPU ranks over gloo,
+"""Tensor parallelism (engine/distributed.py, runner/tensor_parallel/): 2 CPU ranks over gloo,
 started here with torch.multiprocessing (spawn), one torch thread each. One start runs every
 token scenario; its tokens must be those of the same engine at tensor_parallel_size=1."""
 import os
@@ -9,7 +9,7 @@ import torch
 import torch.multiprocessing as mp
 
 from cb_kernels import Engine, EngineConfig, SamplingParams
-from cb_kernels.engine import distributed
+from cb_kernels.engine import launcher
 from cb_kernels.engine.distributed import TensorParallelError
 from cb_kernels.runner import tensor_parallel
 from helpers import make_model, random_prompts
@@ -60,7 +60,7 @@ def _cancel_run(engine):
     prompts = random_prompts([6, 6, 6], seed=9)
     tokens, reasons, cancelled = {}, {}, False
     for out in engine.stream(prompts, SamplingParams(max_new_tokens=10)):
-        if engine.tp is None or engine.tp.rank == 0:
+        if engine.rank == 0:
             if not cancelled:
                 engine.cancel("req_1")
                 cancelled = True
@@ -98,12 +98,12 @@ def _scenarios_main(rank, queue):
             engine = _engine(kind, kwargs, 2)
             outs = engine.generate(prompts, params)
             s = engine.stats()
-            model = engine.runner.model
+            model = engine.runner.local.model         # this rank's TransformersRunner
             embed, head = model.get_input_embeddings(), model.get_output_embeddings()
             results[name] = (_tokens(outs), {k: s[k] for k in (
                 "tensor_parallel_size", "local_num_kv_heads", "preemptions", "prefix_hit_blocks",
                 "recomputes")}, tuple(engine.runner.k_caches[0].shape),
-                engine.runner.fused is not None,
+                engine.runner.local.fused is not None,
                 (tuple(embed.weight.shape), tuple(head.weight.shape),
                  embed.weight is head.weight))
         engine = _engine("llama", {}, 2)
@@ -129,7 +129,7 @@ def _die_main(rank, queue, mode):
     engine = _engine("llama", {"tensor_parallel_timeout_s": 5.0}, 2)
     if rank == (0 if mode == "die0" else 1):
         calls = [0]
-        runner = engine.tp.local                  # what serve() runs
+        runner = engine.runner.local              # what follow() runs
         real = runner.execute
 
         def execute(*args, **kwargs):
@@ -163,10 +163,10 @@ def _launch(fn, args, timeout_s, tp_timeout_s=30.0, wait_s=120.0, need=(0, 1),
     ranks get torchrun's environment instead of a process group."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = distributed.free_port()
+    port = launcher.free_port()
     procs = [ctx.Process(target=_torchrun_like, args=(rank, 2, port, fn, (queue, *args)))
              if torchrun else
-             ctx.Process(target=distributed._rank_main,
+             ctx.Process(target=launcher._rank_main,
                          args=(rank, 2, port, tp_timeout_s, 1, fn, (queue, *args)))
              for rank in range(2)]
     for p in procs:
@@ -373,3 +373,71 @@ def test_model_split_by_transformers_refused():
     model._tp_size = 2                   # what from_pretrained(tp_plan=...) leaves on a model
     with pytest.raises(ValueError, match=r"loaded already split by transformers \(tp_plan"):
         Engine(model, EngineConfig(tensor_parallel_size=2))
+
+
+class _Stop(Exception):
+    pass
+
+
+def _fake_cuda(monkeypatch, calls, local_rank=1):
+    """A stand-in GPU host on the CPU: torch.cuda says yes, set_device records its index."""
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: calls.append(("set_device", i)))
+
+
+def test_engine_setup_selects_the_local_rank_gpu_before_the_process_group(monkeypatch):
+    """Each rank takes cuda:LOCAL_RANK (torch.cuda.set_device) before NCCL starts (issue #31):
+    else every rank of a host would sit on GPU 0."""
+    import types
+
+    from cb_kernels.engine import distributed
+
+    calls = []
+    _fake_cuda(monkeypatch, calls)
+    monkeypatch.setattr(tensor_parallel, "check_shardable", lambda model, n: None)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    for k, v in dict(RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="1").items():
+        monkeypatch.setenv(k, v)
+
+    def init(backend, **kwargs):
+        calls.append(("init_process_group", backend))
+        raise _Stop
+    monkeypatch.setattr(torch.distributed, "init_process_group", init)
+    param = types.SimpleNamespace(device=torch.device("cuda", 1))
+    model = types.SimpleNamespace(config=None, get_output_embeddings=lambda: None,
+                                  parameters=lambda: iter([param]))
+    with pytest.raises(_Stop):
+        distributed.setup(model, EngineConfig(tensor_parallel_size=2))
+    assert calls == [("set_device", 1), ("init_process_group", "nccl")]
+
+    calls.clear()                   # a model left on another GPU than the rank's is refused
+    param.device = torch.device("cuda", 0)
+    with pytest.raises(ValueError, match=r"LOCAL_RANK=1.*on cuda:0; move it to cuda:1"):
+        distributed.setup(model, EngineConfig(tensor_parallel_size=2))
+    assert calls == [("set_device", 1)]
+    assert distributed.select_device(torch.device("cpu")) == torch.device("cpu")
+
+
+def test_cli_selects_the_local_rank_gpu_before_the_model_moves(monkeypatch, tmp_path):
+    """`cb-kernels generate --tensor-parallel-size 2 --device cuda` under torchrun: set_device
+    (LOCAL_RANK) comes first, then the model moves to that GPU."""
+    import cb_kernels.models
+    from cb_kernels import cli, generate_cli
+
+    calls = []
+    _fake_cuda(monkeypatch, calls)
+    monkeypatch.setattr(generate_cli, "_in_process_group", lambda: True)
+
+    class Model:
+        def to(self, device):
+            calls.append(("to", str(device)))
+            raise _Stop
+    monkeypatch.setattr(cb_kernels.models, "load", lambda *a, **k: (Model(), None))
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt_token_ids": [1, 2]}\n')
+    with pytest.raises(_Stop):
+        cli.main(["generate", "--model", "m", "--input", str(src), "--output",
+                  str(tmp_path / "out.jsonl"), "--device", "cuda", "--dtype", "float32",
+                  "--tensor-parallel-size", "2"])
+    assert calls == [("set_device", 1), ("to", "cuda:1")]

@@ -1,4 +1,4 @@
-"""greedy_tokens (csrc/cpu/sampling.cpp) against ops/reference.py's ref_greedy_tokens
+"""greedy_tokens (csrc/cpu/greedy_tokens.cpp) against ops/reference.py's ref_greedy_tokens
 (torch.argmax), including ties, NaN, -inf rows, odd widths and strided rows; the registered op."""
 import pytest
 import torch

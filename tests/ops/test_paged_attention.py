@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from cb_kernels import ops
-from cb_kernels.ops._paged_attention_checks import check_args
+from cb_kernels.ops.paged_attention.checks import check_args
 from cb_kernels.ops.paged_attention import _run_cpu
 from cb_kernels.ops.reference import ref_paged_attention
 from paged_attention_cases import CASES, Case, build, kwargs, tolerance
@@ -147,14 +147,10 @@ def test_cpu_batch_and_threads_do_not_change_results(case):
         alone = ops.paged_attention(q[lo:hi], k_cache, v_cache, block_tables[i:i + 1],
                                     seq_lens[i:i + 1], cu_one)
         assert torch.equal(alone, full[lo:hi]), f"sequence {i} changed with its batch"
-    old = torch.get_num_threads()
-    try:
-        for n in (1, 2):
-            torch.set_num_threads(n)
-            again = ops.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu)
-            assert torch.equal(again, full), f"{n} threads changed the result"
-    finally:
-        torch.set_num_threads(old)
+    for n in (1, 2):      # conftest restores the thread count
+        torch.set_num_threads(n)
+        again = ops.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu)
+        assert torch.equal(again, full), f"{n} threads changed the result"
 
 
 def test_bf16_body_choice_follows_the_cpu_and_head_dim():

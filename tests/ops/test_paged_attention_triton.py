@@ -204,7 +204,7 @@ def test_triton_kernel_compiles_for_sm90_without_spills():
 # ---- The "cuda" backend's host side: runs everywhere.
 
 def test_cuda_backend_argument_checks():
-    from cb_kernels.ops.paged_attention_cuda import check_cuda_args
+    from cb_kernels.ops.paged_attention.cuda import check_cuda_args
     c = Case("ok", seq_lens=(20,), q_lens=(1,), num_heads=4, head_dim=64)
     q, k_cache, v_cache, *_ = build(c)
     check_cuda_args(q, k_cache, v_cache)

@@ -173,7 +173,7 @@ def test_fused_decoder_is_not_used_where_it_does_not_fit():
 
 class _FakeStep:
     def __init__(self, runner):
-        self.k_caches, self.v_caches = runner.k_caches, runner.v_caches
+        self.layout = runner.layout
 
 
 def test_fused_decoder_rebuilds_its_table_when_a_weight_is_replaced():

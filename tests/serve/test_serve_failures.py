@@ -23,7 +23,7 @@ def served(request):
     import uvicorn
 
     from cb_kernels import Engine, EngineConfig
-    from cb_kernels.serve.app import ServerConfig, create_app
+    from cb_kernels.serve.routes import ServerConfig, create_app
 
     overlap = getattr(request, "param", "auto")
     engine = Engine(make_model("llama"), EngineConfig(num_blocks=64, block_size=16,

@@ -67,3 +67,23 @@ def test_error_paths_and_names():
     with pytest.raises(RequestError) as e:
         sampling_params(req, 3)
     assert e.value.param == "temperature"
+
+
+@pytest.mark.parametrize("bias, message, http_only", [
+    ({"x": 1.0}, "logit_bias keys must be token ids, got 'x'", False),
+    ({"-2": 1.0}, "logit_bias key -2 is not a token id", False),
+    ({"5": 500.0}, r"logit_bias\[5\] must be in \[-100, 100\], got 500.0", True),   # OpenAI's bound
+], ids=["not-an-id", "negative-id", "out-of-range"])
+def test_logit_bias_has_one_parser_for_http_and_the_cli(bias, message, http_only):
+    from cb_kernels.engine.config import SamplingParams
+    from cb_kernels.generate_cli import params_of
+
+    req = CompletionRequest(model="m", prompt="x", logit_bias=bias)
+    with pytest.raises(RequestError, match=message) as e:
+        sampling_params(req, 9)
+    assert e.value.param == "logit_bias"
+    if http_only:       # the generate command takes any finite bias
+        assert params_of({"logit_bias": bias}, SamplingParams(), None, 0).logit_bias == {5: 500.0}
+    else:
+        with pytest.raises(ValueError, match=message):
+            params_of({"logit_bias": bias}, SamplingParams(), None, 0)

@@ -15,7 +15,7 @@ chain rounds (ops/rms_norm.py and the others say where), so the two differ by th
 attention's summation order, not by a different formula.
 
 Where the layers have one shape (no q/k norms: Llama, Qwen2, Mistral) and every projection is on
-our packed kernel, the whole stack runs in one C++ call (ops.FusedDecoder, csrc/cpu/decoder.cpp):
+our packed kernel, the whole stack runs in one C++ call (ops.FusedDecoder, csrc/cpu/fused_decoder.cpp):
 the same kernels in the same order, the same bits, without this loop's nine Python calls a layer
 (a bf16 SmolLM2 decode step on the 2-core Zen 4, interleaved A/B steps in one run: 16 requests
 16.2 -> 14.1 ms, 64 requests 43.0 -> 39.7 ms). `NATIVE = False` keeps the loop (tests compare
@@ -189,8 +189,8 @@ class _Layer:
         if spec.qk_norm:
             self.q_norm, self.k_norm = _rms_norm(attn.q_norm), _rms_norm(attn.k_norm)
         self.head_dim, self.scaling = attn.head_dim, attn.scaling
-        # A tensor-parallel split (runner/tensor_parallel.py): o_proj's and down_proj's partial
-        # sums are added over the ranks here, as their hooks would on transformers' path.
+        # A tensor-parallel split (runner/tensor_parallel/sharding.py): o_proj's and down_proj's
+        # partial sums are added over the ranks here, as their hooks would on transformers' path.
         self.tp = info_of(getattr(attn, spec.o_proj))
         self.window = spec.sliding_window(attn)
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
@@ -260,7 +260,7 @@ class FusedForward:
     def _native_table(self, step) -> Optional[list]:
         """FusedDecoder's layer table for this step, or None when a projection is not on our
         packed kernel now (packed_linears.GEMM, or a weight that stopped qualifying)."""
-        key = [step.k_caches, step.v_caches]
+        key = [step.layout.k_caches, step.layout.v_caches]
         for layer in self.layers:
             for g in (layer.qkv, layer.gate_up, layer.o, layer.down):
                 if g.lin is None:
@@ -273,7 +273,7 @@ class FusedForward:
             self._table = self.native.layer_table(
                 [(layer.in_norm.module.weight, layer.post_norm.module.weight, layer.qkv.lin,
                   layer.o.lin, layer.gate_up.lin, layer.down.lin, layer.window)
-                 for layer in self.layers], step.k_caches, step.v_caches)
+                 for layer in self.layers], step.layout.k_caches, step.layout.v_caches)
             self._table_key = key
         return self._table
 
@@ -284,13 +284,14 @@ class FusedForward:
         cos, sin = self.rotary(x, positions)                 # [T, head_dim]
         x = x[0].contiguous()     # a fresh tensor: the fused norms add the residuals into it
         num_tokens = x.shape[0]
-        backend = step.backend or "cpu"
+        backend = step.layout.backend or "cpu"
         table = self._native_table(step) if self.native is not None and backend == "cpu" \
             and NATIVE else None
-        if table is not None:     # the same passes below in one C++ call (ops/decoder.py)
+        if table is not None:     # the same passes below in one C++ call (ops/fused_decoder.py)
             rows = self.native(x, cos, sin, table, self.final_norm.module.weight,
                                step.slot_mapping, step.block_tables, step.seq_lens,
-                               step.cu_seqlens_q, step.k_caches[0], step.v_caches[0])
+                               step.cu_seqlens_q, step.layout.k_caches[0],
+                               step.layout.v_caches[0])
             return rows.index_select(0, logits_indices)
         pending = None     # the last sublayer's output, added into x by the next norm
         for i, layer in enumerate(self.layers):
@@ -301,7 +302,7 @@ class FusedForward:
             v = v.view(num_tokens, layer.num_kv_heads, layer.head_dim)
             if layer.q_norm is not None:
                 q, k = layer.q_norm(q), layer.k_norm(k)
-            k_cache, v_cache = step.k_caches[i], step.v_caches[i]
+            k_cache, v_cache = step.layout.k_caches[i], step.layout.v_caches[i]
             # rope_(q), rope_(k), write_kv in one pass; layer 0 checks the shapes all layers share
             ops.rope_write_kv_unchecked(q, k, v, cos, sin, k_cache, v_cache, step.slot_mapping,
                                         check_metadata=i == 0)

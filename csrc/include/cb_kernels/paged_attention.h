@@ -1,6 +1,6 @@
 // Paged attention, CPU: causal varlen queries (prefill, chunked prefill and decode in one call)
 // over a KV cache read in place through int32 block tables. Torch-free: raw pointers, sizes and
-// element strides; cb_kernels/ops/paged_attention.py checks every value before calling.
+// element strides; cb_kernels/ops/paged_attention/ checks every value before calling.
 #pragma once
 
 #include <cstdint>

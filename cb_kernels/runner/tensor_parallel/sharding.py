@@ -36,6 +36,8 @@ from typing import Optional
 
 import torch
 
+from cb_kernels.runner.attention import text_config
+
 ATTN_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJ = ("gate_proj", "up_proj", "down_proj")
 _STATE = threading.local()      # .local: inside local_only()
@@ -56,11 +58,6 @@ class TPInfo:
     size: int
     group: object = None
     gather_sum: bool = False
-
-
-def _text_config(model):
-    cfg = model.config
-    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 
 
 def _layers(model) -> list:
@@ -160,7 +157,7 @@ def is_tp_hook(fn) -> bool:
 
 def check_shardable(model, size: int) -> None:
     """Raise ValueError (with the numbers) unless `model` splits over `size` ranks here."""
-    cfg = _text_config(model)
+    cfg = text_config(model)
     name = type(model).__name__
     if info_of(model) is not None:
         return                       # split by us before (another Engine on the same model)
@@ -238,7 +235,7 @@ def shard_model(model, rank: int, size: int, group=None) -> TPInfo:
     check_shardable(model, size)
     gloo = torch.distributed.is_initialized() and torch.distributed.get_backend(group) == "gloo"
     info = TPInfo(rank, size, group, gather_sum=gloo)
-    cfg = _text_config(model)
+    cfg = text_config(model)
     heads = cfg.num_attention_heads
     kv = getattr(cfg, "num_key_value_heads", None) or heads
     with torch.no_grad():

@@ -10,7 +10,7 @@ namespace cbk {
 
 // out[r] = the first index of the largest value of row r; a row holding NaN gives the index of
 // its first NaN (torch.argmax's rule: NaN is larger than everything).
-struct ArgmaxParams {
+struct GreedyTokensParams {
   const float* logits = nullptr;  // [num_rows, num_cols], each row packed
   int64_t* out = nullptr;         // [num_rows]
   int64_t num_rows = 0;
@@ -20,7 +20,7 @@ struct ArgmaxParams {
 
 namespace cpu {
 // Bodies: portable, avx2 (see cb_kernels/isa.h).
-Status argmax_rows(const ArgmaxParams& p, Isa isa = Isa::kAuto);
+Status greedy_tokens(const GreedyTokensParams& p, Isa isa = Isa::kAuto);
 }  // namespace cpu
 
 }  // namespace cbk

@@ -13,7 +13,7 @@
 
 namespace cbk {
 
-struct DecoderLayer {
+struct FusedDecoderLayer {
   const void* in_norm = nullptr;      // [hidden], the dtype
   const void* post_norm = nullptr;    // [hidden]
   const void* qkv = nullptr;          // packed [(heads + 2 kv_heads) * head_dim, hidden] (linear.h)
@@ -29,8 +29,8 @@ struct DecoderLayer {
   int32_t sliding_window = 0;         // 0: off
 };
 
-struct DecoderParams {
-  const DecoderLayer* layers = nullptr;
+struct FusedDecoderParams {
+  const FusedDecoderLayer* layers = nullptr;
   int64_t num_layers = 0;
   DType dtype = DType::kFloat32;      // kFloat32 or kBFloat16: every tensor, weights included
   int64_t tokens = 0, hidden = 0, heads = 0, kv_heads = 0, head_dim = 0, intermediate = 0;
@@ -57,7 +57,7 @@ struct DecoderParams {
 };
 
 namespace cpu {
-Status decoder_layers(const DecoderParams& p);
+Status fused_decoder(const FusedDecoderParams& p);
 }  // namespace cpu
 
 }  // namespace cbk

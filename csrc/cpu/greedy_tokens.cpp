@@ -1,10 +1,10 @@
-// Greedy sampling on CPU (see cb_kernels/sampling.h).
+// Greedy sampling on CPU (see cb_kernels/greedy_tokens.h).
 //
 // Why a kernel: torch.argmax over a [32, 32000] fp32 logits tensor took 0.9 ms on one thread of
 // the 2-core bench machine, 8% of a tiny Llama's decode step. One pass per row: two 8-lane
 // accumulators keep each lane's maximum and the index where it first appeared; a NaN is noted on
 // the side and, when seen, a scalar scan finds the first one.
-#include "cb_kernels/sampling.h"
+#include "cb_kernels/greedy_tokens.h"
 
 #include <omp.h>
 
@@ -71,11 +71,11 @@ int64_t argmax_row(const float* x, int64_t n) {
 
 }  // namespace
 
-Status argmax_rows(const ArgmaxParams& p) {
+Status greedy_tokens(const GreedyTokensParams& p) {
   if (p.num_rows < 0 || p.num_cols <= 0 || p.row_stride < p.num_cols)
-    return Status::Error("argmax_rows: need num_rows >= 0, num_cols > 0, row_stride >= num_cols");
+    return Status::Error("greedy_tokens: need num_rows >= 0, num_cols > 0, row_stride >= num_cols");
   if (p.num_rows == 0) return Status::Ok();
-  if (p.logits == nullptr || p.out == nullptr) return Status::Error("argmax_rows: null pointer");
+  if (p.logits == nullptr || p.out == nullptr) return Status::Error("greedy_tokens: null pointer");
   // A thread per row pays off from about 64k values a row-set (~30 us of scanning).
   const bool parallel = p.num_rows > 1 && p.num_rows * p.num_cols >= (1 << 16);
 #pragma omp parallel for schedule(static) num_threads(cpu::max_threads()) if (parallel)

@@ -1,12 +1,13 @@
 """`FusedDecoder`: the decoder stack of a Llama-shaped model on CPU in one C++ call
-(csrc/cpu/decoder.cpp), fp32 or bf16.
+(csrc/cpu/fused_decoder.cpp), fp32 or bf16.
 
 Per layer it runs what the fused forward's Python loop (runner/fused/forward.py) runs, through
 the same kernels with the same arguments in the same order: `rms_norm` (with the residual add),
 the packed qkv `PackedLinear`, `rope_write_kv_`, `paged_attention`, the packed output projection,
 `rms_norm`, the packed gate/up projection, `silu_mul`, the packed down projection; then the final
-norm. So its rows are that loop's bit for bit (tested), without the loop's per-call cost: nine
-Python wrappers, pybind11 calls and output allocations a layer.
+norm. So its rows are that loop's bit for bit (tests/runner/test_fused_forward.py), without the
+loop's per-call cost: nine Python wrappers, pybind11 calls and output allocations a layer.
+`ref_fused_decoder` (ops/reference.py) runs the same steps through the pure-torch references.
 
     dec = FusedDecoder(hidden=576, heads=9, kv_heads=3, head_dim=64, intermediate=1536,
                        eps=1e-5, scale=0.125, dtype=torch.bfloat16)
@@ -21,8 +22,8 @@ import torch
 
 from cb_kernels import _C
 from cb_kernels.ops._backend import DTYPE_CODES, sync_threads
-from cb_kernels.ops._paged_attention_checks import check_args, check_values
 from cb_kernels.ops.linear import PackedLinear
+from cb_kernels.ops.paged_attention.checks import check_args, check_values
 
 
 class FusedDecoder:
@@ -83,8 +84,10 @@ class FusedDecoder:
     def __call__(self, x, cos, sin, table: list, final_norm, slot_mapping, block_tables, seq_lens,
                  cu_seqlens_q, k_cache, v_cache) -> torch.Tensor:
         """x: the embeddings [tokens, hidden] (contiguous; left holding the residual stream);
-        cos, sin: [tokens, head_dim]; table: `layer_table`'s; k_cache, v_cache: layer 0's (for
-        the checks; every layer's has their shape). Returns final_norm's rows [tokens, hidden]."""
+        cos, sin: [tokens, head_dim]; table: `layer_table`'s; final_norm: [hidden];
+        slot_mapping: int64 [tokens]; block_tables, seq_lens, cu_seqlens_q: as
+        `paged_attention` takes them; k_cache, v_cache: layer 0's (for the checks; every layer's
+        has their shape). Returns final_norm's rows [tokens, hidden]."""
         t = x.shape[0] if x.dim() == 2 else -1
         if x.dtype != self.dtype or x.dim() != 2 or x.shape[1] != self.hidden \
                 or not x.is_contiguous():
@@ -95,27 +98,65 @@ class FusedDecoder:
                 raise ValueError(f"{name} must be a contiguous {self.dtype} [{t}, {self.head_dim}]")
         if slot_mapping.dtype != torch.int64 or tuple(slot_mapping.shape) != (t,):
             raise ValueError(f"slot_mapping must be int64 [{t}]")
-        qkv = torch.empty(t, self.q_n + 2 * self.kv_n, dtype=self.dtype)
-        q = qkv[:, :self.q_n].view(t, self.heads, self.head_dim)
+        q = torch.empty(t, self.heads, self.head_dim, dtype=self.dtype)     # its shape, for the checks
         check_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, self.scale, None,
                    None, None)
         check_values(t, k_cache, block_tables, seq_lens, cu_seqlens_q)
         if len(table) % 13 or len(table) == 0:
             raise ValueError("table must come from layer_table")
+        args = (x, cos, sin, table, final_norm, slot_mapping, block_tables, seq_lens, cu_seqlens_q,
+                k_cache, v_cache, self.hidden, self.heads, self.kv_heads, self.head_dim,
+                self.intermediate, self.eps, self.scale)
+        # Eager calls skip the dispatcher's layers (see ops/paged_attention/__init__.py for what
+        # they cost); torch.compile must see the registered op to trace it.
+        if torch.compiler.is_compiling():
+            return torch.ops.cb_kernels.fused_decoder(*args)
+        return _run(*args)
 
-        def scratch(width):
-            return torch.empty(t, width, dtype=self.dtype)
-        h, attn, sub, out = scratch(self.hidden), scratch(self.q_n), scratch(self.hidden), \
-            scratch(self.hidden)
-        gate_up, act = scratch(2 * self.intermediate), scratch(self.intermediate)
-        sync_threads()
-        _C.decoder_layers(
-            table, DTYPE_CODES[self.dtype], t, self.hidden, self.heads, self.kv_heads,
-            self.head_dim, self.intermediate, self.eps, self.scale, x.data_ptr(), out.data_ptr(),
-            final_norm.data_ptr(), h.data_ptr(), qkv.data_ptr(), attn.data_ptr(), sub.data_ptr(),
-            gate_up.data_ptr(), act.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-            slot_mapping.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
-            cu_seqlens_q.data_ptr(), block_tables.shape[0], block_tables.shape[1],
-            block_tables.stride(0), k_cache.shape[0], k_cache.shape[1], k_cache.stride()[:3],
-            v_cache.stride()[:3])
-        return out
+
+def _run(x, cos, sin, table, final_norm, slot_mapping, block_tables, seq_lens, cu_seqlens_q,
+         k_cache, v_cache, hidden, heads, kv_heads, head_dim, intermediate, eps, scale):
+    """The C++ stack on checked arguments (`FusedDecoder.__call__`'s, then its shapes)."""
+    t, dtype = x.shape[0], x.dtype
+    q_n, kv_n = heads * head_dim, kv_heads * head_dim
+
+    def scratch(width):
+        return torch.empty(t, width, dtype=dtype)
+    out, h, qkv, attn = scratch(hidden), scratch(hidden), scratch(q_n + 2 * kv_n), scratch(q_n)
+    sub, gate_up, act = scratch(hidden), scratch(2 * intermediate), scratch(intermediate)
+    p = _C.FusedDecoderParams()
+    p.dtype, p.tokens, p.hidden, p.heads, p.kv_heads = DTYPE_CODES[dtype], t, hidden, heads, kv_heads
+    p.head_dim, p.intermediate, p.eps, p.scale = head_dim, intermediate, eps, scale
+    p.x, p.out, p.final_norm = x.data_ptr(), out.data_ptr(), final_norm.data_ptr()
+    p.h, p.qkv, p.attn, p.sub = h.data_ptr(), qkv.data_ptr(), attn.data_ptr(), sub.data_ptr()
+    p.gate_up, p.act, p.cos, p.sin = gate_up.data_ptr(), act.data_ptr(), cos.data_ptr(), \
+        sin.data_ptr()
+    p.slot_mapping, p.block_tables = slot_mapping.data_ptr(), block_tables.data_ptr()
+    p.seq_lens, p.cu_seqlens_q = seq_lens.data_ptr(), cu_seqlens_q.data_ptr()
+    p.num_seqs, p.max_blocks_per_seq = block_tables.shape
+    p.block_table_stride = block_tables.stride(0)
+    p.num_blocks, p.block_size = k_cache.shape[0], k_cache.shape[1]
+    p.k_stride, p.v_stride = k_cache.stride()[:3], v_cache.stride()[:3]
+    sync_threads()
+    _C.fused_decoder(p, table)
+    return out
+
+
+# The caches of layers after the first are written through the table's addresses, which the
+# schema cannot name: the op declares x and layer 0's caches.
+@torch.library.custom_op("cb_kernels::fused_decoder", mutates_args=("x", "k_cache", "v_cache"))
+def _fused_decoder_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, table: list[int],
+                      final_norm: torch.Tensor, slot_mapping: torch.Tensor,
+                      block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                      cu_seqlens_q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int,
+                      eps: float, scale: float) -> torch.Tensor:
+    return _run(x, cos, sin, table, final_norm, slot_mapping, block_tables, seq_lens,
+                cu_seqlens_q, k_cache, v_cache, hidden, heads, kv_heads, head_dim, intermediate,
+                eps, scale)
+
+
+@_fused_decoder_op.register_fake
+def _(x, cos, sin, table, final_norm, slot_mapping, block_tables, seq_lens, cu_seqlens_q,
+      k_cache, v_cache, hidden, heads, kv_heads, head_dim, intermediate, eps, scale):
+    return x.new_empty(x.shape[0], hidden)

@@ -2,7 +2,8 @@
 decode mixed in one call), with GQA, sliding window, logit softcap and attention sinks.
 
 Backends: "cpu" (C++ in csrc/cpu/paged_attention.cpp), "triton" (cb_kernels/triton), "cuda"
-(csrc/cuda), "torch" (the reference in ops/reference.py).
+(csrc/cuda, launched by cuda.py), "torch" (the reference in ops/reference.py). checks.py holds
+the argument checks.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 
 from cb_kernels import _C
 from cb_kernels.ops import _backend
-from cb_kernels.ops._paged_attention_checks import check_args, check_sinks, check_values
+from cb_kernels.ops.paged_attention.checks import check_args, check_sinks, check_values
 from cb_kernels.ops.reference import ref_paged_attention
 
 # Default backend for CUDA tensors: reasoned, not yet measured (bench/gpu_check.sh's attention
@@ -137,7 +138,7 @@ def run_backend(name: str, q, k_cache, v_cache, block_tables, seq_lens, cu_seqle
             raise RuntimeError(f"the 'triton' paged_attention kernel is not available: {e}") from e
     else:
         try:
-            from cb_kernels.ops.paged_attention_cuda import paged_attention_cuda as fn
+            from cb_kernels.ops.paged_attention.cuda import paged_attention_cuda as fn
         except ImportError as e:
             raise RuntimeError(f"the 'cuda' paged_attention kernel is not available: {e}") from e
     fn(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, scale, sliding_window,

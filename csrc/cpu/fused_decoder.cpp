@@ -1,5 +1,5 @@
-// See cb_kernels/decoder.h. ISA-free: each step goes through its kernel's run-time dispatch.
-#include "cb_kernels/decoder.h"
+// See cb_kernels/fused_decoder.h. ISA-free: each step goes through its kernel's run-time dispatch.
+#include "cb_kernels/fused_decoder.h"
 
 #include <string>
 
@@ -13,7 +13,7 @@ namespace cpu {
 namespace {
 
 // The decoder's dtype picks the kernel.
-Status run_linear(const DecoderParams& p, const void* x, int64_t k, const void* packed,
+Status run_linear(const FusedDecoderParams& p, const void* x, int64_t k, const void* packed,
                   const float* bias, int64_t n, void* y) {
   // y [tokens, n] = x [tokens, k] @ W^T (+ bias), rows packed
   if (p.dtype == DType::kBFloat16)
@@ -23,7 +23,7 @@ Status run_linear(const DecoderParams& p, const void* x, int64_t k, const void* 
 }
 
 // x += residual (when given), out = norm(x) * weight.
-Status run_norm(const DecoderParams& p, const void* residual, const void* weight, void* out) {
+Status run_norm(const FusedDecoderParams& p, const void* residual, const void* weight, void* out) {
   RmsNormParams r;
   r.x = p.x;
   r.residual = residual;
@@ -45,11 +45,11 @@ Status run_norm(const DecoderParams& p, const void* residual, const void* weight
 
 }  // namespace
 
-Status decoder_layers(const DecoderParams& p) {
+Status fused_decoder(const FusedDecoderParams& p) {
   if (p.num_layers <= 0 || p.layers == nullptr)
-    return Status::Error("decoder_layers: need at least one layer");
+    return Status::Error("fused_decoder: need at least one layer");
   if (p.dtype != DType::kFloat32 && p.dtype != DType::kBFloat16)
-    return Status::Error("decoder_layers: dtype must be float32 or bfloat16");
+    return Status::Error("fused_decoder: dtype must be float32 or bfloat16");
   if (p.tokens <= 0) return Status::Ok();
   const int64_t q_n = p.heads * p.head_dim, kv_n = p.kv_heads * p.head_dim;
   const int64_t qkv_n = q_n + 2 * kv_n;
@@ -84,9 +84,9 @@ Status decoder_layers(const DecoderParams& p) {
   a.v_stride_head = p.v_stride[2];
   a.dtype = p.dtype;
   a.scale = p.scale;
-  // (ops/decoder.py checked them with messages; this keeps a bad index from reading out of bounds)
+  // (ops/fused_decoder.py checked them with messages; this keeps a bad index from reading out of bounds)
   if (!paged_attention_index_error(a).empty())
-    return Status::Error("decoder_layers: invalid block_tables, seq_lens or cu_seqlens_q");
+    return Status::Error("fused_decoder: invalid block_tables, seq_lens or cu_seqlens_q");
 
   RopeWriteKvParams r;
   r.q.x = qkv;
@@ -119,7 +119,7 @@ Status decoder_layers(const DecoderParams& p) {
   s.dtype = p.dtype;
 
   for (int64_t i = 0; i < p.num_layers; ++i) {
-    const DecoderLayer& l = p.layers[i];
+    const FusedDecoderLayer& l = p.layers[i];
     // The last sublayer's output (sub) joins the residual stream in this norm's pass.
     CBK_TRY(run_norm(p, i == 0 ? nullptr : p.sub, l.in_norm, p.h));
     CBK_TRY(run_linear(p, p.h, p.hidden, l.qkv, l.qkv_bias, qkv_n, p.qkv));

@@ -1,0 +1,196 @@
+// The AVX512-BF16 item runner of the CPU paged attention (paged_attention.cpp's avx512_bf16
+// body runs it for bf16 K/V with head_dim % 32 == 0). Internal to that file's translation unit.
+#pragma once
+
+#include "paged_attention_items.h"
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+
+namespace cbk {
+namespace CBK_CPU_NS {
+namespace {
+
+// bf16 K/V with AVX512-BF16.
+//
+// The same items, tiles, partitions and online softmax as the fp32 runner (so the same batch
+// invariance: a row's arithmetic depends on its sequence and position only), with both products on
+// vdpbf16ps, which multiplies bf16 pairs and accumulates in fp32, reading K/V in place:
+// - QK: each (row, key) pair accumulates 16 lanes over head_dim, 32 bf16 per instruction;
+//   the lanes fold to 8 and go through the fp32 kernel's transposing add tree; the scale
+//   multiplies the fp32 score (q stays the model's bf16 values).
+// - P.V: the tile's probabilities are rounded to bf16 (as flash attention's P.V does on GPUs;
+//   the running sums stay fp32) and taken in key pairs: one vpermt2w interleaves two V rows'
+//   dims, one vdpbf16ps adds p_j v_j + p_(j+1) v_(j+1) for 16 dims.
+// Per (key, kv head) at 4 q heads a head, d 64: 16 vdpbf16ps against 64 fp32 FMAs, and half
+// the bytes. Measured in bench/RESULTS.md (paged-attention bf16 row).
+using bf16_t = uint16_t;
+
+// Scores of R rows (q_stride bf16 apart) against T = 8 / R keys, times scale, into
+// s[r * s_stride + t]. k: [T] key rows, each [d] (d % 32 == 0).
+template <int R>
+CBK_ALWAYS_INLINE void dot_block_bf16(const bf16_t* q, int64_t q_stride, const bf16_t* const* k,
+                                      int64_t d, float scale, float* s, int64_t s_stride) {
+  constexpr int T = 8 / R;
+  __m512 acc[8];
+  for (int i = 0; i < 8; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < d; c += 32) {
+    __m512bh qv[R];
+    for (int r = 0; r < R; ++r) qv[r] = (__m512bh)_mm512_loadu_si512(q + r * q_stride + c);
+    for (int t = 0; t < T; ++t) {
+      const __m512bh kv = (__m512bh)_mm512_loadu_si512(k[t] + c);
+      for (int r = 0; r < R; ++r) acc[r * T + t] = _mm512_dpbf16_ps(acc[r * T + t], qv[r], kv);
+    }
+  }
+  __m256 h[8];
+  for (int i = 0; i < 8; ++i)
+    h[i] = _mm256_add_ps(_mm512_castps512_ps256(acc[i]), _mm512_extractf32x8_ps(acc[i], 1));
+  __m256 x[4];
+  for (int i = 0; i < 4; ++i) x[i] = _mm256_hadd_ps(h[2 * i], h[2 * i + 1]);
+  const __m256 y0 = _mm256_hadd_ps(x[0], x[1]), y1 = _mm256_hadd_ps(x[2], x[3]);
+  const __m256 z = _mm256_mul_ps(_mm256_add_ps(_mm256_permute2f128_ps(y0, y1, 0x20),
+                                               _mm256_permute2f128_ps(y0, y1, 0x31)),
+                                 _mm256_set1_ps(scale));
+  for (int r = 0; r < R; ++r)
+    __builtin_memcpy(s + r * s_stride, reinterpret_cast<const float*>(&z) + r * T, T * 4);
+}
+
+// o_r (fp32, [d]) = o_r * alpha_r + sum over key pairs of p_r,j v_j + p_r,j+1 v_j+1, keys
+// [j0, j1) (both even), for R rows. pp: per row the tile's probabilities as bf16 pairs
+// (pp_stride pairs apart); v: key rows [d] bf16.
+template <int R>
+CBK_ALWAYS_INLINE void pv_rows_bf16(float* o, int64_t o_stride, const float* alpha,
+                                    const uint32_t* pp, int64_t pp_stride,
+                                    const bf16_t* const* v, int j0, int j1, int64_t d) {
+  // Word 2i of the result is a's word i (+ 16 for the upper half), word 2i + 1 is b's.
+  alignas(64) static const uint16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                               8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t kHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                               24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i lo_idx = _mm512_load_si512(kLo), hi_idx = _mm512_load_si512(kHi);
+  for (int64_t c = 0; c < d; c += 32) {
+    __m512 acc[R][2];
+    for (int r = 0; r < R; ++r) {
+      const __m512 a = _mm512_set1_ps(alpha[r]);
+      acc[r][0] = _mm512_mul_ps(_mm512_loadu_ps(o + r * o_stride + c), a);
+      acc[r][1] = _mm512_mul_ps(_mm512_loadu_ps(o + r * o_stride + c + 16), a);
+    }
+    for (int j = j0; j < j1; j += 2) {
+      const __m512i a = _mm512_loadu_si512(v[j] + c), b = _mm512_loadu_si512(v[j + 1] + c);
+      const __m512bh lo = (__m512bh)_mm512_permutex2var_epi16(a, lo_idx, b);
+      const __m512bh hi = (__m512bh)_mm512_permutex2var_epi16(a, hi_idx, b);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[r * pp_stride + j / 2]));
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], lo, pb);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], hi, pb);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm512_storeu_ps(o + r * o_stride + c, acc[r][0]);
+      _mm512_storeu_ps(o + r * o_stride + c + 16, acc[r][1]);
+    }
+  }
+}
+
+// The bf16 item's scratch: q rows (bf16, [rows][d]), outputs and the softmax state as the fp32
+// path (ItemScratch's os, ss, ms, ls, alphas), the tile's probabilities as bf16 pairs, per head
+// the tile's K/V row pointers, and a zero row for keys outside the item's range.
+struct ItemScratchBf16 {
+  ItemScratch f;
+  bf16_t* qs;
+  uint32_t* pp;          // [rows][kTile / 2]
+  const bf16_t** kps;    // [heads][kTile]
+  const bf16_t** vps;
+  const bf16_t* zero;
+};
+
+template <int kTile>
+CBK_ALWAYS_INLINE ItemScratchBf16 take_scratch_bf16(int64_t rows, int64_t heads, int64_t d) {
+  thread_local Scratch scratch;
+  // floats: os rows*d, ss rows*kTile, ms/ls/alphas 3*rows, qs rows*d/2, pp rows*kTile/2, zero d/2
+  const int64_t need = rows * (d + kTile + 3) + rows * d / 2 + rows * kTile / 2 + d / 2 + 16;
+  if (static_cast<int64_t>(scratch.buf.size()) < need) scratch.buf.resize(need);
+  int64_t used = 0;
+  ItemScratchBf16 s;
+  s.f.os = scratch.take(rows * d, used);
+  s.f.ss = scratch.take(rows * kTile, used);
+  s.f.ms = scratch.take(rows, used);
+  s.f.ls = scratch.take(rows, used);
+  s.f.alphas = scratch.take(rows, used);
+  s.qs = reinterpret_cast<bf16_t*>(scratch.take(rows * d / 2, used));
+  s.pp = reinterpret_cast<uint32_t*>(scratch.take(rows * kTile / 2, used));
+  float* zero = scratch.take(d / 2, used);
+  std::fill(zero, zero + d / 2, 0.0f);
+  s.zero = reinterpret_cast<const bf16_t*>(zero);
+  thread_local std::vector<const bf16_t*> ptrs;
+  if (static_cast<int64_t>(ptrs.size()) < 2 * heads * kTile) ptrs.resize(2 * heads * kTile);
+  s.kps = ptrs.data();
+  s.vps = s.kps + heads * kTile;
+  return s;
+}
+
+template <int kTile>
+void run_item_bf16(const Ctx& c, const Item& it, const Item* next, float* partials) {
+  const PagedAttentionParams& p = c.p;
+  const int64_t d = p.head_dim, group = c.group;
+  const ItemRows g = item_rows(c, it);
+  const int64_t per_head = g.per_head, heads = g.heads, rows = g.rows;
+  const int32_t pos0 = g.pos0;
+  ItemScratchBf16 s = take_scratch_bf16<kTile>(rows, heads, d);
+  const bf16_t* qb = static_cast<const bf16_t*>(p.q);
+  for (int64_t r = 0; r < rows; ++r)
+    std::memcpy(s.qs + r * d, qb + row_offset(c, it, r, p.q_stride_token, p.q_stride_head),
+                d * sizeof(bf16_t));
+  std::fill(s.f.os, s.f.os + rows * d, 0.0f);
+  std::fill(s.f.ms, s.f.ms + rows, kNegInf);
+  std::fill(s.f.ls, s.f.ls + rows, 0.0f);
+
+  const int64_t pf_calls = prefetch_calls<kTile>(g);
+  walk_tiles<kTile>(c, it, next, pf_calls, [&](int32_t t0, int32_t lo, int32_t hi,
+                                               const char* const* krow, const char* const* vrow,
+                                               Prefetcher& pf, int64_t pf_quota) {
+    const int jl = lo - t0, jh = hi - t0;
+    for (int64_t h = 0; h < heads; ++h) {
+      const bf16_t** kp = s.kps + h * kTile;
+      const bf16_t** vp = s.vps + h * kTile;
+      for (int j = 0; j < kTile; ++j) {
+        const bool in = j >= jl && j < jh;
+        kp[j] = in ? reinterpret_cast<const bf16_t*>(krow[j] + h * c.k_head) : s.zero;
+        vp[j] = in ? reinterpret_cast<const bf16_t*>(vrow[j] + h * c.v_head) : s.zero;
+      }
+      const int64_t r0 = h * per_head, r1 = r0 + per_head;
+      const bf16_t* q = s.qs + r0 * d;
+      float* ss = s.f.ss + r0 * kTile;
+      int64_t r = 0;
+      for (; r + 2 <= per_head; r += 2)
+        for (int g = jl / 4 * 4; g < jh; g += 4, pf.step(pf_quota))
+          dot_block_bf16<2>(q + r * d, d, kp + g, d, p.scale, ss + r * kTile + g, kTile);
+      if (r < per_head)
+        for (int g = jl / 8 * 8; g < jh; g += 8, pf.step(pf_quota))
+          dot_block_bf16<1>(q + r * d, d, kp + g, d, p.scale, ss + r * kTile + g, kTile);
+      softmax_tile<kTile>(p, r0, r1, per_head, group, pos0, t0, lo, hi, s.f.ss, s.f.ms, s.f.ls,
+                          s.f.alphas);
+      for (int64_t rr = r0; rr < r1; ++rr) {
+        const float* pr = s.f.ss + rr * kTile;
+        uint32_t* dst = s.pp + rr * (kTile / 2);
+        for (int g = 0; g < kTile; g += 16)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + g / 2),
+                              (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(pr + g)));
+      }
+      const int pj0 = jl / 2 * 2, pj1 = (jh + 1) / 2 * 2;
+      int64_t rb = r0;
+      for (; rb + 4 <= r1; rb += 4, pf.step(pf_quota))
+        pv_rows_bf16<4>(s.f.os + rb * d, d, s.f.alphas + rb, s.pp + rb * (kTile / 2), kTile / 2,
+                        vp, pj0, pj1, d);
+      for (; rb < r1; ++rb, pf.step(pf_quota))
+        pv_rows_bf16<1>(s.f.os + rb * d, d, s.f.alphas + rb, s.pp + rb * (kTile / 2), kTile / 2,
+                        vp, pj0, pj1, d);
+    }
+  });
+  write_item(c, it, rows, s.f, partials);
+}
+
+}  // namespace
+}  // namespace CBK_CPU_NS
+}  // namespace cbk
+#endif  // __AVX512BF16__
