@@ -8,11 +8,14 @@ Shapes (random weights): qwen3-next: hidden 256, 4 layers (3 gated delta-net, 1 
 8/2 heads x 32), MoE 8 experts top 2 (x 128) + shared expert, vocab 32000; jamba: hidden 256, 4
 layers (Mamba d_state 16 x3, attention 8/2 heads at layer 2), MoE 4 experts top 2 every other
 layer, vocab 32000. Workload: 16 requests, prompts uniform in 16..128 tokens, 32 output tokens
-each (EOS off); --quick: 8 requests, 16..64, 16 outputs.
+each (EOS off); --quick: 8 requests, 16..64, 16 outputs. mamba2-ds128: hidden 256, 4 Mamba-2
+layers (8 heads x 64, d_state 128, conv 4), vocab 32000.
 Contenders:
   cb_kernels       Engine with the auto config (state slots, prefix caching and overlap off)
   padded generate  one model.generate over the left-padded batch (transformers masks the padding
                    of the stateful layers itself)
+  engine, transformers' layers  the same Engine with runner/hybrid_kernels.py off (each stateful
+                   layer's own torch code per sequence group: the engine before the kernels)
 Output tokens/s counts the requested tokens; ratios by wall time and by this process's CPU time
 (on a machine shared with other jobs the CPU-time one is the steadier). Tokens are compared with
 per-prompt model.generate (exact for the engine; padded generate can differ where padding
@@ -65,6 +68,13 @@ def build(shape: str, seed: int = 0):
             num_experts_per_tok=2, moe_intermediate_size=128,
             shared_expert_intermediate_size=128, max_position_embeddings=4096)
         model = tf.Qwen3NextForCausalLM(cfg)
+    elif shape == "mamba2-ds128":
+        # Mamba-2 with the real d_state (128) and head_dim 64; two attention-free layers fewer
+        # than a real model's dozens, the same per-layer shapes as Mamba-2 / Bamba 2.7B's.
+        cfg = tf.Mamba2Config(
+            vocab_size=VOCAB, hidden_size=256, num_hidden_layers=4, expand=2, num_heads=8,
+            head_dim=64, state_size=128, n_groups=1, conv_kernel=4, max_position_embeddings=4096)
+        model = tf.Mamba2ForCausalLM(cfg)
     elif shape == "jamba":
         cfg = tf.JambaConfig(
             vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
@@ -98,10 +108,19 @@ def run_padded(model, prompts, new):
         [out[i, width:].tolist() for i in range(len(prompts))]
 
 
-def run_engine(model, prompts, new):
+def run_engine(model, prompts, new, kernels=True):
+    """kernels=False: the stateful layers on transformers' own code (the engine before
+    runner/hybrid_kernels.py), for an A/B in the same run."""
     from cb_kernels import Engine, SamplingParams
+    from cb_kernels.runner import hybrid_kernels
 
-    engine = Engine(model)
+    original = hybrid_kernels.kernel_for
+    if not kernels:
+        hybrid_kernels.kernel_for = lambda module, entry: (None, "off for the A/B")
+    try:
+        engine = Engine(model)
+    finally:
+        hybrid_kernels.kernel_for = original
     t0, c0 = time.perf_counter(), time.process_time()
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=new, ignore_eos=True))
     seconds = (time.perf_counter() - t0, time.process_time() - c0)
@@ -188,7 +207,9 @@ def main(argv=None) -> int:
         want = reference(model, prompts, new)
         best = {}
         for _ in range(args.repeats):
-            for name, fn in (("cb_kernels", run_engine), ("padded_generate", run_padded)):
+            for name, fn in (("cb_kernels", run_engine), ("padded_generate", run_padded),
+                             ("engine_transformers_layers",
+                              lambda m, p, k: run_engine(m, p, k, kernels=False))):
                 (seconds, cpu), toks = fn(model, prompts, new)
                 same = sum(a == b for a, b in zip(toks, want))
                 if name not in best or seconds < best[name]["seconds"]:
@@ -199,6 +220,8 @@ def main(argv=None) -> int:
         best["engine_vs_padded"] = best["cb_kernels"]["tok_s"] / best["padded_generate"]["tok_s"]
         best["engine_vs_padded_cpu_time"] = (best["padded_generate"]["cpu_s"]
                                              / best["cb_kernels"]["cpu_s"])
+        best["kernels_vs_transformers_layers"] = (best["cb_kernels"]["tok_s"]
+                                                  / best["engine_transformers_layers"]["tok_s"])
         best["profile"] = wrapper_share(model, prompts, new)
         if args.vllm:
             best["vllm_cpu"] = run_vllm(model, prompts, new, want, args.repeats, args.dtype)
@@ -209,7 +232,8 @@ def main(argv=None) -> int:
               f"{best['padded_generate']['tok_s']:.1f} tok/s "
               f"({best['padded_generate']['same_as_generate']}), "
               f"{best['engine_vs_padded']:.2f}x (CPU time "
-              f"{best['engine_vs_padded_cpu_time']:.2f}x); stateful layers "
+              f"{best['engine_vs_padded_cpu_time']:.2f}x); vs the engine on transformers' "
+              f"layer code {best['kernels_vs_transformers_layers']:.2f}x; stateful layers "
               f"{100 * best['profile']['stateful_share']:.0f}% of the engine's time", flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -18,6 +18,9 @@ void bind_elementwise(pybind11::module_& m);       // fused RMSNorm, SiLU*mul, r
 void bind_greedy_head(pybind11::module_& m);       // argmax of hidden @ W^T (CPU, int8 + exact rescoring)
 void bind_linear(pybind11::module_& m);            // fp32 linear on a packed weight (CPU)
 void bind_fused_decoder(pybind11::module_& m);           // the fused CPU decoder stack in one call
+void bind_gated_delta(pybind11::module_& m);       // the gated delta rule with state slots (CPU)
+void bind_causal_conv1d(pybind11::module_& m);     // short causal conv1d with state slots (CPU)
+void bind_selective_scan(pybind11::module_& m);    // the Mamba-2 selective scan with state slots (CPU)
 void bind_paged_attention_cuda(pybind11::module_& m);  // CUDA kernels (stubs raise when built without CUDA)
 
 namespace cbk {

@@ -48,5 +48,8 @@ PYBIND11_MODULE(_C, m) {
   bind_greedy_head(m);
   bind_linear(m);
   bind_fused_decoder(m);
+  bind_gated_delta(m);
+  bind_causal_conv1d(m);
+  bind_selective_scan(m);
   bind_paged_attention_cuda(m);
 }

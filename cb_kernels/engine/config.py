@@ -14,7 +14,8 @@ PREEMPTION_MODES = ("auto", "swap", "recompute")
 OVERLAP_MODES = ("auto", "on", "off")
 ATTENTION_BACKENDS = ("cuda", "triton", "cpu", "torch")
 DTYPES = ("float32", "float16", "bfloat16")
-FINISH_REASONS = ("length", "stop", "cancelled", "error")
+LOGPROBS_MODES = ("raw", "processed")
+FINISH_REASONS = ("length", "stop", "cancelled", "error", "abort")
 
 
 def _check_int(name: str, value, low: int, allow_none: bool = True) -> None:
@@ -156,7 +157,10 @@ class SamplingParams:
 
     n: samples of the prompt (they share its KV blocks). logprobs=k / prompt_logprobs=k: the k
     most likely tokens' logprobs (log-softmax of the raw fp32 logits) and the chosen one's, per
-    generated / prompt token. min_new_tokens: EOS and stop ids are masked (and stop strings not
+    generated / prompt token. logprobs_mode="processed": a generated token's logprobs are those
+    of the distribution it was picked from (after bias, min_new_tokens, penalties, and for
+    sampled requests temperature, min_p, top_k, top_p: -inf where they removed a token); prompt
+    logprobs stay raw (vLLM's raw_logprobs / processed_logprobs). min_new_tokens: EOS and stop ids are masked (and stop strings not
     checked) until that many tokens exist. Logits are changed in this order: logit_bias (added),
     the min_new_tokens mask, repetition_penalty (transformers' rule, over prompt and output
     tokens), frequency_penalty and presence_penalty (OpenAI's, over output tokens); greedy
@@ -182,6 +186,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: Optional[dict] = None
+    logprobs_mode: str = "raw"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -220,6 +225,9 @@ class SamplingParams:
         _check_int("n", self.n, 1, allow_none=False)
         _check_int("logprobs", self.logprobs, 0)
         _check_int("prompt_logprobs", self.prompt_logprobs, 0)
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got "
+                             f"{self.logprobs_mode!r}")
         _check_int("min_new_tokens", self.min_new_tokens, 0, allow_none=False)
         if self.min_new_tokens > self.max_new_tokens:
             raise ValueError(f"min_new_tokens ({self.min_new_tokens}) must be <= max_new_tokens "
@@ -366,7 +374,10 @@ class RequestOutput:
     ones of that step). finish_reason is None while the request still runs. outputs: one
     CompletionOutput per sample (SamplingParams.n); token_ids, text and finish_reason are those
     of outputs[0]. prompt_logprobs: None for the first prompt token, then a dict token id ->
-    logprob per prompt token (when SamplingParams.prompt_logprobs asked), else None."""
+    logprob per prompt token (when SamplingParams.prompt_logprobs asked), else None.
+    weight_version: the Engine's weight_version when its last token was computed (weights
+    changed since engine construction, counted: Engine.update_weights, weights_updated, or any
+    change step() saw)."""
 
     request_id: str
     prompt_token_ids: list
@@ -377,6 +388,7 @@ class RequestOutput:
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     outputs: list = field(default_factory=list)
     prompt_logprobs: Optional[list] = None
+    weight_version: Optional[int] = None
 
     def __post_init__(self) -> None:
         if not self.outputs:

@@ -5,7 +5,7 @@ import logging
 import time
 from typing import Iterator, Optional
 
-from cb_kernels.engine import distributed, frontend, offload, requests, sizing
+from cb_kernels.engine import distributed, frontend, offload, requests, rl, sizing
 from cb_kernels.engine.block_manager import BlockManager
 from cb_kernels.engine.config import EngineConfig, RequestOutput, SamplingParams
 from cb_kernels.engine.frontend import Frontend
@@ -86,7 +86,11 @@ class Engine:
         self.loop = StepLoop(self.table, self.scheduler, r, Sampler(seed), self.streams,
                              self.swapper, c.overlap == "on", tokenizer)
         self.frontend = Frontend(tokenizer)
+        self.model = model
         self.weights = WeightWatch(model)
+        self.weight_version = 0       # +1 per weight change seen (RequestOutput.weight_version)
+        self._paused = False
+        self._asleep = set()          # "kv_cache", "weights": what sleep() freed
 
     # -- requests -------------------------------------------------------------------------------
     def check_request(self, prompt, params: Optional[SamplingParams] = None) -> tuple:
@@ -114,12 +118,12 @@ class Engine:
         if params.sampling:     # an unseeded request's seed comes from Engine(seed) in add order
             self.loop.sampler.seed_of(seq)
         self.table.add(seq)
-        self.scheduler.add(seq)
+        self.scheduler.add(seq)      # paused: queued, admitted once resume() is called
         return request_id
 
     def reject(self, prompt, error: Exception) -> RequestOutput:
         """The "error" output of a prompt add_request refused (generate/stream report it)."""
-        return self.table.reject(prompt, error)
+        return self._stamp([self.table.reject(prompt, error)], self.weight_version)[0]
 
     def cancel(self, request_id: str) -> None:
         """End a waiting or running request now; its blocks return at once and its output
@@ -168,15 +172,30 @@ class Engine:
         With overlap on, the batch stays in flight and its tokens are resolved in the next
         step(). An exception that is not an Exception (KeyboardInterrupt, SystemExit) fails the
         step's requests as any error does, then propagates; their outputs come with the next
-        step()."""
+        step().
+        Paused or asleep, it computes nothing and returns only outputs already ended (requests
+        added meanwhile wait for resume() / wake_up()). Every output carries the
+        weight_version its last token was computed with."""
+        if self._paused or self._asleep:
+            return self._stamp(self.table.take_outputs(), self.weight_version)
+        # With overlap on, this step resolves the one launched before the check below.
+        version = self.weight_version
         self.check_weights()
         self.loop.step()
-        return self.table.take_outputs()
+        return self._stamp(self.table.take_outputs(),
+                           version if self.loop.overlap else self.weight_version)
+
+    def _stamp(self, outputs: list, version: int) -> list:
+        for out in outputs:
+            if out.weight_version is None:
+                out.weight_version = version
+        return outputs
 
     # -- front end and introspection ------------------------------------------------------------
     def generate(self, prompts, params=None) -> list:
         """Run `prompts` to completion; RequestOutputs in prompt order (engine/frontend.py).
         Tensor parallel: rank 0's prompts run; every rank returns their outputs."""
+        self._check_runnable("generate()")
         if self.tp is not None:
             return self.tp.generate(self, prompts, params)
         return frontend.generate(self, prompts, params)
@@ -184,9 +203,16 @@ class Engine:
     def stream(self, prompts, params=None) -> Iterator[RequestOutput]:
         """Per step, one RequestOutput per request with new tokens (engine/frontend.py).
         Tensor parallel: the other ranks yield rank 0's final outputs once it is done."""
+        self._check_runnable("stream()")
         if self.tp is not None:
             return self.tp.stream(self, prompts, params)
         return frontend.stream(self, prompts, params)
+
+    def _check_runnable(self, what: str) -> None:
+        if self._paused or self._asleep:
+            raise RuntimeError(f"{what} on a {'paused' if self._paused else 'sleeping'} engine "
+                               f"would wait forever; call {'resume' if self._paused else 'wake_up'}"
+                               "() first")
 
     @property
     def rank(self) -> int:
@@ -209,24 +235,131 @@ class Engine:
         if self.tp is not None:
             self.tp.release(outputs)
 
-    def check_weights(self, full: bool = False) -> None:
-        """Drop the prefix cache if a parameter was written through torch or replaced since the
-        last check (engine/weights.py; every step() does this, `full` (once per generate() and
-        stream()) also sees Parameter objects swapped for new ones)."""
-        if full:
-            self.weights.refresh_list()
+    def check_weights(self) -> None:
+        """If a parameter was written through torch or replaced since the last check
+        (engine/weights.py; every step() does this): weight_version + 1, the prefix cache
+        forgets every block. The runner's copies follow by themselves (their own checks)."""
         if self.weights.changed():
-            self.block_manager.reset_prefix_cache()
+            if self.weights.modules_moved and "weights" not in self._asleep:
+                self.runner.refresh_weights()     # rebuilds what holds the old submodules
+            self._new_weights()
+
+    def _new_weights(self) -> None:
+        self.weight_version += 1
+        self.frontend.weight_version = self.weight_version
+        self.block_manager.reset_prefix_cache()
 
     def weights_updated(self) -> None:
         """Say the model's weights changed in a way torch cannot see (`p.data.copy_(...)`,
-        writes to inference tensors, new Parameter objects): the runner rebuilds its copies of
-        them and the prefix cache forgets every block, so no request reads KV of the old weights.
-        Requests running now keep the KV they have (computed with the old weights)."""
-        self.runner.refresh_weights()
-        self.weights.refresh_list()
+        writes to inference tensors): the runner rebuilds its copies of them, weight_version
+        + 1, and the prefix cache forgets every block, so no request reads KV of the old
+        weights. Requests running now keep the KV they have (computed with the old weights)."""
+        if "weights" not in self._asleep:
+            self.runner.refresh_weights()
         self.weights.changed()
+        self._new_weights()
+
+    # -- RL (DESIGN.md, "RL surface"; README, "RL") ------------------------------------------------
+    def update_weights(self, named_tensors) -> int:
+        """Copy (name, tensor) pairs into the model's parameters, by transformers' names
+        (`model.named_parameters()`, tied names too: a tied weight is written once); then as
+        weights_updated(). Returns the new weight_version. Checks every pair (known name,
+        shape) before writing any. Tensor parallel: refused (each rank holds a split)."""
+        if self.tp is not None:
+            raise NotImplementedError(
+                "update_weights under tensor parallelism: each rank holds a split of the weights; "
+                "write each rank's shard into its model and call weights_updated() on every rank")
+        rl.load_named(self.model, named_tensors)
+        self.weights_updated()
+        return self.weight_version
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix block (running requests keep theirs)."""
         self.block_manager.reset_prefix_cache()
+
+    @property
+    def is_paused(self) -> bool:
+        return self._paused
+
+    def pause(self, mode: str = "keep") -> list:
+        """Stop computing. "keep": requests stay as they are and continue unchanged after
+        resume(); "wait": the requests admitted so far run to the end first (pause steps the
+        engine itself), queued ones stay queued; "abort": every request ends now with the
+        tokens and logprobs it has, finish_reason "abort". Returns the outputs of the requests
+        that ended inside pause (wait, abort). Paused, add_request queues and step() computes
+        nothing; generate()/stream() raise."""
+        if mode not in ("keep", "wait", "abort"):
+            raise ValueError(f"pause mode must be 'keep', 'wait' or 'abort', got {mode!r}")
+        self._check_awake("pause")
+        self._paused, outputs = False, []
+        if mode == "wait":
+            with rl.admitting_nothing(self.scheduler):
+                while self.scheduler.running or self.scheduler.swapped or \
+                        self.scheduler.waiting or self.loop.in_flight is not None:
+                    outputs += self.step()
+        self.loop.settle()
+        if mode == "abort":
+            for seq in list(self.table.live()):
+                if self.table.is_live(seq):
+                    self.loop.end(seq, "abort")
+        self._paused = True
+        return outputs + self._stamp(self.table.take_outputs(), self.weight_version) \
+            if mode != "keep" else outputs
+
+    def resume(self) -> None:
+        """Undo pause(): steps compute again, queued requests are admitted."""
+        self._paused = False
+
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self._asleep)
+
+    def sleep(self, level: int = 1, mode: Optional[str] = None) -> int:
+        """Free memory for a trainer in the same process; returns the bytes freed. Level 1: the
+        KV pool (and state slots) and the prefix cache; level 2 also the runner's private
+        weight copies (packed linears, the greedy head's copy) and scratch buffers. The model's
+        own weights stay (they are the trainer's). Requests waiting or running: RuntimeError,
+        unless mode="wait" (they finish first) or "abort" (they end now); their outputs come
+        with the next step()."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        if mode not in (None, "wait", "abort"):
+            raise ValueError(f"sleep mode must be None, 'wait' or 'abort', got {mode!r}")
+        if self.tp is not None:
+            raise NotImplementedError("sleep under tensor parallelism (the other ranks' pools "
+                                      "are not reached)")
+        if self.table.num_live or self.loop.in_flight is not None:
+            if mode is None:
+                raise RuntimeError(f"sleep() with {self.table.num_live} requests waiting or "
+                                   "running; pass mode='wait' (finish them first) or "
+                                   "mode='abort' (end them now)")
+            paused = self._paused
+            self._paused = False
+            if mode == "wait":
+                while self.table.num_live or self.loop.in_flight is not None:
+                    self.defer(self.step())
+            else:
+                self.defer(self.pause("abort"))
+            self._paused = paused
+        self.block_manager.reset_prefix_cache()
+        kv, weights = "kv_cache" not in self._asleep, level == 2 and "weights" not in self._asleep
+        freed = self.runner.release_memory(kv=kv, weights=weights)
+        self._asleep |= {"kv_cache"} | ({"weights"} if level == 2 else set())
+        return freed
+
+    def wake_up(self, tags: Optional[list] = None) -> None:
+        """Give back what sleep() freed: tags None (all), ["kv_cache"] or ["weights"]; a
+        weight copy is rebuilt from the model's weights as they are now."""
+        known = ("kv_cache", "weights")
+        if tags is not None and (isinstance(tags, str) or any(t not in known for t in tags)):
+            raise ValueError(f"wake_up tags must be None or a list of {known}, got {tags!r}")
+        wanted = set(known if tags is None else tags) & self._asleep
+        self.runner.restore_memory(kv="kv_cache" in wanted, weights="weights" in wanted)
+        self._asleep -= wanted
+
+    def _check_awake(self, what: str) -> None:
+        if self._asleep:
+            raise RuntimeError(f"{what}() on a sleeping engine; call wake_up() first")
 
     def check_invariants(self) -> None:
         """Raise AssertionError if any block, ref count or queue is inconsistent."""
@@ -252,7 +385,8 @@ class Engine:
         timed_steps; greedy_head_steps: steps whose tokens came from the greedy head;
         state_slots_used, state_slots_total, state_bytes_per_slot, state_fork_copies: the state
         slots of a hybrid / recurrent model (engine/state_slots.py; zeros for other models);
-        tensor_parallel_size and local_num_kv_heads (the KV heads this rank's pool holds)."""
+        tensor_parallel_size and local_num_kv_heads (the KV heads this rank's pool holds);
+        weight_version, paused, sleeping (what sleep() freed: "kv_cache", "weights")."""
         bm, s = self.block_manager, self.scheduler
         return {
             "used_blocks": bm.num_used_blocks, "free_blocks": len(bm.free_ids),
@@ -266,5 +400,7 @@ class Engine:
             **self.loop.stats(),
             **(bm.state_slots.stats() if bm.state_slots is not None else EMPTY_STATS),
             "tensor_parallel_size": self.tp.size if self.tp is not None else 1,
+            "weight_version": self.weight_version, "paused": self._paused,
+            "sleeping": sorted(self._asleep),
             "local_num_kv_heads": self.runner.num_kv_heads,
         }

@@ -30,7 +30,6 @@ def _add_all(engine, prompts, params) -> list:
             checked.append(engine.check_request(prompt, p))
         except (ValueError, TypeError) as e:
             checked.append(engine.reject(prompt, e))
-    engine.check_weights(full=True)
     return [engine.add_request(*c) if isinstance(c, tuple) else c for c in checked]
 
 
@@ -75,6 +74,7 @@ class Frontend:
 
     def __init__(self, tokenizer=None):
         self.tokenizer = tokenizer
+        self.weight_version = 0       # the Engine's, stamped on each delta
 
     def deltas(self, seq: Sequence, ended: bool) -> list:
         """The stream deltas of one request since the last call (what stream() yields for it
@@ -97,7 +97,9 @@ class Frontend:
             return None
         text = self._text_delta(seq, final)
         seq.num_streamed_tokens = -1 if final else seq.num_streamed_tokens + len(new)
-        return requests.delta_of(seq, new, self.tokenizer, text)
+        delta = requests.delta_of(seq, new, self.tokenizer, text)
+        delta.weight_version = self.weight_version
+        return delta
 
     def _text_delta(self, seq: Sequence, final: bool = False) -> Optional[str]:
         """New text since the last delta. Decoding all output tokens and cutting off what was

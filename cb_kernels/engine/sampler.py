@@ -14,7 +14,10 @@ Every filter keeps the most likely token and the temperature is applied after su
 row's maximum, so any accepted value gives a valid distribution (never inf or NaN).
 
 Logprobs (logprobs=k, prompt_logprobs=k) are the log-softmax of the raw fp32 logits, computed only
-for the rows of requests that asked. A request with n > 1 samples draws its n first tokens from
+for the rows of requests that asked; with SamplingParams.logprobs_mode="processed" a generated
+token's logprobs are those of the distribution it was drawn from instead (vLLM's
+processed_logprobs): after bias, min_new_tokens and the penalties, and for sampled rows after
+temperature, min_p, top_k and top_p (a token they removed has logprob -inf). A request with n > 1 samples draws its n first tokens from
 the one logits row of its prompt's last position (engine.py then forks the other samples).
 """
 from __future__ import annotations
@@ -316,7 +319,10 @@ class Sampler:
         if forks:
             rows = rows[torch.tensor(index, device=rows.device)]
         params = [s.params for s in items]
-        asks = [i for i, p in enumerate(params) if p.logprobs is not None]
+        asks = [i for i, p in enumerate(params)
+                if p.logprobs is not None and p.logprobs_mode == "raw"]
+        processed = [i for i, p in enumerate(params)
+                     if p.logprobs is not None and p.logprobs_mode == "processed"]
         if asks:      # of the raw logits: logsumexp and the top k now, the chosen one's later
             ks = [params[i].logprobs for i in asks]
             raw = _subset(rows, asks)
@@ -327,6 +333,13 @@ class Sampler:
         undo = [] if asks else None
         if any(p.changes_logits for p in params):
             change_logits(rows, src, undo)
+        if processed:     # the distribution each row is drawn from (or its argmax taken over)
+            seen = _subset(rows, processed).clone()
+            sampled = [k for k, i in enumerate(processed) if params[i].sampling]
+            if sampled:
+                index = torch.tensor(sampled, device=rows.device)
+                seen[index] = filter_logits(seen[index], [params[processed[k]] for k in sampled])
+            seen = seen.log_softmax(-1)
         drawn = [i for i, p in enumerate(params) if p.sampling]
         tokens = rows.argmax(-1) if len(drawn) < len(items) else None
         if drawn:
@@ -344,6 +357,14 @@ class Sampler:
             chosen_lp = (_subset(rows, asks).gather(1, chosen) - lse)[:, 0]
             entries = top_logprobs(chosen[:, 0], chosen_lp, top, lse, ks)
             for i, (entry, lp) in zip(asks, entries):
+                items[i].record_logprob(entry, lp)
+        if processed:
+            ks = [params[i].logprobs for i in processed]
+            chosen = _subset(tokens[:, None], processed)
+            top = torch.topk(seen, max(ks), dim=-1) if max(ks) else None
+            entries = top_logprobs(chosen[:, 0], seen.gather(1, chosen)[:, 0], top,
+                                   torch.zeros(len(processed), 1, device=seen.device), ks)
+            for i, (entry, lp) in zip(processed, entries):
                 items[i].record_logprob(entry, lp)
         tokens = tokens.tolist()
         for k in range(len(seqs), len(items)):

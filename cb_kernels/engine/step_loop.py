@@ -100,6 +100,19 @@ class StepLoop:
         if not self.table.num_live:
             self.clock.idle()
 
+    def settle(self) -> None:
+        """Resolve the step in flight (overlap on) and launch none: every token computed so far
+        is then in its sequence (Engine.pause, sleep)."""
+        prev, self.in_flight = self.in_flight, None
+        if prev is None:
+            return
+        try:
+            self.resolve(prev, self._advance(prev, retire=True), [])
+        except BaseException as exc:
+            self.fail_step(prev.batch.seqs, exc)
+            if not isinstance(exc, Exception):
+                raise
+
     def _step(self, prev: Optional[LaunchedStep]) -> None:
         retired = self._advance(prev, retire=True) if prev is not None else set()
         batch = self.scheduled = self.scheduler.schedule()

@@ -172,3 +172,95 @@ def ref_fused_decoder(x, cos, sin, layers, final_norm, slot_mapping, block_table
         h = ref_rms_norm(x, post_w, eps, ref_linear(attn.view(t, q_n), *o))
         pending = ref_linear(ref_silu_mul(ref_linear(h, *gate_up)), *down)
     return ref_rms_norm(x, final_norm, eps, pending)
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
+
+
+def ref_gated_delta_rule(q, k, v, g, beta, state, slots, cu_seqlens, has_state, *,
+                         scale: float | None = None, l2norm_qk: bool = True) -> torch.Tensor:
+    """q, k: [num_tokens, num_k_heads, k_dim]; v: [num_tokens, num_v_heads, v_dim]; g, beta: fp32
+    [num_tokens, num_v_heads]; state: fp32 [num_slots, num_v_heads, k_dim, v_dim], updated in
+    place; slots: int64 [num_seqs]; cu_seqlens: int32 [num_seqs + 1]; has_state: bool [num_seqs].
+    Returns [num_tokens, num_v_heads, v_dim] in v's dtype: each row's tokens one at a time through
+    transformers' torch_recurrent_gated_delta_rule recurrence (fp32 math), from its slot's state
+    when has_state, else zeros; the final state back into the slot."""
+    num_v_heads, k_dim = v.shape[1], q.shape[2]
+    group = num_v_heads // q.shape[1]
+    scale = k_dim ** -0.5 if scale is None else scale
+    qf = q.float().repeat_interleave(group, dim=1)
+    kf = k.float().repeat_interleave(group, dim=1)
+    if l2norm_qk:
+        qf, kf = _l2norm(qf), _l2norm(kf)
+    qf = qf * scale
+    vf = v.float()
+    out = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    cu = cu_seqlens.tolist()
+    for i, slot in enumerate(slots.tolist()):
+        s = state[slot].clone() if bool(has_state[i]) else torch.zeros_like(state[slot])
+        for t in range(cu[i], cu[i + 1]):
+            s = s * g[t].exp()[:, None, None]
+            kv_mem = (s * kf[t][:, :, None]).sum(dim=-2)
+            delta = (vf[t] - kv_mem) * beta[t][:, None]
+            s = s + kf[t][:, :, None] * delta[:, None, :]
+            out[t] = (s * qf[t][:, :, None]).sum(dim=-2)
+        state[slot] = s
+    return out.to(v.dtype)
+
+
+def ref_causal_conv1d(x, weight, bias, conv_state, slots, cu_seqlens, has_state, *,
+                      activation: str | None = "silu") -> torch.Tensor:
+    """x: [num_tokens, channels]; weight: [channels, width]; bias: [channels] or None;
+    conv_state: [num_slots, channels, state_len] (state_len >= width - 1), updated in place;
+    slots: int64 [num_seqs]; cu_seqlens: int32 [num_seqs + 1]; has_state: bool [num_seqs].
+    Returns [num_tokens, channels] in x's dtype: per row, a depthwise causal conv (torch's conv1d
+    in x's dtype, then the activation, transformers' causal_conv1d_update) of its tokens preceded
+    by the slot's window (zeros when not has_state); the slot then holds the row's last
+    state_len inputs."""
+    width, state_len = weight.shape[1], conv_state.shape[2]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    cu = cu_seqlens.tolist()
+    for i, slot in enumerate(slots.tolist()):
+        rows = x[cu[i]:cu[i + 1]].t()                                  # [channels, n]
+        window = conv_state[slot] if bool(has_state[i]) else torch.zeros_like(conv_state[slot])
+        full = torch.cat([window, rows], dim=-1)                       # [channels, L + n]
+        conv_state[slot] = full[:, full.shape[1] - state_len:]
+        if rows.shape[1] == 0:
+            continue
+        y = torch.nn.functional.conv1d(full[None, :, state_len - width + 1:], weight[:, None],
+                                       bias, groups=weight.shape[0])[0]
+        if activation == "silu":
+            y = torch.nn.functional.silu(y)
+        out[cu[i]:cu[i + 1]] = y.t()
+    return out
+
+
+def ref_selective_scan(x, dt, A, B, C, state, slots, cu_seqlens, has_state, *, D=None,
+                       dt_bias=None, dt_softplus: bool = True,
+                       dt_limit: tuple = (0.0, float("inf"))) -> torch.Tensor:
+    """x: [num_tokens, num_heads, head_dim]; dt: fp32 [num_tokens, num_heads]; A, D, dt_bias: fp32
+    [num_heads] (D, dt_bias may be None); B, C: [num_tokens, num_groups, d_state]; state: fp32
+    [num_slots, num_heads, head_dim, d_state], updated in place; slots, cu_seqlens, has_state as
+    ref_gated_delta_rule's. Returns [num_tokens, num_heads, head_dim] in x's dtype: each row's
+    tokens one at a time through transformers' mamba2_selective_state_update recurrence (fp32)."""
+    group = x.shape[1] // B.shape[1]
+    xf = x.float()
+    Bf = B.float().repeat_interleave(group, dim=1)
+    Cf = C.float().repeat_interleave(group, dim=1)
+    d = dt + (dt_bias if dt_bias is not None else 0.0)
+    if dt_softplus:
+        d = torch.nn.functional.softplus(d)
+    d = d.clamp(dt_limit[0], dt_limit[1])
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    cu = cu_seqlens.tolist()
+    for i, slot in enumerate(slots.tolist()):
+        s = state[slot].clone() if bool(has_state[i]) else torch.zeros_like(state[slot])
+        for t in range(cu[i], cu[i + 1]):
+            decay = torch.exp(d[t] * A)[:, None, None]
+            s = s * decay + (d[t][:, None] * xf[t])[:, :, None] * Bf[t][:, None, :]
+            out[t] = (s * Cf[t][:, None, :]).sum(-1)
+            if D is not None:
+                out[t] += D[:, None] * xf[t]
+        state[slot] = s
+    return out.to(x.dtype)

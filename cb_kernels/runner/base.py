@@ -79,5 +79,13 @@ class ModelRunner(Protocol):
         """Run the step. `greedy` (every sampled row takes the argmax): return the tokens (and no
         logits); else the logits of every logits_indices row."""
 
+    def release_memory(self, kv: bool, weights: bool) -> int:
+        """Engine.sleep: free the KV pool and state slots (`kv`; the tensor objects stay, empty)
+        and the runner's private weight copies and scratch buffers (`weights`); the bytes freed."""
+
+    def restore_memory(self, kv: bool, weights: bool) -> None:
+        """Engine.wake_up: a zeroed pool of the old shapes (`kv`), the weight copies rebuilt from
+        the model's weights as they are now (`weights`)."""
+
     def refresh_weights(self) -> None:
         """Rebuild every copy derived from the weights (packed linears, the greedy head)."""

@@ -340,6 +340,21 @@ class PackedLinears:
             g.refresh(force)
         self._key = key
 
+    def release(self) -> int:
+        """Drop every packed copy (Engine.sleep(level=2)); returns the bytes they held (an
+        F.linear group of one linear reads the model's own weight: 0). The next refresh()
+        packs again."""
+        freed = 0
+        for g in self.groups:
+            own = [g.lin.packed, g.lin.bias] if g.lin is not None else [g.weight, g.bias]
+            if g.lin is None and g.gemm == "torch" and len(g.members) == 1:
+                own = [g.bias]      # the model's own weight, not a copy
+            freed += sum(t.numel() * t.element_size() for t in own if t is not None)
+            g.lin = g.weight = g.bias = g.key = None
+            g.sources = []
+        self._key = None
+        return freed
+
     def __enter__(self) -> "PackedLinears":
         self._depth += 1
         if self._depth > 1:

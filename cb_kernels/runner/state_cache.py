@@ -22,7 +22,8 @@ cache object (`_SlotCache`) and calls the module's own forward on it:
     (the layer's prefill path), else from its slot (a later chunk: the cache-continuation path);
 then writes the states the call read or wrote back into the slots (a layer may have several
 stateful modules, each with its own state index: Inkling). So the model's own layer code
-computes every state; nothing of ours reimplements a scan.
+computes every state, except in layers runner/hybrid_kernels.py has kernels for (gated
+delta-net, Mamba-2): those run all the step's rows in one call on the slots in place.
 
 Also handled: MiniMax's lightning attention (`get_linear_cache` / `set_linear_cache`: one state
 per layer, kept as recurrent state 0); blocks that keep their state on the module rather than in
@@ -41,6 +42,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+
+from cb_kernels.runner import hybrid_kernels
 
 _STATE_CALLS = (".get_conv_state(", ".get_recurrent_state(", ".update_conv_state(",
                 ".update_recurrent_state(",
@@ -231,6 +234,7 @@ class _Group:
 class StateStep:
     groups: list = field(default_factory=list)
     num_tokens: int = 0
+    varlen: Optional[object] = None   # hybrid_kernels.VarlenRows, built once by the first layer
 
 
 def plan(seqs: list, num_new_tokens: list, device: torch.device) -> StateStep:
@@ -423,6 +427,9 @@ class _Wrapped:
         self.entry = entry
         self.number_of_states = 1 + max((si for _, si in entry), default=0) if entry else 1
         self.stepwise = False      # later prefill chunks one token at a time (StateSwitch)
+        # One call for all rows on cb_kernels' ops where the layer maps onto them.
+        self.kernel, self.kernel_reason = (hybrid_kernels.kernel_for(module, entry)
+                                           if pool is not None else (None, "no state pool"))
 
     def _groups(self, step: StateStep):
         for g in step.groups:
@@ -451,6 +458,8 @@ class _Wrapped:
             raise RuntimeError(f"layer {self.layer_idx} got hidden states "
                                f"{tuple(hidden_states.shape)}, not the step's packed row "
                                f"[1, {n}, ...]")
+        if self.kernel is not None:
+            return self.kernel(hidden_states, hybrid_kernels.varlen_rows(step))
         per_token = {k for k, v in kwargs.items() if isinstance(v, torch.Tensor)
                      and v.dim() >= 2 and v.shape[0] == 1 and v.shape[1] == n}
         if self.held is not None:

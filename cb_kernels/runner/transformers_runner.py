@@ -24,13 +24,14 @@ from typing import Optional
 import torch
 
 from cb_kernels import ops
-from cb_kernels.runner import state_cache, step_inputs, support, tensor_parallel
+from cb_kernels.runner import (hybrid_kernels, state_cache, step_inputs, support,
+                               tensor_parallel)
 from cb_kernels.runner.attention import AttentionSwitch, model_lock, step_context, text_config
 from cb_kernels.runner.positions import explicit_positions, position_modules
 from cb_kernels.runner.base import StepOutput
 from cb_kernels.runner.cuda_graphs import decode_graph_runner, graphs_enabled
 from cb_kernels.runner.fused import FusedForward
-from cb_kernels.runner.kv_cache import allocate_layer_caches
+from cb_kernels.runner.kv_cache import allocate_layer_caches, host_zeros
 from cb_kernels.runner.lm_head import GreedyTokensHead, LogitsHead, choose_lm_head, wants_greedy_head
 from cb_kernels.runner.packed_linears import PackedLinears, has_hooks
 
@@ -139,16 +140,27 @@ class TransformersRunner:
         self.cuda_graphs = cuda_graphs
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         # None off CPU fp32 or when the packed copy does not fit (runner/packed_linears.py).
-        self.packed = PackedLinears.build(model, pack_weights, available_host_bytes)
-        self.fused = None if self.state_layers else FusedForward.build(
-            model, self.packed, num_hidden, self.num_heads, self.num_kv_heads)
+        self._pack_args = (pack_weights, available_host_bytes, num_hidden)
         self._greedy_mode = greedy_head
-        self.head, self._decoder = self._choose_head(greedy_head)
+        self._build_weight_paths()
         self.graphs = None
         self.k_caches: list = []
         self.v_caches: list = []
         self.layout: Optional[step_inputs.LayerLayout] = None     # set by allocate_cache
         self.block_size = 0
+        self._max_num_seqs = 0
+        self._slept_shapes: list = []      # (tensor, shape) of the pool while asleep
+        self._weights_released = False
+
+    def _build_weight_paths(self) -> None:
+        """The packed copies, the fused forward and the head, from the model's modules as they
+        are now (again by refresh_weights when a submodule was replaced)."""
+        pack_weights, available_host_bytes, num_hidden = self._pack_args
+        self._modules = list(self.model.modules())
+        self.packed = PackedLinears.build(self.model, pack_weights, available_host_bytes)
+        self.fused = None if self.state_layers else FusedForward.build(
+            self.model, self.packed, num_hidden, self.num_heads, self.num_kv_heads)
+        self.head, self._decoder = self._choose_head(self._greedy_mode)
 
     def _choose_head(self, mode):
         """(head, decoder). head: None when the output embedding is no nn.Linear (the model's
@@ -195,13 +207,15 @@ class TransformersRunner:
             v_caches=[next(it_v) if p is not None else None for p in self.layers],
             sliding_windows=self.sliding_windows, softcap=self.softcap,
             backend=self.attention_backend, chunked_layers=self.chunked_layers)
-        self.block_size = block_size
+        self.block_size, self._max_num_seqs = block_size, max_num_seqs
         if self.state_layers:
             # One slot per running sequence (the scheduler runs at most max_num_seqs).
             self.state_pool = state_cache.StatePool(self.state_specs, max_num_seqs, self.device)
             self.state_tensors = self.state_pool.tensors
             self._states = state_cache.StateSwitch(self.state_layers, self.state_pool,
                                                    self._stepwise_chunks)
+            for line in hybrid_kernels.describe([w for _, w in self._states._wrapped]):
+                logger.info("stateful layers: %s", line)
         # The decode graphs carry no chunked view, and no state slots.
         if graphs_enabled(self.cuda_graphs, self.device) and self.chunk_size is None \
                 and not self.state_layers:
@@ -288,9 +302,65 @@ class TransformersRunner:
             out = self.model(input_ids=ids, position_ids=pos, use_cache=False, cbk_step=attn)
         return out.logits[0, logits_indices].float()
 
+    # -- sleep (Engine.sleep / wake_up) ---------------------------------------------------------
+    def release_memory(self, kv: bool, weights: bool) -> int:
+        """Free the KV pool and state slots (`kv`), the packed weight copies, the greedy head's
+        copy and the rotary table (`weights`); returns the bytes freed. Every tensor object
+        stays (the layout, the swapper and the engine hold them) with an empty storage, until
+        restore_memory. The model's own weights are never touched."""
+        freed = 0
+        if kv and not self._slept_shapes:
+            pool = self.k_caches + self.v_caches + self.state_tensors
+            self._slept_shapes = [(t, tuple(t.shape)) for t in pool]
+            for t in pool:
+                freed += t.numel() * t.element_size()
+                t.set_(torch.empty(0, dtype=t.dtype, device=t.device))
+            self.graphs = None             # captured the pool's addresses
+            if self.fused is not None:     # so did FusedDecoder's layer table
+                self.fused.forget_table()
+        if weights and not self._weights_released:
+            self._weights_released = True
+            if self.packed is not None:
+                freed += self.packed.release()
+            greedy = getattr(self.head, "greedy", None)
+            if greedy is not None:
+                freed += sum(t.numel() * t.element_size() for t in
+                             (greedy.packed, greedy.row_stats, greedy.exact_cols))
+            self.head = None               # chosen and packed again by restore_memory
+            if self.fused is not None:
+                freed += self.fused.forget_table() + self.fused.rotary.forget()
+        return freed
+
+    def restore_memory(self, kv: bool, weights: bool) -> None:
+        """Undo release_memory: a zeroed pool of the same shapes, fresh packed copies of the
+        model's weights as they are now."""
+        if kv and self._slept_shapes:
+            for t, shape in self._slept_shapes:
+                t.set_(host_zeros(shape, t.dtype) if t.device.type == "cpu" else
+                       torch.zeros(shape, dtype=t.dtype, device=t.device))
+            self._slept_shapes = []
+            if graphs_enabled(self.cuda_graphs, self.device) and self.chunk_size is None \
+                    and not self.state_layers:
+                max_blocks = min(self.k_caches[0].shape[0],
+                                 -(-self.max_positions // self.block_size))
+                self.graphs = decode_graph_runner(self, self._max_num_seqs, max_blocks)
+        if weights and self._weights_released:
+            self._weights_released = False
+            self.refresh_weights()     # repacks (rebuilds, if a submodule was replaced asleep)
+            self.head, self._decoder = self._choose_head(self._greedy_mode)
+
     def refresh_weights(self) -> None:
         """Repack every packed copy now (after writes torch's version counter misses, e.g.
-        through `.data`); copies are otherwise refreshed when a weight changes through torch."""
+        through `.data`); copies are otherwise refreshed when a weight changes through torch.
+        A submodule replaced since the build (the packed groups and the fused layers hold the
+        modules) rebuilds those paths from the modules as they are now."""
+        if self._weights_released:
+            return              # rebuilt from the weights of the moment at wake_up
+        modules = list(self.model.modules())
+        if len(modules) != len(self._modules) or \
+                any(a is not b for a, b in zip(modules, self._modules)):
+            self._build_weight_paths()
+            return
         if self.packed is not None:
             self.packed.refresh(force=True)
         head = getattr(self.head, "greedy", None)

@@ -16,6 +16,7 @@ stops admission; requests still unfinished `timeout` seconds later are cancelled
 """
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -108,6 +109,13 @@ class EngineLoop:
     def cancel(self, request_id: str) -> None:
         self.inbox.put(("cancel", request_id))
 
+    def call(self, fn) -> concurrent.futures.Future:
+        """Run `fn(engine)` on the engine thread between two steps (the RL routes: pause,
+        sleep, update_weights); the future holds its result or its exception."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self.inbox.put(("call", (fn, future)))
+        return future
+
     def drain(self, timeout: float) -> None:
         """Stop admission; cancel what is unfinished after `timeout` s (at once when called
         again). Safe from a signal handler."""
@@ -143,7 +151,8 @@ class EngineLoop:
     def _loop(self) -> None:
         engine = self.engine
         while True:
-            busy = engine.has_unfinished()
+            # Paused or asleep: step() computes nothing; poll, do not spin.
+            busy = engine.has_unfinished() and not (engine.is_paused or engine.is_sleeping)
             self._take_commands(block=not busy)
             if self.stopping and not engine.has_unfinished():
                 stats = engine.stats()
@@ -189,6 +198,12 @@ class EngineLoop:
                 self.drain_deadline = now + arg
             logger.info("draining: %d requests unfinished, cancelled in %.1f s",
                         len(self._tickets), self.drain_deadline - now)
+        elif kind == "call":
+            fn, future = arg
+            try:
+                future.set_result(fn(self.engine))
+            except Exception as e:    # noqa: BLE001 (the caller gets it)
+                future.set_exception(e)
         elif kind == "stop":
             self.stopping = True
             self._cancel_all()

@@ -14,7 +14,8 @@ from cb_kernels.serve.protocol import error_body
 
 # Engine finish reasons as OpenAI's: EOS, a stop string and a stop token are all "stop";
 # "cancelled" (shutdown, or the deadline of a drain) is passed through as it is.
-FINISH = {"stop": "stop", "length": "length", "cancelled": "cancelled", "error": "error"}
+FINISH = {"stop": "stop", "length": "length", "cancelled": "cancelled", "error": "error",
+          "abort": "abort"}
 
 
 class Reply:

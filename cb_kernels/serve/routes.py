@@ -26,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
+from cb_kernels.serve import rl_routes
 from cb_kernels.serve.engine_loop import Draining, EngineLoop, QueueFull, Ticket
 from cb_kernels.serve.metrics import ServerMetrics
 from cb_kernels.serve.openai_format import Reply
@@ -38,8 +39,10 @@ RETRY_AFTER_S = 1
 
 
 class ServerConfig:
-    def __init__(self, model_name: str, max_waiting: int = 256, drain_timeout: float = 30.0):
+    def __init__(self, model_name: str, max_waiting: int = 256, drain_timeout: float = 30.0,
+                 enable_rl_endpoints: bool = False):
         self.model_name, self.max_waiting, self.drain_timeout = model_name, max_waiting, drain_timeout
+        self.enable_rl_endpoints = enable_rl_endpoints      # serve/rl_routes.py
 
 
 class ClientGone(Exception):
@@ -117,6 +120,8 @@ def create_app(engine, config: ServerConfig, on_ready=None) -> FastAPI:
     async def chat_completions(request: Request):
         return await state.handle(request, ChatRequest)
 
+    if config.enable_rl_endpoints:
+        rl_routes.register(app, loop)
     return app
 
 

@@ -35,6 +35,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of sampled requests without their own")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    p.add_argument("--enable-rl-endpoints", action="store_true",
+                   help="add vLLM's RL routes: /sleep, /wake_up, /pause, /resume, /update_weights, "
+                        "... (serve/rl_routes.py; anyone who reaches the port can use them)")
     add_engine_args(p)
 
 
@@ -95,7 +98,8 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"cb-kernels serve: {name} on http://{args.host}:{port} (ready)", file=sys.stderr,
               flush=True)
 
-    app = create_app(engine, ServerConfig(name, args.max_waiting, args.drain_timeout), ready)
+    app = create_app(engine, ServerConfig(name, args.max_waiting, args.drain_timeout,
+                                          args.enable_rl_endpoints), ready)
     server = _Server(uvicorn.Config(app, log_level=args.log_level, access_log=args.access_log,
                                     timeout_graceful_shutdown=args.drain_timeout + 10,
                                     lifespan="on"),

@@ -114,6 +114,12 @@ class _RotaryTable:
             self.key = None
         return all(torch.equal(a, b) for a, b in zip(got, want))
 
+    def forget(self) -> int:
+        """Drop the cos/sin tables (Engine.sleep(level=2)); returns their bytes."""
+        freed = sum(t.numel() * t.element_size() for t in (self.cos, self.sin) if t is not None)
+        self.key, self.cos, self.sin = None, None, None
+        return freed
+
     def __call__(self, x, positions):
         """x: anything of the step's dtype; positions int64 [T]. Returns cos, sin [T, head_dim]."""
         if not getattr(self, "cached", True):
@@ -276,6 +282,14 @@ class FusedForward:
                  for layer in self.layers], step.layout.k_caches, step.layout.v_caches)
             self._table_key = key
         return self._table
+
+    def forget_table(self) -> int:
+        """Drop FusedDecoder's layer table (it holds the addresses of the pool and the packed
+        weights, which sleep frees); the next step builds it again. Returns its bytes."""
+        freed = sum(t.numel() * t.element_size() for t in self._table
+                    if isinstance(t, torch.Tensor))
+        self._table, self._table_key = [], []
+        return freed
 
     @torch.inference_mode()
     def __call__(self, input_ids, positions, logits_indices, step) -> torch.Tensor:

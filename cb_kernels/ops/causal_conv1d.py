@@ -1,0 +1,115 @@
+"""`causal_conv1d`: the short causal depthwise conv1d with its state over a variable-length batch
+(the conv before Qwen3-Next's gated delta rule; Mamba-2's and LFM2's short convolutions), each
+row's window read from and written back to its slot in place. One call runs every row of a step.
+
+Backends: "cpu" (csrc/cpu/causal_conv1d.cpp, fp32 or bf16) and "torch" (ops/reference.py's
+ref_causal_conv1d).
+"""
+from __future__ import annotations
+
+import torch
+
+from cb_kernels import _C
+from cb_kernels.ops._backend import (DTYPE_CODES, check_tensor, resolve_backend, same_device,
+                                     sync_threads)
+from cb_kernels.ops.gated_delta_rule import _check_values
+
+_BACKENDS = ("cpu", "torch")
+_ACTIVATIONS = (None, "silu")
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  conv_state: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor,
+                  has_state: torch.Tensor, *, activation: str | None = "silu",
+                  backend: str | None = None) -> torch.Tensor:
+    """Per row: ``act(bias + depthwise causal conv of its tokens)``, preceded by the last
+    ``width - 1`` inputs of its slot's window when ``has_state`` (zeros otherwise); afterwards
+    the slot holds the row's last ``state_len`` inputs (older ones from the old window or zeros).
+
+    Parameters
+    ----------
+    x : ``[num_tokens, channels]`` float32 or bfloat16, channels packed (tokens any stride).
+    weight : ``[channels, width]`` of x's dtype, contiguous, width <= 16.
+    bias : ``[channels]`` of x's dtype, or None.
+    conv_state : ``[num_slots, channels, state_len]`` of x's dtype, contiguous, state_len >=
+        width - 1 (transformers keeps state_len = width), updated in place.
+    slots : int64 ``[num_seqs]``, distinct; cu_seqlens : int32 ``[num_seqs + 1]``;
+    has_state : bool ``[num_seqs]`` (see ops.gated_delta_rule).
+    activation : None or "silu".
+    backend : None (cpu), "cpu" or "torch".
+
+    Returns ``[num_tokens, channels]`` in x's dtype, contiguous.
+    """
+    _check(x, weight, bias, conv_state, slots, cu_seqlens, has_state, activation)
+    _check_values(conv_state, slots, cu_seqlens, x.shape[0])
+    chosen = resolve_backend(backend, x.device, _BACKENDS, "torch", "causal_conv1d")
+    if chosen == "torch":
+        from cb_kernels.ops.reference import ref_causal_conv1d
+
+        return ref_causal_conv1d(x, weight, bias, conv_state, slots, cu_seqlens, has_state,
+                                 activation=activation)
+    return causal_conv1d_unchecked(x, weight, bias, conv_state, slots, cu_seqlens, has_state,
+                                   activation)
+
+
+def causal_conv1d_unchecked(x, weight, bias, conv_state, slots, cu_seqlens, has_state,
+                            activation) -> torch.Tensor:
+    """The engine's hot path on CPU: `causal_conv1d` without the checks (runner/hybrid_kernels.py
+    builds the arguments)."""
+    out = torch.empty((x.shape[0], x.shape[1]), dtype=x.dtype)
+    sync_threads()
+    _C.causal_conv1d(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                     conv_state.data_ptr(), out.data_ptr(), slots.data_ptr(),
+                     cu_seqlens.data_ptr(), has_state.data_ptr(), slots.shape[0],
+                     conv_state.shape[0], x.shape[1], weight.shape[1], conv_state.shape[2],
+                     x.stride(0), activation == "silu", DTYPE_CODES[x.dtype])
+    return out
+
+
+def _check(x, weight, bias, conv_state, slots, cu_seqlens, has_state, activation) -> None:
+    check_tensor(x, "x", ndim=2)
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"x must be float32 or bfloat16, got {x.dtype}")
+    if x.shape[1] > 1 and x.stride(1) != 1:
+        raise ValueError(f"x's channels must be packed (stride 1), got strides {x.stride()}")
+    channels = x.shape[1]
+    if channels == 0:
+        raise ValueError("x must have at least one channel")
+    check_tensor(weight, "weight", ndim=2, dtype=x.dtype, contiguous=True)
+    if weight.shape[0] != channels or not 1 <= weight.shape[1] <= 16:
+        raise ValueError(f"weight must have shape [{channels}, width] with 1 <= width <= 16, "
+                         f"got {tuple(weight.shape)}")
+    if bias is not None:
+        check_tensor(bias, "bias", ndim=1, dtype=x.dtype, contiguous=True)
+        if bias.shape[0] != channels:
+            raise ValueError(f"bias must have shape [{channels}], got {tuple(bias.shape)}")
+    check_tensor(conv_state, "conv_state", ndim=3, dtype=x.dtype, contiguous=True)
+    if conv_state.shape[1] != channels or conv_state.shape[2] < weight.shape[1] - 1:
+        raise ValueError(f"conv_state must have shape [num_slots, {channels}, state_len >= "
+                         f"{weight.shape[1] - 1}], got {tuple(conv_state.shape)}")
+    check_tensor(slots, "slots", ndim=1, dtype=torch.int64, contiguous=True)
+    check_tensor(cu_seqlens, "cu_seqlens", ndim=1, dtype=torch.int32, contiguous=True)
+    check_tensor(has_state, "has_state", ndim=1, dtype=torch.bool, contiguous=True)
+    if cu_seqlens.shape[0] != slots.shape[0] + 1 or has_state.shape[0] != slots.shape[0]:
+        raise ValueError(f"cu_seqlens must have num_seqs + 1 entries and has_state num_seqs, "
+                         f"got {cu_seqlens.shape[0]} and {has_state.shape[0]} for "
+                         f"{slots.shape[0]} slots")
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"activation must be None or 'silu', got {activation!r}")
+    tensors = [("x", x), ("weight", weight), ("conv_state", conv_state), ("slots", slots),
+               ("cu_seqlens", cu_seqlens), ("has_state", has_state)]
+    same_device(tensors + ([("bias", bias)] if bias is not None else []))
+
+
+@torch.library.custom_op("cb_kernels::causal_conv1d", mutates_args=("conv_state",))
+def _causal_conv1d_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      conv_state: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor,
+                      has_state: torch.Tensor, silu: bool) -> torch.Tensor:
+    return causal_conv1d(x, weight, bias, conv_state, slots, cu_seqlens, has_state,
+                         activation="silu" if silu else None)
+
+
+@_causal_conv1d_op.register_fake
+def _(x, weight, bias, conv_state, slots, cu_seqlens, has_state, silu) -> torch.Tensor:
+    _check(x, weight, bias, conv_state, slots, cu_seqlens, has_state, "silu" if silu else None)
+    return x.new_empty(x.shape)

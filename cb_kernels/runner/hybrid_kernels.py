@@ -1,0 +1,228 @@
+"""Stateful layers that run on cb_kernels' own kernels instead of their transformers code.
+
+A gated delta-net layer (Qwen3-Next, Qwen3.5, Qwen3.5-MoE) or a Mamba-2 mixer (Mamba2, Bamba,
+Granite-MoE-hybrid, Nemotron-H) runs as one call per step for all its rows, decodes and prefills
+mixed: its projections over the packed row once, then `ops.causal_conv1d` and
+`ops.gated_delta_rule` / `ops.selective_scan` on the state slots in place (the rows' varlen
+split from the step's plan, `VarlenRows`), then the layer's own norm and output projection.
+Without this the slot wrappers (state_cache._Wrapped) run the layer's own forward once per
+prefill row plus once for the decode batch, on gathered copies of the slots.
+
+`kernel_for(module, entry)` decides per module when a StateSwitch with a pool is built: a known
+class on CPU, fp32 or bf16, SiLU conv, fp32 recurrent slots of the kernels' layout; then one
+probe on random hidden states (a fresh prefill, a continued chunk and a decode on a 1-slot
+scratch pool) whose output must match the module's own forward on the same tokens, within 1e-4
+of the largest output (fp32) or 3e-2 (bf16). Anything else keeps transformers' code, and the
+runner logs which path each class takes (`describe`).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from cb_kernels import ops
+
+def _project_fused(module, x):
+    """Qwen3-Next: in_proj_qkvz and in_proj_ba, grouped by key head (the layer's own split)."""
+    q, k, v, z, b, a = module.fix_query_key_value_ordering(module.in_proj_qkvz(x),
+                                                           module.in_proj_ba(x))
+    n = x.shape[1]
+    mixed = torch.cat((q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)), dim=-1)
+    return mixed, z.reshape(n, -1), b.reshape(n, -1), a.reshape(n, -1)
+
+
+def _project_split(module, x):
+    """Qwen3.5: in_proj_qkv already in conv order; z, b, a projected apart."""
+    return (module.in_proj_qkv(x)[0], module.in_proj_z(x)[0], module.in_proj_b(x)[0],
+            module.in_proj_a(x)[0])
+
+
+class GatedDeltaNetKernels:
+    """The replacement forward of one gated delta-net module on its pool entry (conv state 0
+    [num_slots, conv_dim, width], recurrent state 0 fp32 [num_slots, num_v_heads, k_dim,
+    v_dim])."""
+
+    ops = "causal_conv1d + gated_delta_rule"
+
+    def __init__(self, module, entry: dict):
+        self.module = module
+        self.project = _project_fused if hasattr(module, "in_proj_qkvz") else _project_split
+        self.conv_state = entry[("conv", 0)]
+        self.state = entry[("recurrent", 0)]
+        self.scale = module.head_k_dim ** -0.5
+
+    def __call__(self, hidden_states: torch.Tensor, rows) -> torch.Tensor:
+        """hidden_states: [1, num_tokens, hidden], the step's packed row; rows: the step's
+        `VarlenRows`. Returns [1, num_tokens, hidden]."""
+        m = self.module
+        n = hidden_states.shape[1]
+        mixed, z, b, a = self.project(m, hidden_states)
+        conv = ops.causal_conv1d_unchecked(mixed.contiguous(), m.conv1d.weight.squeeze(1),
+                                           m.conv1d.bias, self.conv_state, rows.slots,
+                                           rows.cu_seqlens, rows.has_state, "silu")
+        q = conv[:, :m.key_dim].view(n, m.num_k_heads, m.head_k_dim)
+        k = conv[:, m.key_dim:2 * m.key_dim].view(n, m.num_k_heads, m.head_k_dim)
+        v = conv[:, 2 * m.key_dim:].view(n, m.num_v_heads, m.head_v_dim)
+        beta = b.sigmoid().float().contiguous()          # sigmoid in the model's dtype, as m
+        g = (-m.A_log.float().exp() * F.softplus(a.float() + m.dt_bias)).contiguous()
+        core = torch.empty((n, m.num_v_heads, m.head_v_dim), dtype=v.dtype)
+        ops.gated_delta_rule_unchecked(q, k, v, g, beta, self.state, rows.slots,
+                                       rows.cu_seqlens, rows.has_state, core, self.scale)
+        core = m.norm(core.reshape(-1, m.head_v_dim), z.reshape(-1, m.head_v_dim))
+        return m.out_proj(core.reshape(1, n, -1))
+
+
+    @staticmethod
+    def state_shape(module) -> tuple:
+        return (module.num_v_heads, module.head_k_dim, module.head_v_dim)
+
+    @staticmethod
+    def layout_error(module, conv, rec) -> str:
+        if tuple(rec.shape[1:]) != GatedDeltaNetKernels.state_shape(module):
+            return "its recurrent slots are not [num_v_heads, k_dim, v_dim]"
+        if conv.shape[1] != module.conv_dim:
+            return "its conv slots are not [conv_dim, width]"
+        return ""
+
+
+class VarlenRows:
+    """The step's sequences in packed-row order, as the kernels take them: slots int64
+    [num_seqs], cu_seqlens int32 [num_seqs + 1], has_state bool [num_seqs]."""
+
+    def __init__(self, groups: list):
+        rows = []        # (start, length, slot, continuing)
+        for g in groups:
+            if isinstance(g.rows, slice):
+                rows.append((g.rows.start, g.rows.stop - g.rows.start, int(g.slots[0]),
+                             g.continuing))
+            else:
+                rows += [(r, 1, s, True) for r, s in zip(g.rows.tolist(), g.slots.tolist())]
+        rows.sort()
+        lengths = [0] + [n for _, n, _, _ in rows]
+        self.slots = torch.tensor([s for _, _, s, _ in rows], dtype=torch.int64)
+        self.cu_seqlens = torch.tensor(lengths, dtype=torch.int32).cumsum(0).to(torch.int32)
+        self.has_state = torch.tensor([c for _, _, _, c in rows], dtype=torch.bool)
+
+
+def varlen_rows(step) -> VarlenRows:
+    """The step's VarlenRows, built once per step (kept on the StateStep)."""
+    if step.varlen is None:
+        step.varlen = VarlenRows(step.groups)
+    return step.varlen
+
+
+class Mamba2Kernels:
+    """The replacement forward of one Mamba-2 mixer (Mamba2, Bamba, Granite-MoE-hybrid, Nemotron-H:
+    transformers' one copied code) on its pool entry (conv state 0 [num_slots, conv_dim, width],
+    recurrent state 0 fp32 [num_slots, num_heads, head_dim, d_state])."""
+
+    ops = "causal_conv1d + selective_scan"
+
+    def __init__(self, module, entry: dict):
+        self.module = module
+        self.conv_state = entry[("conv", 0)]
+        self.state = entry[("recurrent", 0)]
+
+    def __call__(self, hidden_states: torch.Tensor, rows) -> torch.Tensor:
+        m = self.module
+        n = hidden_states.shape[1]
+        projected = m.in_proj(hidden_states)[0]
+        gate, xbc, dt = projected.split([m.intermediate_size, m.conv_dim, m.num_heads], dim=-1)
+        conv = ops.causal_conv1d_unchecked(xbc, m.conv1d.weight.squeeze(1), m.conv1d.bias,
+                                           self.conv_state, rows.slots, rows.cu_seqlens,
+                                           rows.has_state, "silu")
+        bc = m.n_groups * m.ssm_state_size
+        x = conv[:, :m.intermediate_size].view(n, m.num_heads, m.head_dim)
+        B = conv[:, m.intermediate_size:m.intermediate_size + bc].view(n, m.n_groups, -1)
+        C = conv[:, m.intermediate_size + bc:].view(n, m.n_groups, -1)
+        y = ops.selective_scan(x, dt.float().contiguous(), -torch.exp(m.A_log.float()), B, C,
+                               self.state, rows.slots, rows.cu_seqlens, rows.has_state,
+                               D=m.D.float(), dt_bias=m.dt_bias.float())
+        y = m.norm(y.view(1, n, -1), gate[None])
+        return m.out_proj(y.to(hidden_states.dtype))
+
+    @staticmethod
+    def state_shape(module) -> tuple:
+        return (module.num_heads, module.head_dim, module.ssm_state_size)
+
+    @staticmethod
+    def layout_error(module, conv, rec) -> str:
+        if tuple(module.time_step_limit) != (0.0, float("inf")):
+            # transformers clamps dt in its prefill path only (not in the one-token update)
+            return f"its time_step_limit {tuple(module.time_step_limit)} is not (0, inf)"
+        if tuple(rec.shape[1:]) != Mamba2Kernels.state_shape(module):
+            return "its recurrent slots are not [num_heads, head_dim, d_state]"
+        if conv.shape[1] != module.conv_dim:
+            return "its conv slots are not [conv_dim, width]"
+        return ""
+
+
+_KERNELS = {"Qwen3NextGatedDeltaNet": GatedDeltaNetKernels,
+            "Qwen3_5GatedDeltaNet": GatedDeltaNetKernels,
+            "Qwen3_5MoeGatedDeltaNet": GatedDeltaNetKernels,
+            "Mamba2Mixer": Mamba2Kernels, "BambaMixer": Mamba2Kernels,
+            "GraniteMoeHybridMambaLayer": Mamba2Kernels, "NemotronHMamba2Mixer": Mamba2Kernels}
+
+
+def why_not(module, entry: Optional[dict]) -> str:
+    """"" when `module` can run on the kernels with this pool entry, else why not."""
+    name = type(module).__name__
+    kind = _KERNELS.get(name)
+    if kind is None:
+        return "no kernel path for this layer class"
+    if entry is None or set(entry) != {("conv", 0), ("recurrent", 0)}:
+        return "its state is not one conv window and one recurrent state"
+    weight = module.conv1d.weight
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+        return f"its weights are {weight.dtype} on {weight.device} (kernels: fp32/bf16 CPU)"
+    if module.activation != "silu" or weight.shape[-1] > 16:
+        return f"its conv ({module.activation}, width {weight.shape[-1]}) is not SiLU <= 16"
+    conv, rec = entry[("conv", 0)], entry[("recurrent", 0)]
+    if rec.dtype != torch.float32 or conv.dtype != weight.dtype:
+        return f"its slots are {conv.dtype} / {rec.dtype} (kernels: the weights' dtype / fp32)"
+    return kind.layout_error(module, conv, rec) or _probe(module, kind)
+
+
+def _probe(module, kind) -> str:
+    """The module's own forward (no cache: transformers' chunked path from zero state) on 7
+    random tokens against the kernels on a scratch slot: the first 4 tokens as a fresh prefill,
+    then 2 as a continued chunk, then 1 as a decode."""
+    from cb_kernels.runner.state_cache import _Group
+
+    weight = module.conv1d.weight
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 7, module.hidden_size, generator=gen).to(weight.dtype)
+    width = weight.shape[-1]
+    entry = {("conv", 0): torch.zeros(1, module.conv_dim, width, dtype=weight.dtype),
+             ("recurrent", 0): torch.zeros(1, *kind.state_shape(module))}
+    kernels = kind(module, entry)
+    slot = torch.zeros(1, dtype=torch.int64)
+    with torch.inference_mode():
+        want = type(module).forward(module, x)
+        got = torch.cat([kernels(x[:, a:e], VarlenRows([_Group(slice(0, e - a), slot, a > 0)]))
+                         for a, e in ((0, 4), (4, 6), (6, 7))], dim=1)
+    rtol = 1e-4 if weight.dtype == torch.float32 else 3e-2
+    err = (got.float() - want.float()).abs().max().item()
+    bound = rtol * want.float().abs().max().item() + 1e-6
+    if not err <= bound:
+        return f"the kernels differ from its own forward by {err:.3g} (allowed {bound:.3g})"
+    return ""
+
+
+def kernel_for(module, entry: Optional[dict]) -> tuple:
+    """(the kernels' forward for `module`, "") or (None, why not)."""
+    reason = why_not(module, entry)
+    return (None, reason) if reason else (_KERNELS[type(module).__name__](module, entry), "")
+
+
+def describe(wrapped: list) -> list:
+    """One line per stateful layer class: which path it runs (for the runner's log); wrapped:
+    state_cache._Wrapped objects (their `kernel` and `kernel_reason`)."""
+    lines: dict = {}
+    for w in wrapped:
+        name = type(w.module).__name__
+        lines.setdefault(name, f"{name}: cb_kernels' {w.kernel.ops}" if w.kernel is not None
+                         else f"{name}: transformers' code ({w.kernel_reason})")
+    return list(lines.values())

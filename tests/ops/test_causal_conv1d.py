@@ -1,0 +1,129 @@
+"""causal_conv1d (csrc/cpu/causal_conv1d.cpp) against ops/reference.py's ref_causal_conv1d and
+transformers' causal_conv1d_fn / causal_conv1d_update (the Qwen3-Next layer's prefill and decode),
+over an explicit case list: channel counts off the 64-channel block, rows shorter than the
+window, decodes and continued chunks mixed with fresh prefills, empty rows."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cb_kernels import ops
+from cb_kernels.ops.reference import ref_causal_conv1d
+
+# id: (channels, width, state_len, bias, [(row length, continues from its slot)])
+CASES = {
+    "decode-one-row": (8, 4, 4, False, [(1, True)]),
+    "prefill-short-row": (70, 4, 4, True, [(2, False)]),
+    "mixed-rows": (130, 4, 4, False, [(1, True), (9, False), (1, True), (0, True), (3, True),
+                                      (0, False), (5, False)]),
+    "width-2-long-state": (64, 2, 5, True, [(3, True), (1, True), (6, False)]),
+}
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
+
+
+def make(case, dtype, seed=0):
+    channels, width, state_len, bias, rows = CASES[case]
+    gen = torch.Generator().manual_seed(seed)
+    n = sum(length for length, _ in rows)
+    x = torch.randn(n, channels, generator=gen).to(dtype)
+    weight = torch.randn(channels, width, generator=gen).to(dtype)
+    b = torch.randn(channels, generator=gen).to(dtype) if bias else None
+    num_slots = len(rows) + 1
+    state = torch.randn(num_slots, channels, state_len, generator=gen).to(dtype)
+    slots = torch.randperm(num_slots, generator=gen)[:len(rows)]
+    cu = torch.tensor([0] + [length for length, _ in rows]).cumsum(0).to(torch.int32)
+    has_state = torch.tensor([c for _, c in rows], dtype=torch.bool)
+    return x, weight, b, state, slots, cu, has_state
+
+
+@pytest.mark.parametrize("activation", ["silu", None])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_cpu_matches_reference(case, dtype, activation):
+    x, w, b, state, slots, cu, has = make(case, dtype)
+    want_state = state.clone()
+    want = ref_causal_conv1d(x, w, b, want_state, slots, cu, has, activation=activation)
+    got = ops.causal_conv1d(x, w, b, state, slots, cu, has, activation=activation)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    assert torch.equal(state, want_state)        # the window is a copy of inputs: same bits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_matches_transformers_functions(dtype):
+    """A prefill through transformers' update_conv_state + causal_conv1d_fn, then two decodes
+    through causal_conv1d_update, against the op on one slot."""
+    from transformers.cache_utils import LinearAttentionLayer
+    from transformers.models.qwen3_next import modeling_qwen3_next as m
+
+    gen = torch.Generator().manual_seed(2)
+    channels, width, length = 48, 4, 6
+    x = torch.randn(1, channels, length + 2, generator=gen).to(dtype)
+    w = torch.randn(channels, width, generator=gen).to(dtype)
+    layer = LinearAttentionLayer()
+    full = layer.update_conv_state(x[:, :, :length], 0, conv_kernel_size=width)
+    want = [m.causal_conv1d_fn(full, w, None, activation="silu")[:, :, -length:]]
+    for t in (length, length + 1):
+        want.append(m.causal_conv1d_update(x[:, :, t:t + 1], layer.conv_states[0], w, None,
+                                           "silu"))
+    want = torch.cat(want, dim=-1)[0].t()
+
+    state = torch.zeros(2, channels, width, dtype=dtype)
+    slot = torch.tensor([1])
+    xt = x[0].t().contiguous()
+    got = [ops.causal_conv1d(xt[:length], w, None, state, slot,
+                             torch.tensor([0, length], dtype=torch.int32), torch.tensor([False]))]
+    for t in (length, length + 1):
+        got.append(ops.causal_conv1d(xt[t:t + 1], w, None, state, slot,
+                                     torch.tensor([0, 1], dtype=torch.int32),
+                                     torch.tensor([True])))
+    torch.testing.assert_close(torch.cat(got), want, **TOL[dtype])
+    assert torch.equal(state[1], layer.conv_states[0][0])
+
+
+def test_strided_tokens_and_batch_invariance():
+    x, w, b, state, slots, cu, has = make("mixed-rows", torch.float32)
+    wide = torch.cat([x, torch.randn(x.shape[0], 7)], dim=1)[:, :x.shape[1]]   # tokens 137 apart
+    together = state.clone()
+    out = ops.causal_conv1d(wide, w, b, together, slots, cu, has)
+    for i in range(slots.shape[0]):
+        a, e = int(cu[i]), int(cu[i + 1])
+        alone = state.clone()
+        got = ops.causal_conv1d(x[a:e], w, b, alone, slots[i:i + 1],
+                                torch.tensor([0, e - a], dtype=torch.int32), has[i:i + 1])
+        assert torch.equal(got, out[a:e]) and torch.equal(alone[slots[i]], together[slots[i]])
+
+
+def test_registered_op():
+    x, w, b, state, slots, cu, has = make("mixed-rows", torch.float32)
+    s2 = state.clone()
+    got = torch.ops.cb_kernels.causal_conv1d(x, w, b, state, slots, cu, has, True)
+    want = ref_causal_conv1d(x, w, b, s2, slots, cu, has)
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+    assert torch.equal(state, s2)
+    torch.library.opcheck(torch.ops.cb_kernels.causal_conv1d.default,
+                          (x, w, b, state, slots, cu, has, True))
+
+
+def _bad(**change):
+    args = dict(zip(("x", "weight", "bias", "conv_state", "slots", "cu_seqlens", "has_state"),
+                    make("mixed-rows", torch.float32)))
+    args.update(change)
+    return lambda: ops.causal_conv1d(**args)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (_bad(x=torch.zeros(19, 130, dtype=torch.float16)), TypeError, "x must be float32 or bfloat16"),
+    (_bad(weight=torch.zeros(130, 17)), ValueError, "1 <= width <= 16"),
+    (_bad(weight=torch.zeros(130, 4, dtype=torch.bfloat16)), TypeError, "weight must have dtype"),
+    (_bad(conv_state=torch.zeros(8, 130, 2)), ValueError, "state_len >= 3"),
+    (_bad(bias=torch.zeros(3)), ValueError, r"bias must have shape \[130\]"),
+    (_bad(slots=torch.tensor([0, 1, 2, 3, 4, 5, 8])), ValueError, r"slots must lie in \[0, 8\)"),
+    (_bad(cu_seqlens=torch.tensor([0, 1, 2, 3, 4, 5, 6, 7], dtype=torch.int32)), ValueError,
+     "cu_seqlens must start at 0, end at num_tokens=19"),
+    (lambda: ops.causal_conv1d(*make("mixed-rows", torch.float32), activation="gelu"),
+     ValueError, "activation must be None or 'silu'"),
+], ids=["fp16", "width", "weight-dtype", "state-len", "bias-shape", "slot-range", "cu-end",
+        "activation"])
+def test_bad_input_raises_naming_it(call, error, match):
+    with pytest.raises(error, match=match):
+        call()

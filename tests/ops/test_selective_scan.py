@@ -1,0 +1,122 @@
+"""selective_scan (csrc/cpu/selective_scan.cpp) against ops/reference.py's ref_selective_scan and
+transformers' mamba2_selective_state_update (Mamba-2's one-token update, applied token by token),
+over an explicit case list: grouped heads, awkward head_dim / d_state, decodes, fresh prefills
+and continued chunks in one call, empty rows; both CPU bodies forced."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cb_kernels import _C, ops
+from cb_kernels.ops.reference import ref_selective_scan
+
+# id: (num_heads, head_dim, num_groups, d_state, [(row length, continues from its slot)])
+CASES = {
+    "decode-one-row": (2, 8, 1, 16, [(1, True)]),
+    "prefill-awkward": (3, 13, 1, 17, [(9, False)]),
+    "mixed-rows": (4, 16, 2, 32, [(1, True), (7, False), (0, True), (1, True), (4, True)]),
+    "d-state-128": (4, 32, 1, 128, [(1, True)] * 3 + [(6, False)]),
+}
+TOL = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
+_BODIES = [isa for isa in _C.cpu_isas() if isa in ("portable", "avx512")]
+
+
+def make(case, dtype, seed=0):
+    h, p, grp, n_state, rows = CASES[case]
+    gen = torch.Generator().manual_seed(seed)
+    n = sum(r for r, _ in rows)
+    xbc = torch.randn(n, h * p + 2 * grp * n_state + 5, generator=gen).to(dtype)  # one fused row
+    x = xbc[:, :h * p].view(n, h, p)
+    B = xbc[:, h * p:h * p + grp * n_state].view(n, grp, n_state)
+    C = xbc[:, h * p + grp * n_state:h * p + 2 * grp * n_state].view(n, grp, n_state)
+    dt = torch.randn(n, h, generator=gen)
+    A = -torch.rand(h, generator=gen) * 4.0
+    D = torch.randn(h, generator=gen)
+    dt_bias = torch.randn(h, generator=gen) * 0.5
+    state = torch.randn(len(rows) + 2, h, p, n_state, generator=gen) * 0.5
+    slots = torch.randperm(len(rows) + 2, generator=gen)[:len(rows)]
+    cu = torch.tensor([0] + [r for r, _ in rows]).cumsum(0).to(torch.int32)
+    has = torch.tensor([c for _, c in rows], dtype=torch.bool)
+    return (x, dt, A, B, C, state, slots, cu, has), dict(D=D, dt_bias=dt_bias)
+
+
+@pytest.mark.parametrize("isa", _BODIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_cpu_matches_reference(case, dtype, isa):
+    args, kw = make(case, dtype)
+    want_state = args[5].clone()
+    want = ref_selective_scan(*args[:5], want_state, *args[6:], **kw)
+    got = ops.selective_scan(*args, **kw, isa=isa)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    torch.testing.assert_close(args[5], want_state, **TOL[torch.float32])
+
+
+def test_dt_limit_and_no_softplus():
+    args, kw = make("mixed-rows", torch.float32)
+    want_state = args[5].clone()
+    want = ref_selective_scan(*args[:5], want_state, *args[6:], dt_softplus=False,
+                              dt_limit=(0.1, 0.9), **kw)
+    got = ops.selective_scan(*args, dt_softplus=False, dt_limit=(0.1, 0.9), **kw)
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+    torch.testing.assert_close(args[5], want_state, **TOL[torch.float32])
+
+
+def test_matches_transformers_state_update():
+    """transformers' mamba2_selective_state_update, one token at a time, on one row."""
+    from transformers.models.mamba2 import modeling_mamba2 as m
+
+    args, kw = make("d-state-128", torch.float32)
+    x, dt, A, B, C = args[:5]
+    state = torch.randn(1, *args[5].shape[1:])
+    want_state = state.clone()
+    h, p, n = args[5].shape[1:]
+    # expanded the way Mamba2Mixer calls it
+    want = [m.mamba2_selective_state_update(
+        want_state, x[t:t + 1], dt[t:t + 1, :, None].expand(-1, -1, p),
+        A[:, None, None].expand(-1, p, n), B[t:t + 1], C[t:t + 1],
+        kw["D"][:, None].expand(-1, p), dt_bias=kw["dt_bias"][:, None].expand(-1, p),
+        dt_softplus=True) for t in range(x.shape[0])]
+    got = ops.selective_scan(x, dt, A, B, C, state, torch.tensor([0]),
+                             torch.tensor([0, x.shape[0]], dtype=torch.int32),
+                             torch.tensor([True]), **kw)
+    torch.testing.assert_close(got, torch.cat(want), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(state, want_state, rtol=1e-4, atol=1e-4)
+
+
+def test_batch_invariance_and_registered_op():
+    args, kw = make("mixed-rows", torch.float32)
+    x, dt, A, B, C, state, slots, cu, has = args
+    together = state.clone()
+    out = torch.ops.cb_kernels.selective_scan(x, dt, A, B, C, together, slots, cu, has,
+                                              kw["D"], kw["dt_bias"])
+    for i in range(slots.shape[0]):
+        a, e = int(cu[i]), int(cu[i + 1])
+        alone = state.clone()
+        got = ops.selective_scan(x[a:e], dt[a:e], A, B[a:e], C[a:e], alone, slots[i:i + 1],
+                                 torch.tensor([0, e - a], dtype=torch.int32), has[i:i + 1], **kw)
+        assert torch.equal(got, out[a:e]) and torch.equal(alone[slots[i]], together[slots[i]])
+    torch.library.opcheck(torch.ops.cb_kernels.selective_scan.default,
+                          (x, dt, A, B, C, state.clone(), slots, cu, has, kw["D"], kw["dt_bias"]))
+
+
+def _bad(**change):
+    args, kw = make("mixed-rows", torch.float32)
+    named = dict(zip(("x", "dt", "A", "B", "C", "state", "slots", "cu_seqlens", "has_state"),
+                     args), **kw)
+    named.update(change)
+    return lambda: ops.selective_scan(**named)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (_bad(x=torch.zeros(13, 4, 16, dtype=torch.float16)), TypeError, "x must be float32 or bfloat16"),
+    (_bad(x=torch.zeros(13, 16, 4).transpose(1, 2)), ValueError, "x's heads and head_dim must be packed"),
+    (_bad(B=torch.zeros(13, 3, 32), C=torch.zeros(13, 3, 32)), ValueError, "a multiple of num_groups"),
+    (_bad(dt=torch.zeros(13, 4, dtype=torch.bfloat16)), TypeError, "dt must have dtype torch.float32"),
+    (_bad(D=torch.zeros(5)), ValueError, r"D must have shape \[4\]"),
+    (_bad(state=torch.zeros(7, 4, 16, 31)), ValueError, "state must have shape"),
+    (_bad(slots=torch.tensor([0, 1, 2, 3, 3])), ValueError, "slots must be distinct"),
+], ids=["fp16", "x-strides", "groups", "dt-dtype", "D-shape", "state-shape", "slot-twice"])
+def test_bad_input_raises_naming_it(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
