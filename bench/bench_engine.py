@@ -43,6 +43,7 @@ if os.path.isdir(os.path.join(_ROOT, "cb_kernels")) and _ROOT not in sys.path:
 # in-process contender (transformers' included) runs under the same setting.
 import cb_kernels  # noqa: E402,F401
 import torch  # noqa: E402
+from cb_kernels.benchmarks.common import write_json as write_json_file  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from engine_workloads import (MODELS, TINY_LLAMA, WORKLOADS, check_common_args, left_padded,  # noqa: E402
@@ -346,12 +347,12 @@ def run_vllm_row(res, model, saved_dir, prompts, outputs, ours, repeats,
 
 
 def write_json(res, path) -> None:
-    """The whole result, plus {meta, rows} for bench/summarize.py (one row per contender)."""
+    """The whole result, plus {meta, rows} for bench/summarize.py (one row per contender), through
+    a temporary file and a rename (a run stopped mid-write leaves the previous whole file)."""
     res["rows"] = [{"contender": k, **v} for k, v in res["results"].items()]
     res["rows"] += [{"contender": k, "error": e} for k, e in res.get("errors", {}).items()]
     if path:
-        with open(path, "w") as f:
-            json.dump(res, f, indent=2)
+        write_json_file(path, res)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ token ids with the same sizes and greedy settings, in the same process, and prin
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import sys
@@ -143,7 +144,10 @@ def _run_transformers(model, prompts, max_new_tokens, eos_ids, num_blocks, max_b
                                   eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0)
     # Its defaults (8192-token steps, 60% of RAM for the cache on CPU) are several times slower
     # here (notes/transformers-cb.md); it gets the same tuned sizes as the engine.
-    cb_config = ContinuousBatchingConfig(page_size=BLOCK_SIZE, num_blocks=num_blocks,
+    # The page size is `page_size` in transformers 5.24 (`block_size` in 5.17).
+    size_arg = ("page_size" if "page_size" in inspect.signature(ContinuousBatchingConfig).parameters
+                else "block_size")
+    cb_config = ContinuousBatchingConfig(**{size_arg: BLOCK_SIZE}, num_blocks=num_blocks,
                                          max_batch_tokens=max_batch_tokens)
     print("transformers generate_batch on the same prompts ...", flush=True)
     start = time.perf_counter()

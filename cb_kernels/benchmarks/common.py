@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -109,21 +110,40 @@ def parse(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     return args
 
 
-def report(args, rows: list[dict], cols: list[str]) -> None:
-    """Print the run's settings and one line per row; write them as JSON with --json."""
-    meta = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-            "threads": torch.get_num_threads(), "dtype": args.dtype, "num_kv_heads": args.num_kv_heads,
-            "head_dim": args.head_dim}
+def write_json(path, data) -> None:
+    """Write `data` as JSON to `path` through a temporary file and a rename, so that a reader, or a
+    benchmark killed at its time limit (bench/gpu_check.sh), finds the last whole file, never half
+    of one. The benchmarks call it after every row."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+
+
+def meta(args) -> dict:
+    """The run's settings, written beside the rows."""
+    m = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+         "threads": torch.get_num_threads(), "dtype": args.dtype, "num_kv_heads": args.num_kv_heads,
+         "head_dim": args.head_dim}
     for k in ("num_layers", "bytes_per_call"):
         if hasattr(args, k):
-            meta[k] = getattr(args, k)
-    print(", ".join(f"{k}={v}" for k, v in meta.items()))
+            m[k] = getattr(args, k)
+    return m
+
+
+def save(args, rows: list[dict]) -> None:
+    """With --json: the rows finished so far as {meta, rows} (called after every size)."""
+    if args.json:
+        write_json(args.json, {"meta": meta(args), "rows": rows})
+
+
+def report(args, rows: list[dict], cols: list[str]) -> None:
+    """Print the run's settings and one line per row; write them as JSON with --json."""
+    print(", ".join(f"{k}={v}" for k, v in meta(args).items()))
     print(" ".join(f"{c:>15}" for c in cols))
     for r in rows:
         print(" ".join(f"{r[c]:>15.3g}" if isinstance(r.get(c), float) else f"{r.get(c, '-'):>15}" for c in cols))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    save(args, rows)
 
 
 def block_pool(args, block_tokens: int):

@@ -12,7 +12,7 @@ import torch
 
 from cb_kernels import ops
 from cb_kernels.benchmarks.common import (Timer, block_pool, measure, parse, parser, report, row,
-                                         transformers_way)
+                                         save, transformers_way)
 
 
 def bench(args, block_tokens: int, timer: Timer) -> dict:
@@ -36,7 +36,10 @@ def bench(args, block_tokens: int, timer: Timer) -> dict:
 def main(argv=None) -> int:
     args = parse(parser(__doc__, block_ops=True), argv)
     timer = Timer(args.device, torch.cuda.Stream() if args.device == "cuda" else None)
-    rows = [bench(args, bt, timer) for bt in args.block_tokens]
+    rows = []
+    for bt in args.block_tokens:
+        rows.append(bench(args, bt, timer))
+        save(args, rows)
     report(args, rows, ["op", "block_tokens", "block_kib", "pairs", "gbps", "memcpy_gbps", "vs_memcpy",
                         "vs_transformers"])
     return 0

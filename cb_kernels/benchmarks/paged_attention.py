@@ -16,7 +16,6 @@ with fp32 K/V, timed alongside: half the bytes, and (bf16 with AVX512-BF16) vdpb
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 
@@ -24,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from cb_kernels import ops
+from cb_kernels.benchmarks.common import write_json
 from cb_kernels.ops.paged_attention import DEFAULT_CUDA_BACKEND, run_backend
 from cb_kernels.ops.reference import ref_paged_attention
 from cb_kernels.runner.kv_cache import host_zeros
@@ -130,7 +130,8 @@ def shapes(args):
     return [r for r in rows if not args.only or any(o in r[0] for o in args.only)]
 
 
-def bench_rows(args, threads):
+def bench_rows(args, threads, results: list, save) -> None:
+    """Append one row per shape and backend to `results`, calling save() after each."""
     device, dtype = args.device, DTYPES[args.dtype]
     backends = args.backends or [b for b in ops.available_backends() if b != "torch"
                                  and (device == "cuda") == (b in ("cuda", "triton"))]
@@ -138,7 +139,6 @@ def bench_rows(args, threads):
     dst = torch.empty_like(src)
     copy = lambda: dst.copy_(src)  # noqa: E731
     copy_bytes = 2 * src.numel() * 4
-    results = []
     for name, seqs in shapes(args):
         inputs = make_batch(seqs, args.heads, args.kv_heads, args.head_dim, args.block_size,
                             dtype, device)
@@ -169,11 +169,11 @@ def bench_rows(args, threads):
                        x_hf=base["hf"] / t if "hf" in base else None,
                        x_fp32=t_fp32 / t if t_fp32 is not None and backend == "cpu" else None)
             results.append(row)
+            save()
             fmt = lambda x: "-" if x is None else f"{x:.2f}x"  # noqa: E731
             print(f"{name:44s} {backend:7s} {threads or '':>3} {row['ms']:9.3f} {gbps:7.1f} "
                   f"{copy_gbps:7.1f} {row['of_copy']:6.0%} {fmt(row['x_ref']):>8s} "
                   f"{fmt(row['x_hf']):>8s} {fmt(row['x_fp32']):>8s}", flush=True)
-    return results
 
 
 def dispatch_overhead(device):
@@ -224,17 +224,20 @@ def main(argv=None) -> int:
           f"head_dim {args.head_dim}, block {args.block_size}, device {args.device}")
     print(f"{'shape':44s} {'backend':7s} {'thr':>3} {'ms':>9s} {'GB/s':>7s} {'copy':>7s} "
           f"{'%copy':>6s} {'x ref':>8s} {'x hf':>8s} {'x fp32':>8s}")
-    rows = []
+    rows, overhead = [], {}
+
+    def save():     # after every row: a run stopped at a time limit keeps the finished ones
+        if args.json:
+            write_json(args.json, {"config": vars(args), "rows": rows, "dispatch_us": overhead})
+
     thread_counts = [int(t) for t in args.threads.split(",")] if not gpu else [None]
     for n in thread_counts:
         if n:
             torch.set_num_threads(n)
-        rows += bench_rows(args, n)
+        bench_rows(args, n, rows, save)
     print("dispatch overhead, 1-token decode:")
-    overhead = dispatch_overhead(args.device)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"config": vars(args), "rows": rows, "dispatch_us": overhead}, f, indent=1)
+    overhead.update(dispatch_overhead(args.device))
+    save()
     return 0
 
 

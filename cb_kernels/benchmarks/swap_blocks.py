@@ -16,7 +16,7 @@ import torch
 
 from cb_kernels import _C, ops
 from cb_kernels.benchmarks.common import (Timer, block_pool, measure, parse, parser, report, row,
-                                         transformers_way)
+                                         save, transformers_way)
 from cb_kernels.ops.swap_blocks import _swap_blocks
 
 
@@ -56,7 +56,10 @@ def main(argv=None) -> int:
     args = parse(parser(__doc__, block_ops=True), argv)
     stream = torch.cuda.Stream() if args.device == "cuda" else None
     timer = Timer(args.device, stream)
-    rows = [r for bt in args.block_tokens for r in bench(args, bt, timer, stream)]
+    rows = []
+    for bt in args.block_tokens:
+        rows += bench(args, bt, timer, stream)
+        save(args, rows)
     report(args, rows, ["op", "block_tokens", "block_kib", "pairs", "gbps", "memcpy_gbps", "vs_memcpy",
                         "vs_transformers"])
     return 0

@@ -13,7 +13,7 @@ import statistics
 import torch
 
 from cb_kernels import ops
-from cb_kernels.benchmarks.common import DTYPES, Timer, measure, parse, parser, report, row
+from cb_kernels.benchmarks.common import DTYPES, Timer, measure, parse, parser, report, row, save
 
 
 def bench(args, num_tokens: int, timer: Timer) -> dict:
@@ -45,7 +45,10 @@ def main(argv=None) -> int:
     args = parse(p, argv)
     num_tokens = args.num_tokens or ([2048] if args.quick else [64, 2048])
     timer = Timer(args.device, torch.cuda.Stream() if args.device == "cuda" else None)
-    rows = [bench(args, n, timer) for n in num_tokens]
+    rows = []
+    for n in num_tokens:
+        rows.append(bench(args, n, timer))
+        save(args, rows)
     report(args, rows, ["op", "block_tokens", "pairs", "gbps", "memcpy_gbps", "vs_memcpy", "vs_torch_ref"])
     return 0
 

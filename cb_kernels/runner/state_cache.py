@@ -61,6 +61,8 @@ _CURRENT = threading.local()        # the StateStep of the forward running in th
 
 
 def _uses_state_interface(cls) -> bool:
+    """Whether the source of `cls` or of a class it derives from calls the cache's state
+    interface (a subclass that wraps a transformers mixer's forward keeps its state through it)."""
     hit = _SOURCE_USES_STATE.get(cls)
     if hit is None:
         hit = False
@@ -69,7 +71,8 @@ def _uses_state_interface(cls) -> bool:
                 src = inspect.getsource(cls)
             except (OSError, TypeError):
                 src = ""
-            hit = any(call in src for call in _STATE_CALLS)
+            hit = any(call in src for call in _STATE_CALLS) \
+                or any(_uses_state_interface(base) for base in cls.__bases__)
         _SOURCE_USES_STATE[cls] = hit
     return hit
 
@@ -301,6 +304,13 @@ class _SlotCache:
         self.touched.add(("recurrent", state_idx))
         return self.layer.update_recurrent_state(recurrent_states, state_idx, **kwargs)
 
+    @property
+    def layers(self):
+        """transformers 5.17's layers read their states as `cache.layers[layer_idx].conv_states[i]`
+        (and `.recurrent_states`, `.record_past`) where 5.24's call get_conv_state; a decode then
+        updates the conv window in place, so every state the layer holds goes back to its slot."""
+        return _LayerIndex(self)
+
     def has_previous_state(self, layer_idx=None, state_idx=None):
         if state_idx is None:
             return all(self.layer.has_previous_state.values())
@@ -318,6 +328,23 @@ class _SlotCache:
         self.touched.add(("recurrent", 0))
         self.layer.update_recurrent_state(linear_cache, 0)
         self.layer.has_previous_state[0] = True
+
+
+class _LayerIndex:
+    """`_SlotCache.layers`: the gathered layer at its own index, the states it holds marked
+    touched."""
+
+    def __init__(self, cache: _SlotCache):
+        self.cache = cache
+
+    def __getitem__(self, layer_idx):
+        cache = self.cache
+        cache._check(layer_idx)
+        layer = cache.layer
+        for kind, states in (("conv", layer.conv_states), ("recurrent", layer.recurrent_states)):
+            cache.touched.update((kind, si) for si, t in states.items()
+                                 if t is not None and layer.has_previous_state[si])
+        return layer
 
 
 def _gathered_layer(entry: dict, slots: torch.Tensor, continuing: bool, number_of_states: int):

@@ -99,6 +99,7 @@ __global__ void copy_blocks_kernel(const int64_t* __restrict__ table, const int6
 
 struct BatchApi {
   PFN_cuMemcpyBatchAsync_v12080 fn = nullptr;
+  PFN_cuGetErrorName_v6000 error_name = nullptr;  // names a CUresult in the error message
   std::string error;
 };
 
@@ -120,6 +121,11 @@ const BatchApi& batch_api() {
     } else {
       api.fn = reinterpret_cast<PFN_cuMemcpyBatchAsync_v12080>(fn);
     }
+    void* name_fn = nullptr;
+    if (cudaGetDriverEntryPointByVersion("cuGetErrorName", &name_fn, 6000, cudaEnableDefault, &status) == cudaSuccess &&
+        status == cudaDriverEntryPointSuccess)
+      api.error_name = reinterpret_cast<PFN_cuGetErrorName_v6000>(name_fn);
+    cudaGetLastError();
   });
   return api;
 }
@@ -199,6 +205,23 @@ Status copy_blocks(const BlockCopyParams& p, const int64_t* table_dev, const int
   return launch_status();
 }
 
+// The failed batch's message: the CUDA result (name and number) and the copy it failed at, when
+// the driver names one. Kept per thread, since Status carries a pointer: valid until this
+// thread's next failed batch, after the binding has raised it.
+const char* batch_failure(const BatchApi& api, CUresult r, size_t fail_idx, const CopyList& c) {
+  thread_local std::string msg;
+  const char* name = nullptr;
+  if (api.error_name == nullptr || api.error_name(r, &name) != CUDA_SUCCESS || name == nullptr) name = "CUresult";
+  msg = std::string("swap_blocks: cuMemcpyBatchAsync failed: ") + name + " (" + std::to_string(static_cast<int>(r)) + ")";
+  if (fail_idx < c.bytes.size()) {
+    msg += " at copy " + std::to_string(fail_idx) + " of " + std::to_string(c.bytes.size()) + " (" +
+           std::to_string(c.bytes[fail_idx]) + " bytes)";
+  } else {
+    msg += " (the driver names no single copy)";
+  }
+  return msg.c_str();
+}
+
 Status memcpy_blocks(const BlockCopyParams& p, bool batched, void* stream) {
   if (p.num_pairs <= 0 || p.num_tensors <= 0) return Status::Ok();
   CopyList c = copy_list(p);
@@ -212,7 +235,7 @@ Status memcpy_blocks(const BlockCopyParams& p, bool batched, void* stream) {
     size_t attr_idx = 0, fail_idx = 0;
     const CUresult r = api.fn(c.dst.data(), c.src.data(), c.bytes.data(), c.bytes.size(), &attr, &attr_idx, 1,
                               &fail_idx, reinterpret_cast<CUstream>(s));
-    return r == CUDA_SUCCESS ? Status::Ok() : Status::Error("swap_blocks: cuMemcpyBatchAsync failed");
+    return r == CUDA_SUCCESS ? Status::Ok() : Status::Error(batch_failure(api, r, fail_idx, c));
   }
   for (size_t i = 0; i < c.bytes.size(); ++i) {
     const cudaError_t err = cudaMemcpyAsync(reinterpret_cast<void*>(c.dst[i]), reinterpret_cast<const void*>(c.src[i]),

@@ -181,10 +181,12 @@ def test_layer_that_drops_its_state_is_refused():
     from transformers.models.mamba.modeling_mamba import MambaMixer
 
     class ForgetfulMixer(MambaMixer):
-        def forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
-            if cache is not None and cache.get_conv_state(self.layer_idx) is not None:
-                cache = None        # continues as if nothing came before
-            return super().forward(hidden_states, cache=cache, attention_mask=attention_mask)
+        def forward(self, hidden_states, **kwargs):
+            key = "cache" if "cache" in kwargs else "cache_params"     # 5.24 / 5.17
+            cache = kwargs.get(key)
+            if cache is not None and cache.has_previous_state(self.layer_idx):
+                kwargs[key] = None        # continues as if nothing came before
+            return super().forward(hidden_states, **kwargs)
 
     model = tiny_model("mamba", seed=5, **FAMILIES["mamba"])
     for block in model.backbone.layers:

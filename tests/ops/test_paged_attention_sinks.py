@@ -31,16 +31,26 @@ def require(backend: str) -> None:
         pytest.skip(f"backend {name!r} is not available here ({ops.available_backends()})")
 
 
+GPU = torch.cuda.is_available()
+
+
+# Triton runs twice: compiled on a GPU (marked gpu, so bench/gpu_check.sh's `pytest -m gpu`
+# selects it) and under the interpreter where there is none.
 @pytest.mark.parametrize("shift", [0.0, 6.0], ids=["sinks", "large-sinks"])
 @pytest.mark.parametrize("case_id", CASE_IDS)
-@pytest.mark.parametrize("backend", ["cpu", "triton",
+@pytest.mark.parametrize("backend", ["cpu",
+                                     pytest.param("triton", id="triton-interpreted"),
+                                     pytest.param("triton", marks=pytest.mark.gpu, id="triton-gpu"),
                                      pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_sinks_match_reference(backend, case_id, shift):
+def test_sinks_match_reference(request, backend, case_id, shift):
     require(backend)
     case = BY_ID[case_id]
-    gpu = torch.cuda.is_available() and backend != "cpu"
-    if backend == "triton" and not gpu and (case_id not in INTERPRETED or shift == 0.0):
-        pytest.skip("the Triton interpreter runs the INTERPRETED cases with large sinks only")
+    gpu = GPU and backend != "cpu"
+    if "triton-interpreted" in request.node.callspec.id:
+        if GPU:
+            pytest.skip("a GPU is here: Triton runs compiled (the triton-gpu case)")
+        if case_id not in INTERPRETED or shift == 0.0:
+            pytest.skip("the Triton interpreter runs the INTERPRETED cases with large sinks only")
     args = build(case, device="cuda" if gpu else "cpu")
     sinks = sinks_for(case.num_heads, shift).to(args[0].device)
     out = ops.paged_attention(*args, **kwargs(case), sinks=sinks, backend=backend).cpu()

@@ -174,6 +174,22 @@ def test_swap_round_trip_gpu_is_bit_exact(method, dtype, interleaved):
 
 
 @pytest.mark.gpu
+def test_failed_batch_swap_names_the_cuda_result():
+    """cuMemcpyBatchAsync refuses the legacy default stream (handle 0, CUDA's documentation of
+    the call): the error names the CUresult, its number, and the copy when the driver names one."""
+    if _C.cuda_batch_memcpy_error():
+        pytest.skip(f"cuMemcpyBatchAsync unavailable: {_C.cuda_batch_memcpy_error()}")
+    k_caches, _ = make_pool(2, 8, 16, 2, 32, torch.float16, interleaved=False, device="cuda")
+    host = ops.HostPool(k_caches, 4)
+    torch.cuda.synchronize()
+    words = (r"cuMemcpyBatchAsync failed: CUDA_ERROR_[A-Z_]+ \(\d+\)"
+             r"( at copy \d+ of \d+ \(\d+ bytes\)| \(the driver names no single copy\))")
+    with pytest.raises(RuntimeError, match=words):
+        _swap_blocks(k_caches, host.caches, torch.tensor([[5, 0], [1, 3]]), stream=0, backend=None,
+                     cuda_method="batch")
+
+
+@pytest.mark.gpu
 def test_swap_gpu_stream_handle_and_pageable_fallback():
     k_caches, _ = make_pool(2, 8, 16, 2, 32, torch.float16, interleaved=False, device="cuda")
     pageable = [nan_empty(4, 16, 2, 32, dtype=torch.float16) for _ in range(2)]
