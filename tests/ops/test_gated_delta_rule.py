@@ -84,7 +84,11 @@ def test_matches_transformers_functions(num_k_heads, num_v_heads, k_dim, v_dim, 
     beta = torch.rand(1, length, num_v_heads, generator=gen)
     init = torch.randn(1, num_v_heads, k_dim, v_dim, generator=gen) * 0.5
     fn = m.torch_recurrent_gated_delta_rule if length == 1 else m.torch_chunk_gated_delta_rule
-    want, want_state = fn(q, k, v, g=g, beta=beta, initial_state=init.clone(),
+    # The layer repeats q/k heads to the v heads before it calls these functions (transformers
+    # 5.17's recurrent one takes equal head counts only); our op takes the unrepeated heads.
+    group = num_v_heads // num_k_heads
+    want, want_state = fn(q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2),
+                          v, g=g, beta=beta, initial_state=init.clone(),
                           output_final_state=True, use_qk_l2norm_in_kernel=True)
     state = init.clone()
     got = ops.gated_delta_rule(q[0], k[0], v[0], g[0], beta[0], state,
