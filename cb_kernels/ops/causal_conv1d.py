@@ -12,7 +12,7 @@ import torch
 from cb_kernels import _C
 from cb_kernels.ops._backend import (DTYPE_CODES, check_tensor, resolve_backend, same_device,
                                      sync_threads)
-from cb_kernels.ops.gated_delta_rule import _check_values
+from cb_kernels.ops.gated_delta_rule import _check_values, _check_varlen
 
 _BACKENDS = ("cpu", "torch")
 _ACTIVATIONS = (None, "silu")
@@ -87,13 +87,7 @@ def _check(x, weight, bias, conv_state, slots, cu_seqlens, has_state, activation
     if conv_state.shape[1] != channels or conv_state.shape[2] < weight.shape[1] - 1:
         raise ValueError(f"conv_state must have shape [num_slots, {channels}, state_len >= "
                          f"{weight.shape[1] - 1}], got {tuple(conv_state.shape)}")
-    check_tensor(slots, "slots", ndim=1, dtype=torch.int64, contiguous=True)
-    check_tensor(cu_seqlens, "cu_seqlens", ndim=1, dtype=torch.int32, contiguous=True)
-    check_tensor(has_state, "has_state", ndim=1, dtype=torch.bool, contiguous=True)
-    if cu_seqlens.shape[0] != slots.shape[0] + 1 or has_state.shape[0] != slots.shape[0]:
-        raise ValueError(f"cu_seqlens must have num_seqs + 1 entries and has_state num_seqs, "
-                         f"got {cu_seqlens.shape[0]} and {has_state.shape[0]} for "
-                         f"{slots.shape[0]} slots")
+    _check_varlen(slots, cu_seqlens, has_state)
     if activation not in _ACTIVATIONS:
         raise ValueError(f"activation must be None or 'silu', got {activation!r}")
     tensors = [("x", x), ("weight", weight), ("conv_state", conv_state), ("slots", slots),

@@ -125,6 +125,17 @@ def _check(q, k, v, g, beta, state, slots, cu_seqlens, has_state, out) -> None:
     if tuple(state.shape[1:]) != (num_v_heads, k_dim, v_dim):
         raise ValueError(f"state must have shape [num_slots, {num_v_heads}, {k_dim}, {v_dim}] "
                          f"[num_slots, num_v_heads, k_dim, v_dim], got {tuple(state.shape)}")
+    _check_varlen(slots, cu_seqlens, has_state)
+    if out is not None:
+        check_tensor(out, "out", ndim=3, dtype=v.dtype, device=v.device, contiguous=True)
+        if tuple(out.shape) != (num_tokens, num_v_heads, v_dim):
+            raise ValueError(f"out must have shape {(num_tokens, num_v_heads, v_dim)}, got "
+                             f"{tuple(out.shape)}")
+
+
+def _check_varlen(slots, cu_seqlens, has_state) -> None:
+    """The varlen batch every hybrid op takes: slots int64 [num_seqs], cu_seqlens int32
+    [num_seqs + 1], has_state bool [num_seqs]."""
     check_tensor(slots, "slots", ndim=1, dtype=torch.int64, contiguous=True)
     check_tensor(cu_seqlens, "cu_seqlens", ndim=1, dtype=torch.int32, contiguous=True)
     check_tensor(has_state, "has_state", ndim=1, dtype=torch.bool, contiguous=True)
@@ -132,11 +143,6 @@ def _check(q, k, v, g, beta, state, slots, cu_seqlens, has_state, out) -> None:
         raise ValueError(f"cu_seqlens must have num_seqs + 1 entries and has_state num_seqs, "
                          f"got {cu_seqlens.shape[0]} and {has_state.shape[0]} for "
                          f"{slots.shape[0]} slots")
-    if out is not None:
-        check_tensor(out, "out", ndim=3, dtype=v.dtype, device=v.device, contiguous=True)
-        if tuple(out.shape) != (num_tokens, num_v_heads, v_dim):
-            raise ValueError(f"out must have shape {(num_tokens, num_v_heads, v_dim)}, got "
-                             f"{tuple(out.shape)}")
 
 
 def _check_values(state, slots, cu_seqlens, num_tokens: int) -> None:

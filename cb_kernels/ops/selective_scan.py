@@ -10,7 +10,7 @@ import torch
 from cb_kernels import _C
 from cb_kernels.ops._backend import (DTYPE_CODES, check_tensor, resolve_backend, same_device,
                                      sync_threads)
-from cb_kernels.ops.gated_delta_rule import _check_values
+from cb_kernels.ops.gated_delta_rule import _check_values, _check_varlen
 
 _BACKENDS = ("cpu", "torch")
 
@@ -95,13 +95,7 @@ def _check(x, dt, A, B, C, state, slots, cu_seqlens, has_state, D, dt_bias) -> N
     if tuple(state.shape[1:]) != (num_heads, head_dim, B.shape[2]):
         raise ValueError(f"state must have shape [num_slots, {num_heads}, {head_dim}, "
                          f"{B.shape[2]}], got {tuple(state.shape)}")
-    check_tensor(slots, "slots", ndim=1, dtype=torch.int64, contiguous=True)
-    check_tensor(cu_seqlens, "cu_seqlens", ndim=1, dtype=torch.int32, contiguous=True)
-    check_tensor(has_state, "has_state", ndim=1, dtype=torch.bool, contiguous=True)
-    if cu_seqlens.shape[0] != slots.shape[0] + 1 or has_state.shape[0] != slots.shape[0]:
-        raise ValueError(f"cu_seqlens must have num_seqs + 1 entries and has_state num_seqs, "
-                         f"got {cu_seqlens.shape[0]} and {has_state.shape[0]} for "
-                         f"{slots.shape[0]} slots")
+    _check_varlen(slots, cu_seqlens, has_state)
     same_device([("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C), ("state", state),
                  ("slots", slots), ("cu_seqlens", cu_seqlens), ("has_state", has_state)])
 
