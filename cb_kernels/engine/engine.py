@@ -238,9 +238,11 @@ class Engine:
     def check_weights(self) -> None:
         """If a parameter was written through torch or replaced since the last check
         (engine/weights.py; every step() does this): weight_version + 1, the prefix cache
-        forgets every block. The runner's copies follow by themselves (their own checks)."""
+        forgets every block. The runner's copies follow by themselves (their own checks), but
+        for a new submodule or an optimizer's step (a fused one moves no version counter)."""
         if self.weights.changed():
-            if self.weights.modules_moved and "weights" not in self._asleep:
+            if (self.weights.modules_moved or self.weights.optimizer_stepped) \
+                    and "weights" not in self._asleep:
                 self.runner.refresh_weights()     # rebuilds what holds the old submodules
             self._new_weights()
 

@@ -21,6 +21,17 @@ def _optimizer_step(model, other):
     opt.zero_grad()
 
 
+def _fused_adamw(model, other):
+    """Fused AdamW (the transformers Trainer's default) moves no version counter."""
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
+    loss = model(torch.tensor([SYSTEM]), labels=torch.tensor([SYSTEM])).loss
+    loss.backward()
+    versions = [p._version for p in model.parameters()]
+    opt.step()
+    assert [p._version for p in model.parameters()] == versions   # what makes it a case
+    opt.zero_grad()
+
+
 def _mul(model, other):
     with torch.no_grad():
         model.lm_head.weight.mul_(1.5)
@@ -60,7 +71,7 @@ def _module(model, other):
     layer.post_attention_layernorm = norm
 
 
-CHANGES = {"optimizer_step": _optimizer_step, "mul_": _mul, "load_state_dict": _load,
+CHANGES = {"optimizer_step": _optimizer_step, "fused_adamw": _fused_adamw, "mul_": _mul, "load_state_dict": _load,
            "load_state_dict_assign": _load_assign, "attribute": _attribute,
            "data_assign": _data_assign, "module": _module}
 PATHS = {"native": {}, "fused_loop": {"native": False},
