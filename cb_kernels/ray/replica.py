@@ -98,7 +98,7 @@ class EngineReplica:
         self.feed = EngineFeed(self.engine)
 
     def _request(self, index, rec: dict) -> tuple:
-        """Row `rec`'s (prompt, SamplingParams); run in the feed's thread (it owns the tokenizer)."""
+        """Row `rec`'s (prompt, SamplingParams); runs in the feed's thread (the tokenizer's)."""
         if sum(k in rec for k in PROMPT_KEYS) != 1:
             raise ValueError("expected exactly one of " + ", ".join(map(repr, PROMPT_KEYS)))
         return request_of(rec, index, self.params, self.tokenizer, self.chat,
