@@ -12,7 +12,7 @@ hands unknown forward kwargs down to every attention call (5.17 .. 5.24). Some d
 not pass them on (stablelm, nemotron): for those the runner also holds the step in a
 thread-local for the duration of the forward (`step_context`), which our function reads when
 the kwarg is missing. Each layer's window, K/V head sizes and sinks come from the construction
-probe (runner/support.py), not from the call. Without a cache object
+probe (runner/attention_layers.py), not from the call. Without a cache object
 the 5.23 -> 5.24 change (who calls cache.update) does not reach us: both versions pass the new,
 rotated K/V to the attention function.
 

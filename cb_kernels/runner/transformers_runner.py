@@ -24,8 +24,10 @@ from typing import Optional
 import torch
 
 from cb_kernels import ops
-from cb_kernels.runner import (hybrid_kernels, state_cache, step_inputs, support,
-                               tensor_parallel)
+from cb_kernels.runner import (attention_layers, hybrid_kernels, state_cache, state_layers,
+                               step_inputs, support, tensor_parallel)
+from cb_kernels.runner.state_carry import check_state_carry
+from cb_kernels.runner.state_switch import StateSwitch
 from cb_kernels.runner.attention import AttentionSwitch, model_lock, step_context, text_config
 from cb_kernels.runner.positions import explicit_positions, position_modules
 from cb_kernels.runner.base import StepOutput
@@ -82,28 +84,28 @@ class TransformersRunner:
         self._switch = AttentionSwitch(model)
         self._positions = position_modules(model)   # BART-style decoders (runner/positions.py)
         # Layers with per-sequence state (Mamba, gated delta-net, short conv, ...): kept in state
-        # slots beside the KV cache (runner/state_cache.py).
+        # slots beside the KV cache (runner/state_layers.py, state_cache.py, state_switch.py).
         try:
-            self.state_layers = state_cache.state_modules(model)
+            self.state_layers = state_layers.state_modules(model)
         except ValueError as e:
             raise support.UnsupportedModelError(f"{type(model).__name__}: {e}") from e
         # Refuses, with UnsupportedModelError, what the engine cannot run exactly; else the
         # real per-layer K/V shapes and windows, found by one probe forward (None: a layer with
         # no attention).
-        self.layers = support.layer_plans(model, self._switch.configs, num_hidden,
-                                          self.state_layers)
+        self.layers = attention_layers.layer_plans(model, self._switch.configs, num_hidden,
+                                                   self.state_layers)
         self.state_specs: dict = {}
         self.state_bytes_per_seq = 0
         self._stepwise_chunks = False
         if self.state_layers:
             try:
                 with model_lock(model):
-                    self.state_specs = state_cache.probe_specs(model, self.state_layers)
+                    self.state_specs = state_layers.probe_specs(model, self.state_layers)
             except Exception as e:            # noqa: BLE001 (transformers' own failure)
                 raise support.UnsupportedModelError(
                     f"{type(model).__name__}: the state of its stateful layers could not be "
                     f"read off transformers' cache ({type(e).__name__}: {e})") from e
-            self._stepwise_chunks = support.check_state_carry(
+            self._stepwise_chunks = check_state_carry(
                 model, self._switch.configs, self.state_layers, self.state_specs)
             if self._stepwise_chunks:
                 logger.info("stateful layers: later prefill chunks run one token at a time (the "
@@ -111,7 +113,7 @@ class TransformersRunner:
             self.state_bytes_per_seq = state_cache.StatePool.bytes_per_slot(self.state_specs)
             logger.info("stateful layers %s: %d B of state per sequence", sorted(self.state_specs),
                         self.state_bytes_per_seq)
-        self._states = state_cache.StateSwitch(self.state_layers) if self.state_layers else None
+        self._states = StateSwitch(self.state_layers) if self.state_layers else None
         self.state_pool = None
         self.state_tensors: list = []
         kv_plans = [p for p in self.layers if p is not None]
@@ -197,7 +199,7 @@ class TransformersRunner:
     def allocate_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype,
                        max_num_seqs: int) -> None:
         kv_plans = [p for p in self.layers if p is not None]
-        support.check_chunk_blocks(kv_plans, block_size)
+        attention_layers.check_chunk_blocks(kv_plans, block_size)
         shapes = [(p.num_kv_heads, p.head_dim) for p in kv_plans] or [(1, 1)]
         self.k_caches, self.v_caches = allocate_layer_caches(shapes, num_blocks, block_size,
                                                              dtype, self.device)
@@ -212,8 +214,8 @@ class TransformersRunner:
             # One slot per running sequence (the scheduler runs at most max_num_seqs).
             self.state_pool = state_cache.StatePool(self.state_specs, max_num_seqs, self.device)
             self.state_tensors = self.state_pool.tensors
-            self._states = state_cache.StateSwitch(self.state_layers, self.state_pool,
-                                                   self._stepwise_chunks)
+            self._states = StateSwitch(self.state_layers, self.state_pool,
+                                       self._stepwise_chunks)
             for line in hybrid_kernels.describe([w for _, w in self._states._wrapped]):
                 logger.info("stateful layers: %s", line)
         # The decode graphs carry no chunked view, and no state slots.
