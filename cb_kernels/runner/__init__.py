@@ -5,6 +5,7 @@
     step_inputs.py          LayerLayout (static, built once); StepInputs / AttentionMetadata: a
                             batch packed and uploaded
     attention.py            our attention function inside transformers' forward; model_lock
+    forward_context.py      what the hooks inside transformers' forward read for this thread's step
     support.py              which models run: UnsupportedModelError, the static check
     probe.py                the construction probe's recording forward
     attention_layers.py     each attention layer's plan (K/V shape, window, chunk, sinks)

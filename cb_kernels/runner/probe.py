@@ -1,5 +1,6 @@
 """The construction probe's forward: the model's own forward with a recording attention function
-and a recording mask function registered under our own names.
+and a recording mask function registered under our own names; the recording travels in the
+forward context (runner/forward_context.py).
 
 It records which module calls attention with which layer_idx and how often, the real K and V
 shapes of every layer (latent attention and per-layer head sizes differ from the config's
@@ -11,19 +12,18 @@ runner/state_carry.py runs the same forward on the state slots.
 """
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from cb_kernels.runner import forward_context
 from cb_kernels.runner.attention import PerCallLayerIdx, attention_named, model_lock
 from cb_kernels.runner.positions import explicit_positions, position_modules
 from cb_kernels.runner.state_switch import StateSwitch
 from cb_kernels.runner.support import UnsupportedModelError
 
 PROBE_NAME = "cb_kernels_probe"
-_PROBE = threading.local()     # the recording of the probe running in this thread
 _SENTINEL = object()           # the cbk_step a probe forward hands its layers
 
 
@@ -48,7 +48,7 @@ class Recording:
 
 def _probe_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                      **kwargs):
-    rec: Recording = _PROBE.rec
+    rec: Recording = forward_context.current().recording
     mask = None
     if isinstance(attention_mask, torch.Tensor):
         fn = rec.masks.get(attention_mask.untyped_storage().data_ptr())
@@ -65,7 +65,7 @@ def _probe_attention(module, query, key, value, attention_mask, scaling=None, dr
 def _probe_mask(batch_size=1, q_length=1, kv_length=1, mask_function=None, **kwargs):
     marker = torch.zeros(batch_size, 1, q_length, kv_length, dtype=torch.bool,
                          device=kwargs.get("device", "cpu"))
-    _PROBE.rec.masks[marker.untyped_storage().data_ptr()] = mask_function
+    forward_context.current().recording.masks[marker.untyped_storage().data_ptr()] = mask_function
     return marker
 
 
@@ -77,20 +77,17 @@ def _register_probe() -> None:
     AttentionMaskInterface.register(PROBE_NAME, _probe_mask)
 
 
-def probe_forward(model, configs, ids: torch.Tensor, pos: torch.Tensor, states) -> tuple:
+def probe_forward(model, configs, ids: torch.Tensor, pos: torch.Tensor, states: StateSwitch,
+                  state=None) -> tuple:
     """(the model's output, its Recording) for one forward of `ids` [1, n] at positions `pos`
-    [1, n] with the recording attention; `states`: the stateful layers' context for it (a
-    StateSwitch called with a step, or with None to run their own forwards). The caller holds
-    the model's lock."""
+    [1, n] with the recording attention; `states`: the stateful layers' wrappers, `state` the
+    StateStep they split (None: their own forwards). The caller holds the model's lock."""
     _register_probe()
     rec = Recording()
-    _PROBE.rec = rec
-    try:
-        with attention_named(configs, PROBE_NAME), states, torch.inference_mode(), \
-                explicit_positions(position_modules(model), pos), PerCallLayerIdx(model):
-            out = model(input_ids=ids, position_ids=pos, use_cache=False, cbk_step=_SENTINEL)
-    finally:
-        _PROBE.rec = None
+    with forward_context.entered(recording=rec, state=state), \
+            attention_named(configs, PROBE_NAME), states, torch.inference_mode(), \
+            explicit_positions(position_modules(model), pos), PerCallLayerIdx(model):
+        out = model(input_ids=ids, position_ids=pos, use_cache=False, cbk_step=_SENTINEL)
     return out, rec
 
 
@@ -106,7 +103,7 @@ def record_calls(model, configs, num_tokens: int = 6, ids=None, offset: int = 0,
     pos = torch.arange(offset, offset + num_tokens, device=device)[None]
     # The model's lock: another engine's step must not switch its attention meanwhile.
     with model_lock(model):
-        states = StateSwitch(state_layers or {})(None)
+        states = StateSwitch(state_layers or {})
         try:
             return probe_forward(model, configs, ids, pos, states)[1]
         except UnsupportedModelError:

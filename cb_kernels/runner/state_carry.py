@@ -50,7 +50,8 @@ def check_state_carry(model, configs, state_layers: dict, specs: dict,
         for n in pieces:
             step = plan([_ProbeSeq(start)], [n], device)
             pos = torch.arange(start, start + n, device=device)[None]
-            out, _ = probe_forward(model, configs, ids[None, start:start + n], pos, switch(step))
+            out, _ = probe_forward(model, configs, ids[None, start:start + n], pos, switch,
+                                   state=step)
             logits = out.logits[0, -1].float()
             start += n
         return logits

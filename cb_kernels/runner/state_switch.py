@@ -1,6 +1,7 @@
 """The forward patch of stateful layers: inside a step each stateful module's forward is replaced
 (`StateSwitch`, for the duration of the step only) by one that splits the packed row by sequence
-group (runner/state_cache.plan), gathers each group's slots into what its forward reads state
+group (the StateStep of runner/state_cache.plan, which the runner sets in this thread's
+runner/forward_context.py for the forward), gathers each group's slots into what its forward reads state
 through (runner/state_adapters.py), calls the module's own forward and writes the states the call
 read or wrote back into the slots (a layer may have several stateful modules, each with its own
 state index: Inkling). So the model's own layer code computes every state, except in layers
@@ -13,19 +14,16 @@ construction).
 """
 from __future__ import annotations
 
-import contextlib
 import inspect
-import threading
 from typing import Optional
 
 import torch
 
-from cb_kernels.runner import hybrid_kernels
+from cb_kernels.runner import forward_context, hybrid_kernels
 from cb_kernels.runner.state_adapters import (MODULE_STATE, SlotCache, gathered_layer, get_path,
                                               scatter, set_path)
 from cb_kernels.runner.state_cache import StatePool, StateStep, _Group
 
-_CURRENT = threading.local()        # the StateStep of the forward running in this thread
 _CACHE_NAMES = ("cache", "cache_params", "past_key_values")
 
 
@@ -76,7 +74,7 @@ class _Wrapped:
         kwargs = {k: v for k, v in kwargs.items() if k in self.named and k not in _CACHE_NAMES}
         if "attention_mask" in kwargs:
             kwargs["attention_mask"] = None     # the engine's rows hold no padding
-        step: Optional[StateStep] = getattr(_CURRENT, "step", None)
+        step: Optional[StateStep] = forward_context.current().state
         if step is None or self.entry is None:
             return self.original(**kwargs)
         hidden_states = kwargs.pop(self.first)
@@ -136,8 +134,8 @@ class _Wrapped:
 
 class StateSwitch:
     """Context manager: inside it each stateful module of `modules` (layer_idx -> module) runs
-    through _Wrapped; `step` (a StateStep, or None for the probe) is the step it splits. Leaving
-    restores the modules' own forwards. Not reentrant per module."""
+    through _Wrapped, which splits the forward context's `state` (a StateStep; None: the module's
+    own forward, as in the probe). Leaving restores the modules' own forwards. Not reentrant."""
 
     def __init__(self, modules: dict, pool: Optional[StatePool] = None, stepwise: bool = False):
         self.modules = modules
@@ -145,6 +143,7 @@ class StateSwitch:
         self._wrapped = [(m, _Wrapped(m, idx, pool)) for idx, group in modules.items()
                          for m in group]
         self.stepwise = stepwise
+        self._saved: list = []
 
     @property
     def stepwise(self) -> bool:
@@ -157,23 +156,19 @@ class StateSwitch:
         for _, w in self._wrapped:
             w.stepwise = self._stepwise
 
-    @contextlib.contextmanager
-    def __call__(self, step: Optional[StateStep]):
-        saved = []
+    def __enter__(self) -> "StateSwitch":
         for module, wrapped in self._wrapped:
-            saved.append((module, module.__dict__.get("forward", _MISSING)))
+            self._saved.append((module, module.__dict__.get("forward", _MISSING)))
             module.forward = wrapped
-        prev = getattr(_CURRENT, "step", None)
-        _CURRENT.step = step
-        try:
-            yield
-        finally:
-            _CURRENT.step = prev
-            for module, forward in saved:
-                if forward is _MISSING:
-                    del module.forward
-                else:
-                    module.forward = forward
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for module, forward in self._saved:
+            if forward is _MISSING:
+                del module.forward
+            else:
+                module.forward = forward
+        self._saved = []
 
 
 _MISSING = object()

@@ -24,11 +24,11 @@ from typing import Optional
 import torch
 
 from cb_kernels import ops
-from cb_kernels.runner import (attention_layers, hybrid_kernels, state_cache, state_layers,
-                               step_inputs, support, tensor_parallel)
+from cb_kernels.runner import (attention_layers, forward_context, hybrid_kernels, state_cache,
+                               state_layers, step_inputs, support, tensor_parallel)
 from cb_kernels.runner.state_carry import check_state_carry
 from cb_kernels.runner.state_switch import StateSwitch
-from cb_kernels.runner.attention import AttentionSwitch, model_lock, step_context, text_config
+from cb_kernels.runner.attention import AttentionSwitch, model_lock, text_config
 from cb_kernels.runner.positions import explicit_positions, position_modules
 from cb_kernels.runner.base import StepOutput
 from cb_kernels.runner.cuda_graphs import decode_graph_runner, graphs_enabled
@@ -257,7 +257,7 @@ class TransformersRunner:
                 "block_tables": attn.block_tables, "cu_seqlens_q": attn.cu_seqlens_q}), None)
         if self.state_pool is not None:
             # The wrappers are state of the model, like the attention switch: under its lock.
-            with self._switch.lock, self._states(inputs.state):
+            with self._switch.lock, self._states:
                 return self._execute(inputs, greedy)
         return self._execute(inputs, greedy)
 
@@ -272,29 +272,34 @@ class TransformersRunner:
             # The CausalLM's own forward would be lm_head(decoder(...)) (probed); a hook or an
             # instance forward on it sends the step to the model's forward below.
             rows = self._hidden_rows(inputs.input_ids, inputs.positions, inputs.logits_indices,
-                                     attn)
+                                     attn, inputs.state)
         else:
             return StepOutput(self.forward_logits(inputs.input_ids, inputs.positions,
-                                                  inputs.logits_indices, attn), None)
+                                                  inputs.logits_indices, attn, inputs.state),
+                              None)
         tokens = head.tokens(rows) if greedy else None
         if tokens is not None:
             return StepOutput(None, tokens, greedy_head=True)
         return StepOutput(head.logits(rows), None)
 
-    def _hidden_rows(self, input_ids, positions, logits_indices, attn) -> torch.Tensor:
+    def _hidden_rows(self, input_ids, positions, logits_indices, attn, state) -> torch.Tensor:
         """transformers' decoder up to the final hidden state: [num_sampled, hidden]."""
-        with self._switch, step_context(attn), explicit_positions(self._positions, positions), \
+        with self._switch, forward_context.entered(attn=attn, state=state), \
+                explicit_positions(self._positions, positions), \
                 self.packed if self.packed is not None else contextlib.nullcontext():
             hidden = self._decoder(input_ids=input_ids[None], position_ids=positions[None],
                                    use_cache=False, cbk_step=attn).last_hidden_state
         return hidden[0].index_select(0, logits_indices)
 
     @torch.inference_mode()
-    def forward_logits(self, input_ids, positions, logits_indices, attn) -> torch.Tensor:
+    def forward_logits(self, input_ids, positions, logits_indices, attn,
+                       state: Optional[state_cache.StateStep] = None) -> torch.Tensor:
         """transformers' forward with our attention: fp32 logits [num_sampled, vocab_size].
-        input_ids, positions: int64 [num_tokens]; logits_indices: int64 [num_sampled]."""
+        input_ids, positions: int64 [num_tokens]; logits_indices: int64 [num_sampled]; `state`:
+        the stateful layers' split (their wrappers installed by the caller)."""
         ids, pos = input_ids[None], positions[None]
-        with self._switch, step_context(attn), explicit_positions(self._positions, positions), \
+        with self._switch, forward_context.entered(attn=attn, state=state), \
+                explicit_positions(self._positions, positions), \
                 self.packed if self.packed is not None else contextlib.nullcontext():
             if self._keeps_logits:
                 out = self.model(input_ids=ids, position_ids=pos, use_cache=False,
