@@ -120,6 +120,9 @@ def run_engine(model, prompts, outputs, **config):
     params = [SamplingParams(max_new_tokens=n) for n in outputs]
     times, tokens = [], []
     for _ in range(2):          # the user's first call, then the same call again
+        # The repeat must not find the prompts in the prefix cache (64 chat prompts: 3.2k of
+        # prefill left 415 tokens): it would time less work than the first call did.
+        engine.reset_prefix_cache()
         t0, c0 = time.perf_counter(), time.process_time()
         outs = engine.generate(prompts, params)
         times.append((time.perf_counter() - t0, time.process_time() - c0))
