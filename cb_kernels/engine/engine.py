@@ -252,9 +252,12 @@ class Engine:
     def check_weights(self) -> None:
         """If a parameter was written through torch or replaced since the last check
         (engine/weights.py; every step() does this): weight_version + 1, the prefix cache
-        forgets every block. The runner's copies follow by themselves (their own checks)."""
+        forgets every block. The runner's copies follow by themselves (their own checks), except
+        after a submodule replacement or an optimizer step (a fused optimizer bumps no version
+        counter the runner could see): then the runner rebuilds them."""
         if self.weights.changed():
-            if self.weights.modules_moved and "weights" not in self._asleep:
+            if (self.weights.modules_moved or self.weights.optimizer_stepped) \
+                    and "weights" not in self._asleep:
                 self.runner.refresh_weights()     # rebuilds what holds the old submodules
             self._new_weights()
 

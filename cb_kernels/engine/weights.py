@@ -7,8 +7,12 @@ Two detectors, both cheap enough for every step:
   module-registration hooks raise a flag, and only then is the module tree walked again;
 - a parameter written or re-pointed (an optimizer step, `mul_`, `load_state_dict` without
   assign, `p.data = t`): its (data_ptr, version counter) pair, compared each step over the kept
-  list.
-Writes that move neither (`p.data.copy_(...)`, writes to inference tensors) are invisible: after
+  list;
+- an optimizer step over any of the model's parameters: torch's global optimizer step hook raises
+  a flag. The fused optimizers (`AdamW(fused=True)`, transformers Trainer's default
+  `adamw_torch_fused`) write the parameters without bumping their version counters (torch 2.13),
+  so the pair above alone would miss every step of a TRL/Trainer training loop.
+Writes that move none of these (`p.data.copy_(...)`, writes to inference tensors) are invisible: after
 them call `Engine.weights_updated()`.
 
 Cost per step (the list compare; the flag is one attribute read), bench/bench_weight_watch.py on
@@ -22,6 +26,7 @@ import weakref
 
 import torch
 from torch.nn.modules import module as nn_module
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 
 def _identity(p: torch.Tensor) -> tuple:
@@ -29,17 +34,25 @@ def _identity(p: torch.Tensor) -> tuple:
 
 
 def _flag_on_registration(watch: "WeightWatch") -> list:
-    """torch's global registration hooks, raising `watch.replaced`; removed when `watch` dies.
-    They fire for every module of the process (another model being built too): a false alarm
-    costs one walk of this model's tree, and the identities decide whether anything changed."""
+    """torch's global hooks: registrations raise `watch.replaced`, an optimizer step over one of
+    the model's parameters raises `watch.stepped`; removed when `watch` dies. Registrations fire
+    for every module of the process (another model being built too): a false alarm costs one walk
+    of this model's tree, and the identities decide whether anything changed."""
     ref = weakref.ref(watch)
 
     def hook(*_):
         w = ref()
         if w is not None:
             w.replaced = True
+
+    def stepped(optimizer, *_):
+        w = ref()
+        if w is not None and not w.stepped:
+            ours = w.param_ids
+            w.stepped = any(id(p) in ours for g in optimizer.param_groups for p in g["params"])
     handles = [nn_module.register_module_parameter_registration_hook(hook),
-               nn_module.register_module_module_registration_hook(hook)]
+               nn_module.register_module_module_registration_hook(hook),
+               register_optimizer_step_post_hook(stepped)]
     weakref.finalize(watch, lambda: [h.remove() for h in handles])
     return handles
 
@@ -50,6 +63,9 @@ class WeightWatch:
         self.params: list = []
         self.key: list = []
         self.replaced = True          # walk the tree at the next check
+        self.stepped = False          # an optimizer stepped over our parameters since the check
+        self.param_ids: set = set()
+        self.optimizer_stepped = False    # the last change came with an optimizer step
         self.modules: list = []
         self.modules_moved = False    # the last change put a submodule in place of another
         if isinstance(model, torch.nn.Module):
@@ -73,8 +89,11 @@ class WeightWatch:
             moved = len(params) != len(self.params) or \
                 any(a is not b for a, b in zip(params, self.params))
             self.params = params
+            self.param_ids = {id(p) for p in params}
+        stepped, self.stepped = self.stepped, False
+        self.optimizer_stepped = stepped   # the runner's own version checks cannot see it
         key = [_identity(p) for p in self.params]
-        if key == self.key and not moved:
+        if key == self.key and not moved and not stepped:
             return False
         self.key = key
         return True

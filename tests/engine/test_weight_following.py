@@ -21,6 +21,18 @@ def _optimizer_step(model, other):
     opt.zero_grad()
 
 
+def _fused_adamw_step(model, other):
+    """transformers Trainer's default optimizer (`adamw_torch_fused`, TRL's too): its fused kernel
+    writes the parameters without bumping their version counters, so only the optimizer step hook
+    can tell."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    model(torch.tensor([SYSTEM]), labels=torch.tensor([SYSTEM])).loss.backward()
+    versions = [p._version for p in model.parameters()]
+    opt.step()
+    opt.zero_grad()
+    assert [p._version for p in model.parameters()] == versions   # the case this guards
+
+
 def _mul(model, other):
     with torch.no_grad():
         model.lm_head.weight.mul_(1.5)
@@ -60,7 +72,7 @@ def _module(model, other):
     layer.post_attention_layernorm = norm
 
 
-CHANGES = {"optimizer_step": _optimizer_step, "mul_": _mul, "load_state_dict": _load,
+CHANGES = {"optimizer_step": _optimizer_step, "fused_adamw_step": _fused_adamw_step, "mul_": _mul, "load_state_dict": _load,
            "load_state_dict_assign": _load_assign, "attribute": _attribute,
            "data_assign": _data_assign, "module": _module}
 PATHS = {"native": {}, "fused_loop": {"native": False},
