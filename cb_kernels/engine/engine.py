@@ -16,6 +16,7 @@ from cb_kernels.engine.sizing import ModelShape, resolve
 from cb_kernels.engine.state_slots import EMPTY_STATS, StateSlots
 from cb_kernels.engine.step_loop import StepLoop
 from cb_kernels.engine.streams import StreamOrchestrator
+from cb_kernels.engine.structured import Grammars
 from cb_kernels.engine.table import RequestTable
 from cb_kernels.engine.swapper import make_swapper
 from cb_kernels.engine.warmup import warm_up
@@ -90,8 +91,10 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, c.max_batch_tokens, c.max_num_seqs,
                                    swapper=self.swapper)
         self.table = RequestTable(tokenizer)
-        self.loop = StepLoop(self.table, self.scheduler, r, Sampler(seed), self.streams,
-                             self.swapper, c.overlap == "on", tokenizer)
+        # SamplingParams.structured: compiled on first use (engine/structured.py)
+        self.grammars = Grammars(tokenizer, r.vocab_size, r.eos_token_ids)
+        self.loop = StepLoop(self.table, self.scheduler, r, Sampler(seed, self.grammars),
+                             self.streams, self.swapper, c.overlap == "on", tokenizer)
         self.frontend = Frontend(tokenizer)
         self.model = model
         self.weights = WeightWatch(model)
@@ -111,6 +114,8 @@ class Engine:
         requests.check_params(params, self.runner.vocab_size, self.tokenizer)
         requests.check_prompt(token_ids, params, self.runner.vocab_size,
                               self.runner.max_positions, self.block_manager)
+        if params.structured is not None:      # cached: the server compiled it off its loop
+            self.grammars.compile(params.structured)
         return token_ids, params
 
     def add_request(self, prompt, params: Optional[SamplingParams] = None,
@@ -122,6 +127,8 @@ class Engine:
         request_id = self.table.new_request_id(request_id)
         seq = Sequence(self.table.next_seq_id(), request_id, token_ids, params,
                        time.perf_counter(), self.runner.eos_token_ids)
+        if params.structured is not None:
+            seq.grammar = self.grammars.start(params.structured)
         if params.sampling:     # an unseeded request's seed comes from Engine(seed) in add order
             self.loop.sampler.seed_of(seq)
         self.table.add(seq)
