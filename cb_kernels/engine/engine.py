@@ -19,6 +19,7 @@ from cb_kernels.engine.streams import StreamOrchestrator
 from cb_kernels.engine.structured import Grammars
 from cb_kernels.engine.table import RequestTable
 from cb_kernels.engine.swapper import make_swapper
+from cb_kernels.engine.warmup import warm_up
 from cb_kernels.engine.weights import WeightWatch
 from cb_kernels.runner import ModelRunner, TransformersRunner
 
@@ -46,6 +47,7 @@ class Engine:
         if self.tp is not None:
             config = self.tp.config       # with what TP switches off (logged)
         self.config, self.tokenizer = config, tokenizer
+        own_runner = runner is None
         if runner is None:
             with distributed.building(self.tp):
                 runner = TransformersRunner(
@@ -65,6 +67,11 @@ class Engine:
         if self.tp is not None:
             self.resolved = c = self.tp.agree(c)
         r.allocate_cache(c.num_blocks, c.block_size, c.dtype, c.max_num_seqs)
+        # One-time costs here, not in the first generate() (engine/warmup.py says which runners).
+        self.warmup_s = warm_up(r, c.num_blocks, c.block_size, c.max_batch_tokens,
+                                c.max_num_seqs) \
+            if own_runner and self.tp is None and not state_bytes and r.device.type == "cpu" \
+            else 0.0
         if self.tp is not None:      # rank 0 drives, the others follow (runner/tensor_parallel)
             self.runner = r = self.tp.runner(r)
         self.block_manager = BlockManager(c.num_blocks, c.block_size, c.prefix_caching)

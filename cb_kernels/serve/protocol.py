@@ -99,6 +99,10 @@ class _Request(_Strict):
     include_stop_str_in_output: bool = False
     stop_token_ids: Optional[list[int]] = None
     response_format: Optional[ResponseFormat] = None
+    # for RL clients (TRL's VLLMClient), as vLLM: the prompt's and each choice's token ids in the
+    # answer; logprob tokens spelled "token_id:N" (a token's text may not map back to one id)
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
     # accepted, not acted on
     user: Optional[str] = None
     store: Optional[bool] = None

@@ -147,7 +147,8 @@ def create_app(engine, config: ServerConfig, on_ready=None):
     if config.enable_rl_endpoints:       # behind the Guard too: the API key covers them
         rl_routes.register(app, loop)
     return Guard(app, config.max_request_bytes, config.api_key, config.allowed_hosts,
-                 config.protect_metrics, config.stream_stall_timeout, config.max_header_bytes)
+                 config.protect_metrics, config.stream_stall_timeout, config.max_header_bytes,
+                 rl_routes.BODILESS if config.enable_rl_endpoints else frozenset())
 
 
 class _State:
