@@ -139,10 +139,10 @@ def reference(model, prompts, new):
 def wrapper_share(model, prompts, new) -> dict:
     """Seconds inside the stateful modules' wrappers vs the whole generate (one run)."""
     from cb_kernels import Engine, SamplingParams
-    from cb_kernels.runner import state_cache
+    from cb_kernels.runner import state_switch
 
     spent = {"wrapped": 0.0}
-    original = state_cache._Wrapped.__call__
+    original = state_switch._Wrapped.__call__
 
     def timed(self, *a, **k):
         t0 = time.perf_counter()
@@ -152,13 +152,13 @@ def wrapper_share(model, prompts, new) -> dict:
             spent["wrapped"] += time.perf_counter() - t0
 
     engine = Engine(model)
-    state_cache._Wrapped.__call__ = timed
+    state_switch._Wrapped.__call__ = timed
     try:
         t0 = time.perf_counter()
         engine.generate(prompts, SamplingParams(max_new_tokens=new, ignore_eos=True))
         total = time.perf_counter() - t0
     finally:
-        state_cache._Wrapped.__call__ = original
+        state_switch._Wrapped.__call__ = original
     return {"total_s": total, "stateful_layers_s": spent["wrapped"],
             "stateful_share": spent["wrapped"] / total}
 

@@ -31,8 +31,12 @@ class _Stalled(Exception):
 class Guard:
     def __init__(self, app, max_body: int, api_key: Optional[str] = None,
                  allowed_hosts: Optional[tuple] = None, protect_metrics: bool = False,
-                 write_timeout: Optional[float] = None, max_head: int = 16384):
+                 write_timeout: Optional[float] = None, max_head: int = 16384,
+                 bodiless: frozenset = frozenset()):
         self.app, self.max_body = app, max_body
+        # POST paths where an empty body needs no Content-Type: TRL's VLLMClient posts
+        # /reset_prefix_cache bare, and a cross-site post there costs only prefix-cache misses
+        self.bodiless = bodiless
         self.api_key = api_key.encode() if api_key else None
         self.allowed_hosts = {h.lower() for h in allowed_hosts} if allowed_hosts else None
         self.open_paths = set() if protect_metrics else {"/health", "/metrics"}
@@ -111,7 +115,9 @@ class Guard:
                             "(--api-key)", "invalid_api_key"
         if scope.get("method") == "POST":
             ctype = headers.get("content-type", "").split(";")[0].strip().lower()
-            if ctype != "application/json":
+            bare = path in self.bodiless and headers.get("content-length") == "0" \
+                and "transfer-encoding" not in headers
+            if ctype != "application/json" and not bare:
                 return 415, f"Content-Type must be application/json, got {ctype or 'none'!r}", \
                     "unsupported_media_type"
         return None

@@ -32,10 +32,16 @@ class Reply:
         self.object = "chat.completion" if chat else "text_completion"
         self.n = req.n
         self.want_logprobs = tickets[0].params.logprobs is not None
+        # vLLM's extensions for RL clients: token ids in the answer, logprob tokens as ids
+        self.with_ids, self.ids_as_tokens = req.return_token_ids, req.return_tokens_as_token_ids
 
     # -- pieces -------------------------------------------------------------------------------------
-    def _token(self, token_id: int) -> str:
+    def _text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
+
+    def _token(self, token_id: int) -> str:
+        """A token as logprobs name it: its text, or vLLM's "token_id:N" when asked."""
+        return f"token_id:{token_id}" if self.ids_as_tokens else self._text(token_id)
 
     def _top(self, entry: dict, k: int) -> list:
         return sorted(entry.items(), key=lambda kv: -kv[1])[:k]
@@ -55,10 +61,10 @@ class Reply:
             return {"content": content}
         tokens, lps, tops, offsets = [], [], [], []
         for tid, entry in zip(token_ids, entries):
-            s = self._token(tid)
+            s = self._text(tid)
             offsets.append(offset)
             offset += len(s)
-            tokens.append(s)
+            tokens.append(f"token_id:{tid}" if self.ids_as_tokens else s)
             lps.append(entry[tid])
             tops.append({self._token(t): lp for t, lp in self._top(entry, k)})
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops,
@@ -71,15 +77,22 @@ class Reply:
                 "total_tokens": prompt + completion}
 
     def choice(self, index: int, text: str, finish, logprobs, delta: bool = False,
-               role: bool = False) -> dict:
+               role: bool = False, token_ids=None, prompt_ids=None) -> dict:
         if not self.chat:
-            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-        if delta:
-            body = {"role": "assistant", "content": text} if role else \
+            body = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        elif delta:
+            message = {"role": "assistant", "content": text} if role else \
                 ({"content": text} if text or finish is None else {})
-            return {"index": index, "delta": body, "logprobs": logprobs, "finish_reason": finish}
-        return {"index": index, "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs, "finish_reason": finish}
+            body = {"index": index, "delta": message, "logprobs": logprobs,
+                    "finish_reason": finish}
+        else:
+            body = {"index": index, "message": {"role": "assistant", "content": text},
+                    "logprobs": logprobs, "finish_reason": finish}
+        if self.with_ids and token_ids is not None:   # vLLM: chat's prompt ids are top-level
+            body["token_ids"] = list(token_ids)
+            if prompt_ids is not None and not self.chat:
+                body["prompt_token_ids"] = list(prompt_ids)
+        return body
 
     # -- non-streaming ------------------------------------------------------------------------------
     def body(self, finals: dict):
@@ -89,18 +102,25 @@ class Reply:
                                     status_code=500)
         choices = []
         for i in sorted(finals):
-            for o in finals[i].outputs:
+            for o in sorted(finals[i].outputs, key=lambda o: o.index):   # prompt-major, as vLLM
                 choices.append(self.choice(i * self.n + o.index, o.text or "",
                                            FINISH.get(o.finish_reason, o.finish_reason),
-                                           self.logprobs(o.token_ids, o.logprobs)))
-        return {"id": self.id, "object": self.object, "created": self.created,
-                "model": self.model_name, "choices": choices,
-                "usage": self.usage(finals)}
+                                           self.logprobs(o.token_ids, o.logprobs),
+                                           token_ids=o.token_ids,
+                                           prompt_ids=self.tickets[i].token_ids))
+        body = {"id": self.id, "object": self.object, "created": self.created,
+                "model": self.model_name, "choices": choices, "usage": self.usage(finals)}
+        if self.with_ids and self.chat:
+            body["prompt_token_ids"] = list(self.tickets[0].token_ids)
+        return body
 
     # -- streaming ----------------------------------------------------------------------------------
-    def chunk(self, choices: list, usage=None, with_usage: bool = False) -> str:
+    def chunk(self, choices: list, usage=None, with_usage: bool = False,
+              prompt_ids=None) -> str:
         body = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": self.model_name, "choices": choices}
+        if prompt_ids is not None:       # chat's first chunk, with return_token_ids
+            body["prompt_token_ids"] = list(prompt_ids)
         if with_usage:
             body["usage"] = usage
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
@@ -111,7 +131,8 @@ class Reply:
         try:
             if self.chat:
                 yield self.chunk([self.choice(i, "", None, None, delta=True, role=True)
-                                  for i in range(len(self.tickets) * self.n)], None, with_usage)
+                                  for i in range(len(self.tickets) * self.n)], None, with_usage,
+                                 self.tickets[0].token_ids if self.with_ids else None)
             while len(finals) < len(self.tickets):
                 kind, index, item = await queue.get()
                 if kind == "error":
@@ -125,12 +146,15 @@ class Reply:
                 c = item.outputs[0]
                 at = index * self.n + c.index
                 text = c.text or ""
+                first = at not in offsets        # vLLM: a choice's prompt ids in its first chunk
                 lp = self.logprobs(c.token_ids, c.logprobs, offsets.get(at, 0))
-                if lp is not None and not self.chat:
-                    offsets[at] = offsets.get(at, 0) + sum(len(s) for s in lp["tokens"])
-                yield self.chunk([self.choice(at, text, FINISH.get(c.finish_reason,
-                                                                    c.finish_reason), lp,
-                                              delta=True)], None, with_usage)
+                offsets[at] = offsets.get(at, 0) + (
+                    sum(len(self._text(t)) for t in c.token_ids)
+                    if lp is not None and not self.chat else 0)
+                yield self.chunk([self.choice(
+                    at, text, FINISH.get(c.finish_reason, c.finish_reason), lp, delta=True,
+                    token_ids=c.token_ids, prompt_ids=self.tickets[index].token_ids
+                    if first else None)], None, with_usage)
             if with_usage and len(finals) == len(self.tickets):
                 yield self.chunk([], self.usage(finals), True)
             yield "data: [DONE]\n\n"

@@ -7,7 +7,7 @@ and payloads (README, "RL"; what clients send: /work/shared/notes/rl-clients.md)
     POST /pause?mode=keep|wait|abort          (vLLM's default: abort)
     POST /resume
     GET  /is_paused                           {"is_paused": bool}
-    POST /reset_prefix_cache
+    POST /reset_prefix_cache                  {"success": true}; no body needed (TRL posts none)
     POST /update_weights {"weight_dir": DIR}  safetensors only; {"weight_version": N}
     GET  /weight_info                         {"weight_version", "dtype", "num_parameters"}
     GET  /get_world_size                      {"world_size": N}
@@ -27,6 +27,8 @@ from fastapi import Body, FastAPI, Query
 from cb_kernels.serve.protocol import RequestError
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+# Posted with no body and no Content-Type by TRL's VLLMClient (guard.Guard lets these through)
+BODILESS = frozenset({"/reset_prefix_cache"})
 
 
 def read_weight_dir(weight_dir) -> dict:
@@ -115,7 +117,7 @@ def register(app: FastAPI, loop) -> None:
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache():
         await on_engine(lambda e: e.reset_prefix_cache())
-        return {}
+        return {"success": True}          # vLLM's answer since 0.26
 
     @app.post("/update_weights")
     async def update_weights(body: dict = Body(...)):

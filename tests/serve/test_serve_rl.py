@@ -4,6 +4,7 @@ reset_prefix_cache, weight_info, get_world_size), answers equal transformers' gr
 a weight push, and every bad value refused with the field named. Off by default."""
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
@@ -138,7 +139,7 @@ def test_sleep_wake_and_state_routes(server):
     assert server.call("GET", "/is_sleeping") == (200, {"is_sleeping": True})
     assert server.call("POST", "/wake_up") == (200, {})
     assert server.call("GET", "/is_sleeping") == (200, {"is_sleeping": False})
-    assert server.call("POST", "/reset_prefix_cache") == (200, {})
+    assert server.call("POST", "/reset_prefix_cache") == (200, {"success": True})
     assert server.complete(PROMPT)["choices"][0]["text"].strip() == want
 
 
@@ -192,3 +193,107 @@ def test_bad_values_are_refused(server):
     status, err = server.call("POST", "/wake_up?tags=kv")
     assert status == 400 and "wake_up tags" in err["error"]["message"]
     assert server.call("GET", "/is_paused") == (200, {"is_paused": False})
+
+
+# -- /v1/completions as RL clients call it (TRL's VLLMClient: tests/serve/test_serve_trl.py) ------
+def _sse(server, body) -> list:
+    req = urllib.request.Request(server.url + "/v1/completions",
+                                 data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(req, timeout=60) as r:
+        lines = [ln[6:] for ln in r.read().decode().splitlines() if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(ln) for ln in lines[:-1]]
+
+
+def _served(server):
+    """The model the server now holds: seed 0, or seed 1 once a test pushed those weights."""
+    return _model(1 if server.call("GET", "/weight_info")[1]["weight_version"] else 0)
+
+
+def test_token_id_prompts_answer_with_token_ids(server):
+    prompts = [PROMPT, [3, 1, 4, 1, 5]]
+    want = reference_tokens(_served(server), prompts, 5)
+    body = server.complete(prompts, max_tokens=5, n=2, logprobs=0, return_token_ids=True,
+                           return_tokens_as_token_ids=True)
+    choices = body["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]          # prompt-major, n each
+    for c in choices:
+        i = c["index"] // 2
+        assert c["prompt_token_ids"] == prompts[i]
+        assert c["token_ids"] == want[i]                          # greedy: both samples agree
+        assert c["text"].strip() == _words(want[i])
+        assert c["logprobs"]["tokens"] == [f"token_id:{t}" for t in want[i]]
+        assert len(c["logprobs"]["token_logprobs"]) == 5
+        assert all(lp <= 0 for lp in c["logprobs"]["token_logprobs"])
+    # off by default: no id fields, logprob tokens as text
+    plain = server.complete(prompts[1], max_tokens=5, logprobs=0)["choices"][0]
+    assert "token_ids" not in plain and "prompt_token_ids" not in plain
+    assert plain["logprobs"]["tokens"] == [make_tokenizer().decode([t]) for t in want[1]]
+    # streamed: the prompt ids in each choice's first chunk, the new ids in every chunk
+    chunks = _sse(server, {"model": "tiny", "prompt": prompts, "max_tokens": 5,
+                           "temperature": 0, "return_token_ids": True})
+    got = {0: [], 1: []}
+    firsts = {}
+    for ch in chunks:
+        for c in ch["choices"]:
+            got[c["index"]] += c["token_ids"]
+            if "prompt_token_ids" in c:
+                assert c["index"] not in firsts
+                firsts[c["index"]] = c["prompt_token_ids"]
+    assert got == {0: want[0], 1: want[1]} and firsts == {0: prompts[0], 1: prompts[1]}
+
+
+def test_sampling_fields_rl_clients_send(server):
+    """repetition_penalty, min_p, top_k as TRL sends them act on the tokens (seeded)."""
+    base = {"max_tokens": 8, "temperature": 1.0, "seed": 7, "return_token_ids": True}
+    ids = lambda **kw: server.complete(PROMPT, **{**base, **kw})["choices"][0]["token_ids"]  # noqa: E731
+    plain = ids()
+    assert ids(top_k=0, min_p=0.0, repetition_penalty=1.0) == plain     # TRL's "off" values
+    assert ids(top_k=-1) == plain
+    greedy = reference_tokens(_served(server), [PROMPT], 8)[0]
+    assert ids(top_k=1) == greedy                        # top_k 1 is greedy at any temperature
+    assert ids(min_p=1.0) == greedy                      # only the most likely token passes
+    penalized = ids(temperature=0, repetition_penalty=1e6)
+    assert len(set(penalized)) == len(penalized)         # no id repeats under a huge penalty
+
+
+@pytest.mark.parametrize("prompt,param,match", [
+    ([1, "w2"], "prompt", "must be a string, a list of strings, a list of token ids"),
+    ([[1], 2], "prompt", "must be a string, a list of strings, a list of token ids"),
+    ([[1], ["w1"]], "prompt", "must be a string, a list of strings, a list of token ids"),
+    ([1, 2.0], "prompt", "must be a string"),
+    ([True, 2], "prompt", "must be a string"),
+    ([[]], "prompt[0]", "empty list of token ids"),
+    ([[1, 2], []], "prompt[1]", "empty list of token ids"),
+    ([], "prompt", "empty list"),
+    ([1, VOCAB], "prompt", str(VOCAB)),
+    ([[1, 2], [3, -1]], "prompt[1]", "-1"),
+    ([[4], [1, 10 ** 30]], "prompt[1]", "vocab"),
+])
+def test_bad_token_id_prompts_are_refused(server, prompt, param, match):
+    status, err = server.call("POST", "/v1/completions",
+                              {"model": "tiny", "prompt": prompt, "max_tokens": 2})
+    assert status == 400 and err["error"]["param"] == param, err
+    assert match in err["error"]["message"], err
+
+
+def test_unknown_fields_stay_refused(server):
+    for field in ("return_token_id", "prompt_logprobs", "structured_outputs"):
+        status, err = server.call("POST", "/v1/completions",
+                                  {"model": "tiny", "prompt": PROMPT, field: True})
+        assert status == 400 and err["error"]["param"] == field, err
+
+
+def test_reset_prefix_cache_takes_a_bare_post_only_there(server):
+    """TRL posts /reset_prefix_cache with no body and no Content-Type; every other POST still
+    needs application/json (guard.Guard: CSRF)."""
+    def bare(path):          # http.client sends Content-Length: 0 and no Content-Type
+        conn = http.client.HTTPConnection(server.url.removeprefix("http://"), timeout=30)
+        try:
+            conn.request("POST", path)
+            return conn.getresponse().status
+        finally:
+            conn.close()
+    assert bare("/reset_prefix_cache") == 200
+    assert bare("/resume") == 415 and bare("/pause") == 415
