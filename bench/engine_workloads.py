@@ -1,7 +1,11 @@
 """Models and prompt sets for bench/bench_engine.py.
 
-Two models: a random tiny Llama (hidden 256, 4 layers, 8/2 heads, MLP 1024, vocab 32000) and
-SmolLM2-135M-Instruct (cb_kernels.models.load("smollm2-135m"), fp32). Three workloads:
+Models: a random tiny Llama (hidden 256, 4 layers, 8/2 heads, MLP 1024, vocab 32000),
+SmolLM2-135M-Instruct (cb_kernels.models.load("smollm2-135m"), fp32), and a random Llama of the
+Llama-3.2-1B shape (LLAMA_1B: hidden 2048, 16 layers, 32/8 heads x 64, MLP 8192, vocab 128256,
+tied head) whose bf16 weights are written once as a safetensors checkpoint under
+~/.cache/cb_kernels (`llama_1b_checkpoint`) and loaded from there by every later run, vLLM-CPU's
+included. Three workloads:
   mixed  N requests, prompts uniform in 16..512 tokens, outputs 16..256 (tiny Llama only)
   fixed  32 prompts spread evenly over 16..128 tokens, 64 output tokens each (tiny Llama; equal
          outputs and similar prompts, so padding wastes little and only a cheaper step wins)
@@ -22,7 +26,12 @@ import torch
 TINY_LLAMA = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
                   num_attention_heads=8, num_key_value_heads=2, vocab_size=32000,
                   max_position_embeddings=2048)
-MODELS = ("tiny-llama", "smollm2-135m")
+# Llama-3.2-1B's shape (its config.json; rotary scaling left out: positions here stay < 2048).
+LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+                max_position_embeddings=2048, rope_theta=500000.0, tie_word_embeddings=True,
+                rms_norm_eps=1e-5)
+MODELS = ("tiny-llama", "smollm2-135m", "llama-1b")
 WORKLOADS = ("mixed", "fixed", "chat")
 
 
@@ -41,15 +50,48 @@ def build_tiny_llama(seed: int = 0):
     return _no_eos(model, 0)
 
 
-def load_model(name: str):
-    """(model, tokenizer or None, checkpoint dir for vLLM or None when it must be saved first)."""
+def llama_1b_checkpoint(seed: int = 0) -> str:
+    """The folder of the random Llama-3.2-1B-shape checkpoint (bf16 safetensors), written on the
+    first call (transformers' initialisation in bf16, ~1 min on 2 cores) and reused after."""
+    from cb_kernels.models import default_cache_dir
+
+    path = default_cache_dir() / f"bench-llama-1b-shape-bf16-seed{seed}"
+    if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+        return str(path)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(**LLAMA_1B, attn_implementation="sdpa", eos_token_id=None,
+                         bos_token_id=1, pad_token_id=0)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    finally:
+        torch.set_default_dtype(old)
+    tmp = path.with_name(path.name + ".partial")
+    model.save_pretrained(tmp, safe_serialization=True)
+    os.replace(tmp, path)          # a run killed mid-write leaves no half checkpoint behind
+    return str(path)
+
+
+def load_model(name: str, dtype: torch.dtype = torch.float32):
+    """(model in `dtype`, tokenizer or None, checkpoint dir for vLLM or None when it must be
+    saved first)."""
     if name == "tiny-llama":
         return build_tiny_llama(), None, None
+    if name == "llama-1b":
+        from transformers import LlamaForCausalLM
+
+        path = llama_1b_checkpoint()
+        model = LlamaForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        # vLLM gets the bf16 checkpoint: for an fp32 comparison it casts it as we do.
+        return _no_eos(model, 0), None, path
     if name == "smollm2-135m":
         from cb_kernels.models import default_cache_dir, load
 
         model, tokenizer = load(name, dtype=torch.float32)
-        return _no_eos(model, 0), tokenizer, str(default_cache_dir() / name)
+        return _no_eos(model.to(dtype), 0), tokenizer, str(default_cache_dir() / name)
     raise ValueError(f"model must be one of {MODELS}, got {name!r}")
 
 
@@ -61,6 +103,16 @@ def checkpoint_dir(model, saved_dir, stack):
     tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="cbk_bench_"))
     model.save_pretrained(tmp, safe_serialization=True)
     return tmp
+
+
+def chat_tokenizer():
+    """SmolLM2's tokenizer (the chat workload's prompts for a model without one: the 1B shape's
+    random weights read them as any token ids below its vocabulary)."""
+    from transformers import AutoTokenizer
+
+    from cb_kernels.models import default_cache_dir, ensure_builtin
+
+    return AutoTokenizer.from_pretrained(ensure_builtin("smollm2-135m", default_cache_dir()))
 
 
 def chat_prompts(tokenizer, n: int) -> list:
@@ -93,7 +145,7 @@ def workload(kind: str, n: int | None, quick: bool, vocab_size: int, tokenizer=N
         return [torch.randint(1, vocab_size, (k,), generator=gen).tolist() for k in lens], [64] * n
     if kind == "chat":
         if tokenizer is None:
-            raise ValueError("workload 'chat' needs a model with a tokenizer (--model smollm2-135m)")
+            tokenizer = chat_tokenizer()
         n = n or 16
         return chat_prompts(tokenizer, n), [64] * n
     raise ValueError(f"workload must be one of {WORKLOADS}, got {kind!r}")
@@ -124,6 +176,26 @@ def check_common_args(parser, args) -> None:
         torch.set_num_threads(args.threads)
 
 
+def cpu_features() -> dict:
+    """What this CPU runs (for every figure's JSON): the ISA flags that pick our kernels and
+    oneDNN's, torch's capability string and the bodies our kernels take here."""
+    from cb_kernels import _C
+
+    wanted = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+              "avx512_fp16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
+    flags = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next(line.split(":", 1)[1].split() for line in f
+                             if line.startswith("flags")))
+    except (OSError, StopIteration):
+        pass
+    return {"model": _cpu_name(), "cores": os.cpu_count(),
+            "flags": [w for w in wanted if w in flags], "amx": "amx_tile" in flags,
+            "torch_capability": torch.backends.cpu.get_cpu_capability(),
+            "linear_isa": _C.linear_isa(), "linear_bf16_isa": _C.linear_bf16_isa()}
+
+
 def versions() -> dict:
     import platform
 
@@ -133,7 +205,7 @@ def versions() -> dict:
 
     return {"torch": torch.__version__, "transformers": transformers.__version__,
             "cb_kernels": getattr(cb_kernels, "__version__", "?"), "python": platform.python_version(),
-            "cpu": _cpu_name(), "cores": os.cpu_count()}
+            "cpu": _cpu_name(), "cores": os.cpu_count(), "cpu_features": cpu_features()}
 
 
 def _cpu_name() -> str:

@@ -243,6 +243,9 @@ def _worker(spec_path):
     inputs = [{"prompt_token_ids": p} for p in prompts]
     times, token_ids, changed = [], None, 0
     for _ in range(spec["repeats"]):
+        # Each repeat computes every prompt: vLLM's prefix cache (on by default) would otherwise
+        # serve the repeats' prompts from the first one's KV.
+        llm.reset_prefix_cache()
         start = time.perf_counter()
         outputs = llm.generate(inputs, params, use_tqdm=False)
         times.append(time.perf_counter() - start)

@@ -24,7 +24,7 @@ import importlib  # noqa: E402
 _LAZY = {"models": "cb_kernels.models", "ops": "cb_kernels.ops",
          "Engine": "cb_kernels.engine", "EngineConfig": "cb_kernels.engine",
          "SamplingParams": "cb_kernels.engine", "RequestOutput": "cb_kernels.engine",
-         "CompletionOutput": "cb_kernels.engine",
+         "CompletionOutput": "cb_kernels.engine", "StructuredOutput": "cb_kernels.engine",
          "UnsupportedModelError": "cb_kernels.runner.support"}
 
 __all__ = ["__version__", *_LAZY]

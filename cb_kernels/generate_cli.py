@@ -59,6 +59,8 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
                      help="run on a Ray cluster (ray.init(ADDRESS); none: a local cluster)")
     ray.add_argument("--replicas", type=int, default=None, help="engines (Ray actors); default 1")
     ray.add_argument("--ray-batch-size", type=int, default=64, help="rows per Ray Data batch")
+    ray.add_argument("--ray-batches-in-flight", type=int, default=2,
+                     help="batches a replica holds at once (1: one after another)")
     ray.add_argument("--cpus-per-replica", type=float, default=1.0)
     ray.add_argument("--gpus-per-replica", type=float, default=0.0)
     p.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -102,7 +104,7 @@ _NOT_IN_FINGERPRINT = frozenset({
     "fn", "command", "input", "output", "resume", "device", "trust_remote_code", "block_size",
     "num_blocks", "max_batch_tokens", "max_num_seqs", "cpu_offload_gib", "preemption",
     "no_prefix_caching", "attention_backend", "tensor_parallel_size", "ray", "replicas",
-    "ray_batch_size", "cpus_per_replica", "gpus_per_replica"})
+    "ray_batch_size", "ray_batches_in_flight", "cpus_per_replica", "gpus_per_replica"})
 
 
 def _sha(value) -> str:

@@ -105,3 +105,22 @@ def fail_nth_model_run(monkeypatch, runner, n: int, message: str = "injected ker
         return real(*args, **kwargs)
 
     monkeypatch.setattr(runner, "execute", execute)
+
+
+def make_byte_tokenizer(vocab_size: int = VOCAB):
+    """A byte-level BPE tokenizer (every text encodes; ids below the tiny models' vocabulary),
+    trained offline on a few JSON-like lines; "<eos>" is id 0."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ['{"name": "Ada", "age": 36, "tags": ["math", "engines"], "ok": true}',
+              '{"id": 7, "kind": "list", "items": [1, 2, 3], "valid": false, "note": null}',
+              "the quick brown fox jumps over the lazy dog 0123456789"] * 20
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")

@@ -7,6 +7,8 @@ the ModelRunner protocol (cb_kernels/runner), the kernels behind cb_kernels.ops.
     block_manager.py  BlockManager: ref counts, prefix cache (hash chain, LRU), copy-on-write
     scheduler.py      Scheduler: token budget, decode-first order, admission, preemption
     sampler.py        Sampler: penalties, bias, temperature, min-p/top-k/top-p, logprobs, batched
+    structured.py     StructuredOutput (JSON schema, json_object, regex, choice); Grammars: the
+                      llguidance grammars, their cache and the batched token masks
     detokenizer.py    IncrementalDetokenizer: output text as tokens arrive, stop strings
     requests.py       the checks a request passes before it is queued; its RequestOutput
     engine.py         Engine: the facade (add_request, cancel, step, generate/stream, stats)
@@ -26,6 +28,7 @@ the ModelRunner protocol (cb_kernels/runner), the kernels behind cb_kernels.ops.
 from cb_kernels.engine.config import (CompletionOutput, EngineConfig, RequestMetrics, RequestOutput,
                                       SamplingParams)
 from cb_kernels.engine.engine import Engine
+from cb_kernels.engine.structured import StructuredOutput
 
 __all__ = ["Engine", "EngineConfig", "SamplingParams", "RequestOutput", "RequestMetrics",
-           "CompletionOutput"]
+           "CompletionOutput", "StructuredOutput"]

@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
+from cb_kernels.engine.structured import StructuredOutput
+
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 OVERLAP_MODES = ("auto", "on", "off")
 ATTENTION_BACKENDS = ("cuda", "triton", "cpu", "torch")
@@ -166,6 +168,12 @@ class SamplingParams:
     tokens), frequency_penalty and presence_penalty (OpenAI's, over output tokens); greedy
     requests then take the argmax; sampled ones apply temperature, min_p (relative to the top
     probability), top_k and top_p.
+
+    structured: a StructuredOutput (JSON schema, any JSON object, regex or choice); the tokens
+    its grammar does not allow next are masked after the penalties (so greedy requests take the
+    argmax among the allowed ones, and processed logprobs see the mask), and the request ends
+    with "stop" once the grammar is complete. Needs the Engine's tokenizer and the
+    `[structured]` extra (llguidance).
     """
 
     max_new_tokens: int = 16
@@ -187,6 +195,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     logit_bias: Optional[dict] = None
     logprobs_mode: str = "raw"
+    structured: Optional[StructuredOutput] = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -234,13 +243,22 @@ class SamplingParams:
                              f"({self.max_new_tokens})")
         self.stop = _check_stop(self.stop)
         self.logit_bias = _check_logit_bias(self.logit_bias)
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredOutput):
+                raise TypeError("structured must be a StructuredOutput, got "
+                                f"{type(self.structured).__name__}")
+            self.structured.validate()
+            if self.min_new_tokens:
+                raise ValueError("min_new_tokens cannot be combined with structured: the "
+                                 "grammar decides where the output ends")
         # Read per row of every step: computed once here (validate runs again at add_request).
         self._sampling = self.temperature != 0 and self.top_k != 1
         self._changes_logits = bool(self.logit_bias) or self.min_new_tokens > 0 or \
             self.repetition_penalty != 1 or self.frequency_penalty != 0 or \
             self.presence_penalty != 0
         self._greedy = not self._sampling and self.n == 1 and self.logprobs is None and \
-            self.prompt_logprobs is None and not self._changes_logits
+            self.prompt_logprobs is None and not self._changes_logits and \
+            self.structured is None
 
     def check_vocab(self, vocab_size: int) -> None:
         """The checks that need the model: every token id a field names is in the vocabulary."""

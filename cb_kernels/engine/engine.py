@@ -16,8 +16,10 @@ from cb_kernels.engine.sizing import ModelShape, resolve
 from cb_kernels.engine.state_slots import EMPTY_STATS, StateSlots
 from cb_kernels.engine.step_loop import StepLoop
 from cb_kernels.engine.streams import StreamOrchestrator
+from cb_kernels.engine.structured import Grammars
 from cb_kernels.engine.table import RequestTable
 from cb_kernels.engine.swapper import make_swapper
+from cb_kernels.engine.warmup import warm_up
 from cb_kernels.engine.weights import WeightWatch
 from cb_kernels.runner import ModelRunner, TransformersRunner
 
@@ -45,6 +47,7 @@ class Engine:
         if self.tp is not None:
             config = self.tp.config       # with what TP switches off (logged)
         self.config, self.tokenizer = config, tokenizer
+        own_runner = runner is None
         if runner is None:
             with distributed.building(self.tp):
                 runner = TransformersRunner(
@@ -64,6 +67,11 @@ class Engine:
         if self.tp is not None:
             self.resolved = c = self.tp.agree(c)
         r.allocate_cache(c.num_blocks, c.block_size, c.dtype, c.max_num_seqs)
+        # One-time costs here, not in the first generate() (engine/warmup.py says which runners).
+        self.warmup_s = warm_up(r, c.num_blocks, c.block_size, c.max_batch_tokens,
+                                c.max_num_seqs) \
+            if own_runner and self.tp is None and not state_bytes and r.device.type == "cpu" \
+            else 0.0
         if self.tp is not None:      # rank 0 drives, the others follow (runner/tensor_parallel)
             self.runner = r = self.tp.runner(r)
         self.block_manager = BlockManager(c.num_blocks, c.block_size, c.prefix_caching)
@@ -83,8 +91,10 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, c.max_batch_tokens, c.max_num_seqs,
                                    swapper=self.swapper)
         self.table = RequestTable(tokenizer)
-        self.loop = StepLoop(self.table, self.scheduler, r, Sampler(seed), self.streams,
-                             self.swapper, c.overlap == "on", tokenizer)
+        # SamplingParams.structured: compiled on first use (engine/structured.py)
+        self.grammars = Grammars(tokenizer, r.vocab_size, r.eos_token_ids)
+        self.loop = StepLoop(self.table, self.scheduler, r, Sampler(seed, self.grammars),
+                             self.streams, self.swapper, c.overlap == "on", tokenizer)
         self.frontend = Frontend(tokenizer)
         self.model = model
         self.weights = WeightWatch(model)
@@ -104,6 +114,8 @@ class Engine:
         requests.check_params(params, self.runner.vocab_size, self.tokenizer)
         requests.check_prompt(token_ids, params, self.runner.vocab_size,
                               self.runner.max_positions, self.block_manager)
+        if params.structured is not None:      # cached: the server compiled it off its loop
+            self.grammars.compile(params.structured)
         return token_ids, params
 
     def add_request(self, prompt, params: Optional[SamplingParams] = None,
@@ -115,6 +127,8 @@ class Engine:
         request_id = self.table.new_request_id(request_id)
         seq = Sequence(self.table.next_seq_id(), request_id, token_ids, params,
                        time.perf_counter(), self.runner.eos_token_ids)
+        if params.structured is not None:
+            seq.grammar = self.grammars.start(params.structured)
         if params.sampling:     # an unseeded request's seed comes from Engine(seed) in add order
             self.loop.sampler.seed_of(seq)
         self.table.add(seq)
@@ -238,8 +252,9 @@ class Engine:
     def check_weights(self) -> None:
         """If a parameter was written through torch or replaced since the last check
         (engine/weights.py; every step() does this): weight_version + 1, the prefix cache
-        forgets every block. The runner's copies follow by themselves (their own checks), but
-        for a new submodule or an optimizer's step (a fused one moves no version counter)."""
+        forgets every block. The runner's copies follow by themselves (their own checks), except
+        after a submodule replacement or an optimizer step (a fused optimizer bumps no version
+        counter the runner could see): then the runner rebuilds them."""
         if self.weights.changed():
             if (self.weights.modules_moved or self.weights.optimizer_stepped) \
                     and "weights" not in self._asleep:

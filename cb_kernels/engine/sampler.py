@@ -13,6 +13,10 @@ on preemption or on how many draws came before, and no per-request generator cal
 Every filter keeps the most likely token and the temperature is applied after subtracting the
 row's maximum, so any accepted value gives a valid distribution (never inf or NaN).
 
+Rows whose request has structured output (engine/structured.py) get, after the penalties, the
+tokens their grammar does not allow next set to -inf: one bitmask fill for all of them, the
+other rows untouched; after the choice each grammar takes its row's token.
+
 Logprobs (logprobs=k, prompt_logprobs=k) are the log-softmax of the raw fp32 logits, computed only
 for the rows of requests that asked; with SamplingParams.logprobs_mode="processed" a generated
 token's logprobs are those of the distribution it was drawn from instead (vLLM's
@@ -27,6 +31,7 @@ from typing import Optional
 
 import torch
 
+from cb_kernels.engine import structured
 from cb_kernels.engine.sequence import Sequence
 
 _MASK64 = (1 << 64) - 1
@@ -282,8 +287,9 @@ class Sampler:
     `seed` seeds the draw of a base seed for requests that have none (so an unseeded request is
     reproducible given the engine's seed and the order requests arrive in)."""
 
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, grammars=None):
         self.generator = torch.Generator().manual_seed(seed)
+        self.grammars = grammars       # structured.Grammars: masks the structured rows
 
     def seed_of(self, seq: Sequence) -> int:
         if seq.sample_seed is None:
@@ -345,6 +351,9 @@ class Sampler:
         undo = [] if asks else None
         if any(p.changes_logits for p in params):
             change_logits(rows, src, undo)
+        guided = [i for i, s in enumerate(items) if s.grammar is not None]
+        if guided:      # after change_logits: `undo` restores no token the mask blocked
+            self.grammars.mask(rows, guided, [items[i].grammar for i in guided])
         if processed:     # the distribution each row is drawn from (or its argmax taken over)
             seen = _subset(rows, processed).clone()
             sampled = [k for k, i in enumerate(processed) if params[i].sampling]
@@ -378,7 +387,10 @@ class Sampler:
                                    torch.zeros(len(processed), 1, device=seen.device), ks)
             for i, (entry, lp) in zip(processed, entries):
                 items[i].record_logprob(entry, lp)
-        return tokens.tolist()
+        tokens = tokens.tolist()
+        if guided:
+            structured.consume([items[i].grammar for i in guided], [tokens[i] for i in guided])
+        return tokens
 
     # -- prompt logprobs ------------------------------------------------------------------------
     @staticmethod

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 
+from cb_kernels.engine import structured
 from cb_kernels.engine.config import RequestMetrics, SamplingParams
 from cb_kernels.engine.detokenizer import IncrementalDetokenizer
 
@@ -33,7 +34,7 @@ class Sequence:
                  "status", "metrics", "eos_token_ids", "generator", "finish_reason", "error",
                  "num_streamed_tokens", "streamed_text", "group", "sample_index", "sample_seed",
                  "logprobs", "cumulative_logprob", "prompt_logprobs", "detokenizer",
-                 "stop_reason", "kv_epoch", "state_slot")
+                 "stop_reason", "kv_epoch", "state_slot", "grammar")
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list,
                  params: SamplingParams, arrival_time: float = 0.0,
@@ -68,6 +69,9 @@ class Sequence:
             else None
         self.detokenizer = None         # an IncrementalDetokenizer when params.stop is set
         self.stop_reason = None
+        # params.structured's matcher (engine/structured.py), set by Engine.add_request; it has
+        # taken exactly the output tokens.
+        self.grammar = None
 
     @property
     def num_tokens(self) -> int:
@@ -139,6 +143,11 @@ class Sequence:
             if matched is not None:
                 self.stop_reason = matched
                 return "stop"
+        if self.grammar is not None:     # complete: it takes no more tokens (or it failed)
+            ended = structured.finish_reason(self.grammar)
+            if ended is not None:
+                reason, self.error = ended
+                return reason
         if self.num_generated_tokens >= p.max_new_tokens:
             return "length"
         return None
@@ -170,6 +179,8 @@ class SampleGroup:
         child = Sequence(-1, (root.request_id, root.seq_id, index), root.prompt_token_ids,
                          root.params, root.metrics.arrival_time, root.eos_token_ids, group=self)
         child.sample_index = index
+        if root.grammar is not None:     # the root's grammar has taken no token yet
+            child.grammar = root.grammar.deep_copy()
         self.pending.append(child)
         return child
 

@@ -226,8 +226,8 @@ class StepLoop:
                     self.end(seq, reason)
                 continue
             assert reason is not None or seq.seq_id not in retired, f"{seq} retired early"
-            if reason is not None:
-                self.end(seq, reason)
+            if reason is not None:       # seq.error: set by a structured output's failure
+                self.end(seq, reason, seq.error)
 
     def _wait_tokens(self, launched: LaunchedStep) -> list:
         """`launched`'s sampled tokens on the host (waiting for them if needed)."""
@@ -263,7 +263,7 @@ class StepLoop:
         for child in children:
             reason = self._accept_token(child, child.token_ids[-1])
             if reason is not None:
-                self.end(child, reason)
+                self.end(child, reason, child.error)
 
     def _commit_late(self, launched: LaunchedStep) -> None:
         """Prefix-cache hashes of the blocks that held a placeholder when `launched` was

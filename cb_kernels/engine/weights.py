@@ -1,19 +1,18 @@
 """WeightWatch: notices when the model's weights change, so no step computes with, and no cache
 serves, weights the engine has not seen (DESIGN.md, "Caches follow the weights").
 
-Three detectors, all cheap enough for every step:
+Two detectors, both cheap enough for every step:
 - a Parameter object put in place of another (`module.weight = nn.Parameter(...)`,
   `load_state_dict(..., assign=True)`, a new submodule): torch's global parameter- and
   module-registration hooks raise a flag, and only then is the module tree walked again;
 - a parameter written or re-pointed (an optimizer step, `mul_`, `load_state_dict` without
   assign, `p.data = t`): its (data_ptr, version counter) pair, compared each step over the kept
   list;
-- an optimizer step over any of the model's parameters: torch.optim's global step post-hook
-  raises a flag. Fused optimizers (AdamW(fused=True), the transformers Trainer's default
-  "adamw_torch_fused" on torch >= 2.8) write the parameters without moving their version
-  counters (measured: 0 -> 0 on torch 2.13 CPU), so the identities alone missed every step of a
-  TRL GRPOTrainer run.
-Writes that move neither (`p.data.copy_(...)`, writes to inference tensors) are invisible: after
+- an optimizer step over any of the model's parameters: torch's global optimizer step hook raises
+  a flag. The fused optimizers (`AdamW(fused=True)`, transformers Trainer's default
+  `adamw_torch_fused`) write the parameters without bumping their version counters (torch 2.13),
+  so the pair above alone would miss every step of a TRL/Trainer training loop.
+Writes that move none of these (`p.data.copy_(...)`, writes to inference tensors) are invisible: after
 them call `Engine.weights_updated()`.
 
 Cost per step (the list compare; the flag is one attribute read), bench/bench_weight_watch.py on
@@ -26,42 +25,34 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.nn.modules import module as nn_module
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 
 def _identity(p: torch.Tensor) -> tuple:
     return (p.data_ptr(), 0 if p.is_inference() else p._version)
 
 
-def _flag_on_optimizer_step(watch: "WeightWatch"):
-    """torch.optim's global step post-hook, raising `watch.stepped` when the optimizer holds one
-    of the watched parameters (a scan of its parameters to the first hit); removed when `watch`
-    dies."""
-    ref = weakref.ref(watch)
-
-    def hook(optimizer, *_):
-        w = ref()
-        if w is not None and not w.stepped:
-            ids = w.ids
-            w.stepped = any(id(p) in ids for g in optimizer.param_groups for p in g["params"])
-    handle = register_optimizer_step_post_hook(hook)
-    weakref.finalize(watch, handle.remove)
-    return handle
-
-
 def _flag_on_registration(watch: "WeightWatch") -> list:
-    """torch's global registration hooks, raising `watch.replaced`; removed when `watch` dies.
-    They fire for every module of the process (another model being built too): a false alarm
-    costs one walk of this model's tree, and the identities decide whether anything changed."""
+    """torch's global hooks: registrations raise `watch.replaced`, an optimizer step over one of
+    the model's parameters raises `watch.stepped`; removed when `watch` dies. Registrations fire
+    for every module of the process (another model being built too): a false alarm costs one walk
+    of this model's tree, and the identities decide whether anything changed."""
     ref = weakref.ref(watch)
 
     def hook(*_):
         w = ref()
         if w is not None:
             w.replaced = True
+
+    def stepped(optimizer, *_):
+        w = ref()
+        if w is not None and not w.stepped:
+            ours = w.param_ids
+            w.stepped = any(id(p) in ours for g in optimizer.param_groups for p in g["params"])
     handles = [nn_module.register_module_parameter_registration_hook(hook),
-               nn_module.register_module_module_registration_hook(hook)]
+               nn_module.register_module_module_registration_hook(hook),
+               register_optimizer_step_post_hook(stepped)]
     weakref.finalize(watch, lambda: [h.remove() for h in handles])
     return handles
 
@@ -72,14 +63,13 @@ class WeightWatch:
         self.params: list = []
         self.key: list = []
         self.replaced = True          # walk the tree at the next check
-        self.stepped = False          # an optimizer stepped over these parameters
-        self.ids: frozenset = frozenset()
+        self.stepped = False          # an optimizer stepped over our parameters since the check
+        self.param_ids: set = set()
+        self.optimizer_stepped = False    # the last change came with an optimizer step
         self.modules: list = []
         self.modules_moved = False    # the last change put a submodule in place of another
-        self.optimizer_stepped = False   # the last change was (also) an optimizer's step
         if isinstance(model, torch.nn.Module):
             _flag_on_registration(self)
-            _flag_on_optimizer_step(self)
         self.changed()
 
     def changed(self) -> bool:
@@ -99,9 +89,9 @@ class WeightWatch:
             moved = len(params) != len(self.params) or \
                 any(a is not b for a, b in zip(params, self.params))
             self.params = params
-            self.ids = frozenset(map(id, params))
-        stepped = self.optimizer_stepped = self.stepped
-        self.stepped = False
+            self.param_ids = {id(p) for p in params}
+        stepped, self.stepped = self.stepped, False
+        self.optimizer_stepped = stepped   # the runner's own version checks cannot see it
         key = [_identity(p) for p in self.params]
         if key == self.key and not moved and not stepped:
             return False

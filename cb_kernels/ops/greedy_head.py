@@ -64,6 +64,7 @@ class GreedyHead:
         # weight row from memory, the product streams the whole weight once (for all such rows).
         self.max_rescored_per_row = max(256, self.vocab // 4)
         self._key = None
+        self.num_packs = 0          # int8 copies made (the engine's warm-up test counts them)
         self.refresh()
 
     @staticmethod
@@ -111,6 +112,7 @@ class GreedyHead:
         # `.data = ...` (whose version counter does not move): a new address means a repack.
         self._packed_from = w.untyped_storage()
         self._key = key
+        self.num_packs += 1
 
     def _gather_column(self, e: int) -> None:
         with torch.no_grad():

@@ -8,8 +8,9 @@
     out.write_json("results/")
 
 EngineReplica is the stateful callable class under it (one Engine per Ray actor) for users who
-write their own `Dataset.map_batches(EngineReplica, concurrency=N, ...)`; `cb-kernels generate
---ray [ADDRESS] --replicas N` runs a jsonl file through it (cb_kernels.ray.generate).
+write their own `Dataset.map_batches(EngineReplica, **map_batches_args(config))`;
+`cb-kernels generate --ray [ADDRESS] --replicas N` runs a jsonl file through it
+(cb_kernels.ray.generate). cb_kernels.ray.serve_app serves replicas under Ray Serve.
 """
 try:
     import ray  # noqa: F401
@@ -18,7 +19,8 @@ except ImportError as e:           # the extra is optional: say which one brings
     raise ImportError("cb_kernels.ray needs Ray Data: pip install 'cb_kernels[ray]' "
                       f"({e})") from e
 
-from cb_kernels.ray.processor import ProcessorConfig, build_processor  # noqa: E402
+from cb_kernels.ray.processor import (ProcessorConfig, build_processor,  # noqa: E402
+                                      map_batches_args)
 from cb_kernels.ray.replica import EngineReplica  # noqa: E402
 
-__all__ = ["EngineReplica", "ProcessorConfig", "build_processor"]
+__all__ = ["EngineReplica", "ProcessorConfig", "build_processor", "map_batches_args"]

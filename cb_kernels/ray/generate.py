@@ -27,6 +27,7 @@ def _output_batches(dataset):
 
 # ProcessorConfig's fields as the flags that set them (its errors name the field first).
 _FLAGS = {"replicas": "--replicas", "batch_size": "--ray-batch-size",
+          "batches_in_flight": "--ray-batches-in-flight",
           "num_cpus": "--cpus-per-replica", "num_gpus": "--gpus-per-replica"}
 
 
@@ -37,7 +38,8 @@ def _processor_config(args, config, params) -> ProcessorConfig:
             device=args.device, chat=args.chat, seed=args.seed,
             trust_remote_code=args.trust_remote_code,
             replicas=1 if args.replicas is None else args.replicas,
-            batch_size=args.ray_batch_size, num_cpus=args.cpus_per_replica,
+            batch_size=args.ray_batch_size, batches_in_flight=args.ray_batches_in_flight,
+            num_cpus=args.cpus_per_replica,
             num_gpus=args.gpus_per_replica)
     except (ValueError, TypeError) as e:
         field, _, rest = str(e).partition(" ")

@@ -12,9 +12,11 @@ from cb_kernels.ray.replica import EngineReplica
 class ProcessorConfig:
     """What build_processor runs: `replicas` Ray actors (num_cpus / num_gpus each), each with an
     Engine of `model` (a built-in name or a checkpoint folder readable on every node) built from
-    `engine_config`; rows are fed `batch_size` at a time (make it at least the engine's
-    max_num_seqs so continuous batching stays full; every row of a batch is in the engine at
-    once). The other fields are EngineReplica's."""
+    `engine_config`; rows are fed `batch_size` at a time, and each replica holds
+    `batches_in_flight` batches at once (2: the next batch's rows are in the engine, queued, while
+    the current one's last rows finish, so continuous batching stays full; 1: one batch after
+    another, the engine draining at each batch's end). A killed replica's batches in flight are
+    retried elsewhere: that is its rework. The other fields are EngineReplica's."""
     model: str
     engine_config: object = None
     sampling_params: object = None
@@ -25,6 +27,7 @@ class ProcessorConfig:
     trust_remote_code: bool = False
     replicas: int = 1
     batch_size: int = 64
+    batches_in_flight: int = 2
     num_cpus: float = 1.0
     num_gpus: float = 0.0
     settings_fingerprint: Optional[str] = None
@@ -33,7 +36,7 @@ class ProcessorConfig:
         if not isinstance(self.model, (str, os.PathLike)) or not str(self.model).strip():
             raise ValueError("model must be a built-in name or a checkpoint folder, got "
                              f"{self.model!r}")
-        for name in ("replicas", "batch_size"):
+        for name in ("replicas", "batch_size", "batches_in_flight"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -72,16 +75,27 @@ def build_processor(config: ProcessorConfig, preprocess: Optional[Callable] = No
             raise TypeError(f"{name} must be a callable row -> row, got {type(fn).__name__}")
 
     def process(dataset):
-        import ray.data
-
         if preprocess is not None:
             dataset = dataset.map(preprocess)
-        dataset = dataset.map_batches(
-            EngineReplica, fn_constructor_kwargs=config.replica_kwargs(),
-            batch_size=config.batch_size, batch_format="pyarrow", num_cpus=config.num_cpus,
-            num_gpus=config.num_gpus, compute=ray.data.ActorPoolStrategy(size=config.replicas))
+        dataset = dataset.map_batches(EngineReplica, **map_batches_args(config))
         if postprocess is not None:
             dataset = dataset.map(postprocess)
         return dataset
 
     return process
+
+
+def map_batches_args(config: ProcessorConfig) -> dict:
+    """`Dataset.map_batches(EngineReplica, **map_batches_args(config))`'s other arguments: the
+    actor pool, each actor's resources, and the concurrent calls per actor that let the next
+    batch in while the current one runs. Those calls must run in threads of their own
+    (enable_true_multi_threading): Ray otherwise serialises an actor's calls on one thread, and
+    a call waiting for the engine would keep the next batch out."""
+    import ray.data
+
+    k = config.batches_in_flight
+    return dict(fn_constructor_kwargs=config.replica_kwargs(), batch_size=config.batch_size,
+                batch_format="pyarrow", num_cpus=config.num_cpus, num_gpus=config.num_gpus,
+                compute=ray.data.ActorPoolStrategy(
+                    size=config.replicas, max_tasks_in_flight_per_actor=k,
+                    max_concurrent_calls_per_actor=k, enable_true_multi_threading=k > 1))

@@ -13,10 +13,12 @@ token id, which Arrow would turn into a column per id). Other input columns pass
 """
 from __future__ import annotations
 
+import functools
 import json
 
 from cb_kernels.generate_cli import (_sha, drop_nulls, error_result, output_record, request_of,
                                      result_of)
+from cb_kernels.ray.feed import EngineFeed
 
 # The columns EngineReplica writes; an input column of the same name is replaced.
 OUTPUT_COLUMNS = ("id", "index", "text", "token_ids", "finish_reason", "error",
@@ -62,9 +64,11 @@ def _types() -> dict:
 
 class EngineReplica:
     """A stateful callable for `ray.data.Dataset.map_batches(EngineReplica, batch_format="pyarrow",
-    compute=ray.data.ActorPoolStrategy(size=N), fn_constructor_kwargs={...})`: builds one Engine
-    per actor and puts every row of a batch into it at once, so continuous batching sees the
-    whole batch (batch_size rows in flight, up to the engine's max_num_seqs).
+    **cb_kernels.ray.map_batches_args(ProcessorConfig(...)))`: builds one Engine per actor, driven
+    by one thread (cb_kernels.ray.feed.EngineFeed). Every call puts its batch's rows into that
+    engine and waits for its own; Ray runs `batches_in_flight` calls of the actor at once, so the
+    next batch's rows wait in the engine's queue and take the slots the current batch's last rows
+    free (continuous batching stays full across batches).
 
     model: built-in name or checkpoint folder (readable on every node); engine_config:
     EngineConfig; sampling_params: SamplingParams, the default of every row; dtype: as
@@ -91,25 +95,27 @@ class EngineReplica:
                              tokenizer=self.tokenizer)
         self.params = sampling_params or SamplingParams()
         self.chat, self.seed, self.settings = chat, seed, settings_fingerprint
+        self.feed = EngineFeed(self.engine)
+
+    def _request(self, index, rec: dict) -> tuple:
+        """Row `rec`'s (prompt, SamplingParams); runs in the feed's thread (the tokenizer's)."""
+        if sum(k in rec for k in PROMPT_KEYS) != 1:
+            raise ValueError("expected exactly one of " + ", ".join(map(repr, PROMPT_KEYS)))
+        return request_of(rec, index, self.params, self.tokenizer, self.chat,
+                          self.seed if index is not None else None)
 
     def __call__(self, batch):
         rows = rows_of(batch)
         records = [_record_of(row) for row in rows]
-        results, pending = [None] * len(rows), {}
-        for i, (row, rec) in enumerate(zip(rows, records)):
-            index = row.get("index")
-            try:
-                if sum(k in rec for k in PROMPT_KEYS) != 1:
-                    raise ValueError("expected exactly one of " + ", ".join(map(repr, PROMPT_KEYS)))
-                prompt, params = request_of(rec, index, self.params, self.tokenizer, self.chat,
-                                            self.seed if index is not None else None)
-                pending[self.engine.add_request(prompt, params)] = i
-            except (ValueError, TypeError) as e:
-                results[i] = error_result(index, e) if index is not None else \
-                    {**error_result(0, e), "error": f"id {rec.get('id')}: {e}"}
-        while self.engine.has_unfinished():
-            for o in self.engine.step():
-                results[pending.pop(o.request_id)] = result_of(o)
+        results = self.feed.run([functools.partial(self._request, row.get("index"), rec)
+                                 for row, rec in zip(rows, records)])
+        for i, (row, rec, res) in enumerate(zip(rows, records, results)):
+            if isinstance(res, Exception):
+                index = row.get("index")
+                results[i] = error_result(index, res) if index is not None else \
+                    {**error_result(0, res), "error": f"id {rec.get('id')}: {res}"}
+            else:
+                results[i] = result_of(res)
         lines = []
         for row, rec, result in zip(rows, records, results):
             rid = next((v for v in (row.get("id"), rec.get("id"), row.get("index"))

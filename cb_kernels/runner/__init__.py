@@ -5,7 +5,15 @@
     step_inputs.py          LayerLayout (static, built once); StepInputs / AttentionMetadata: a
                             batch packed and uploaded
     attention.py            our attention function inside transformers' forward; model_lock
-    support.py              which models run: UnsupportedModelError and the construction probe
+    forward_context.py      what the hooks inside transformers' forward read for this thread's step
+    support.py              which models run: UnsupportedModelError, the static check
+    probe.py                the construction probe's recording forward
+    attention_layers.py     each attention layer's plan (K/V shape, window, chunk, sinks)
+    state_layers.py         stateful layers and their state shapes
+    state_cache.py          the state slots (StatePool) and a step's split by sequence (plan)
+    state_adapters.py       what a stateful layer reads its state through (per family)
+    state_switch.py         the forward patch that runs stateful layers on the slots
+    state_carry.py          the construction check of stateful layers on the slots
     kv_cache.py             the KV pool tensors (lazily mapped zeros on CPU)
     packed_linears.py       CPU fp32 linears on weights packed once (ours or oneDNN)
     lm_head.py              the LM head chosen once: full logits or the greedy head

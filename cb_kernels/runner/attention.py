@@ -9,10 +9,10 @@ reads the position ids on the host (one device sync per mask type and step on CU
 
 The per-step metadata (`AttentionMetadata`) travels as the forward kwarg `cbk_step`; transformers
 hands unknown forward kwargs down to every attention call (5.17 .. 5.24). Some decoder layers do
-not pass them on (stablelm, nemotron): for those the runner also holds the step in a
-thread-local for the duration of the forward (`step_context`), which our function reads when
-the kwarg is missing. Each layer's window, K/V head sizes and sinks come from the construction
-probe (runner/support.py), not from the call. Without a cache object
+not pass them on (stablelm, nemotron): for those the runner also sets the step in this
+thread's forward context for the duration of the forward (runner/forward_context.py), which our
+function reads when the kwarg is missing. Each layer's window, K/V head sizes and sinks come from the construction
+probe (runner/attention_layers.py), not from the call. Without a cache object
 the 5.23 -> 5.24 change (who calls cache.update) does not reach us: both versions pass the new,
 rotated K/V to the attention function.
 
@@ -34,6 +34,7 @@ from typing import Optional
 import torch
 
 from cb_kernels import ops
+from cb_kernels.runner import forward_context
 from cb_kernels.runner.step_inputs import AttentionMetadata
 
 ATTN_NAME = "cb_kernels_engine"
@@ -42,20 +43,6 @@ ATTN_NAME = "cb_kernels_engine"
 # pickled or deep-copied.
 _MODEL_LOCKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _MODEL_LOCKS_GUARD = threading.Lock()
-# The step of the forward running in this thread, for decoder layers that drop the cbk_step
-# kwarg; set only inside `step_context`, so no step outlives its forward.
-_CURRENT = threading.local()
-
-
-@contextlib.contextmanager
-def step_context(step: AttentionMetadata):
-    """Inside it, engine_attention finds `step` even when a layer drops the cbk_step kwarg."""
-    prev = getattr(_CURRENT, "step", None)
-    _CURRENT.step = step
-    try:
-        yield
-    finally:
-        _CURRENT.step = prev
 
 
 def model_lock(model) -> threading.RLock:
@@ -71,7 +58,7 @@ def engine_attention(module, query, key, value, attention_mask, scaling=None, dr
                      **kwargs):
     """query: [1, num_heads, num_tokens, head_dim]; key/value: [1, num_kv_heads, num_tokens,
     head_dim] (new tokens only). Returns ([1, num_tokens, num_heads, head_dim], None)."""
-    step: Optional[AttentionMetadata] = kwargs.get("cbk_step") or getattr(_CURRENT, "step", None)
+    step: Optional[AttentionMetadata] = kwargs.get("cbk_step") or forward_context.current().attn
     if step is None:
         raise RuntimeError(f"attention implementation {ATTN_NAME!r} runs only inside "
                            "cb_kernels.Engine steps")

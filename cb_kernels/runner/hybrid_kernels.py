@@ -5,7 +5,7 @@ Granite-MoE-hybrid, Nemotron-H) runs as one call per step for all its rows, deco
 mixed: its projections over the packed row once, then `ops.causal_conv1d` and
 `ops.gated_delta_rule` / `ops.selective_scan` on the state slots in place (the rows' varlen
 split from the step's plan, `VarlenRows`), then the layer's own norm and output projection.
-Without this the slot wrappers (state_cache._Wrapped) run the layer's own forward once per
+Without this the slot wrappers (state_switch._Wrapped) run the layer's own forward once per
 prefill row plus once for the decode batch, on gathered copies of the slots.
 
 `kernel_for(module, entry)` decides per module when a StateSwitch with a pool is built: a known
@@ -219,7 +219,7 @@ def kernel_for(module, entry: Optional[dict]) -> tuple:
 
 def describe(wrapped: list) -> list:
     """One line per stateful layer class: which path it runs (for the runner's log); wrapped:
-    state_cache._Wrapped objects (their `kernel` and `kernel_reason`)."""
+    state_switch._Wrapped objects (their `kernel` and `kernel_reason`)."""
     lines: dict = {}
     for w in wrapped:
         name = type(w.module).__name__

@@ -2,7 +2,7 @@
 
 transformers builds each layer's mask from a mask function f(batch, head, q_idx, kv_idx) -> bool
 (masking_utils: causal, sliding window, chunked, or unions and intersections of those). The
-construction probe (support.py) captures the function each layer gets; `mask_pattern` names
+construction probe (probe.py) captures the function each layer gets; `mask_pattern` names
 its pattern by evaluating it: at the first 64 positions exhaustively, then by binary search for
 the first allowed key of queries up to 2**30 (a window of 4096 keys is found even though the
 probe saw 6 tokens).

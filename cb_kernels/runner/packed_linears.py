@@ -165,6 +165,7 @@ class _Group:
         self.last_input = None
         self.last_outputs: list = []
         self.forwards = [self._forward_of(i) for i in range(len(members))]
+        self.num_packs = 0          # packed copies made (the engine's warm-up test counts them)
 
     def current_key(self) -> tuple:
         # _parameters, not m.weight: nn.Module.__getattr__ made this check 5x slower (every
@@ -198,6 +199,7 @@ class _Group:
         else:       # "torch": the weights concatenated (siblings in one call), F.linear
             self.weight = w.contiguous() if len(self.members) > 1 else w
         self.key = key
+        self.num_packs += 1
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., in_features] -> [..., sum of out_features]."""

@@ -3,10 +3,10 @@
 The engine tells a layer where a step's tokens are through `position_ids`. BART-style decoders
 (bart, mbart, marian, pegasus, plbart, blenderbot, blenderbot-small) ignore it: their decoder
 computes `arange(seq_len) + cache length` and hands that to its positional-embedding module,
-whose forward takes an explicit `position_ids` as well. Inside a step (and the support probe),
+whose forward takes an explicit `position_ids` as well. Inside a step (and the construction probe),
 `explicit_positions(model, positions)` gives each such module an instance forward that passes
 the step's positions instead; leaving restores the modules. A module it does not know keeps its
-forward, and runner/support.py then refuses the model as before.
+forward, and runner/attention_layers.check_positions then refuses the model as before.
 """
 from __future__ import annotations
 

@@ -24,9 +24,11 @@ from typing import Optional
 import torch
 
 from cb_kernels import ops
-from cb_kernels.runner import (hybrid_kernels, state_cache, step_inputs, support,
-                               tensor_parallel)
-from cb_kernels.runner.attention import AttentionSwitch, model_lock, step_context, text_config
+from cb_kernels.runner import (attention_layers, forward_context, hybrid_kernels, state_cache,
+                               state_layers, step_inputs, support, tensor_parallel)
+from cb_kernels.runner.state_carry import check_state_carry
+from cb_kernels.runner.state_switch import StateSwitch
+from cb_kernels.runner.attention import AttentionSwitch, model_lock, text_config
 from cb_kernels.runner.positions import explicit_positions, position_modules
 from cb_kernels.runner.base import StepOutput
 from cb_kernels.runner.cuda_graphs import decode_graph_runner, graphs_enabled
@@ -82,28 +84,28 @@ class TransformersRunner:
         self._switch = AttentionSwitch(model)
         self._positions = position_modules(model)   # BART-style decoders (runner/positions.py)
         # Layers with per-sequence state (Mamba, gated delta-net, short conv, ...): kept in state
-        # slots beside the KV cache (runner/state_cache.py).
+        # slots beside the KV cache (runner/state_layers.py, state_cache.py, state_switch.py).
         try:
-            self.state_layers = state_cache.state_modules(model)
+            self.state_layers = state_layers.state_modules(model)
         except ValueError as e:
             raise support.UnsupportedModelError(f"{type(model).__name__}: {e}") from e
         # Refuses, with UnsupportedModelError, what the engine cannot run exactly; else the
         # real per-layer K/V shapes and windows, found by one probe forward (None: a layer with
         # no attention).
-        self.layers = support.layer_plans(model, self._switch.configs, num_hidden,
-                                          self.state_layers)
+        self.layers = attention_layers.layer_plans(model, self._switch.configs, num_hidden,
+                                                   self.state_layers)
         self.state_specs: dict = {}
         self.state_bytes_per_seq = 0
         self._stepwise_chunks = False
         if self.state_layers:
             try:
                 with model_lock(model):
-                    self.state_specs = state_cache.probe_specs(model, self.state_layers)
+                    self.state_specs = state_layers.probe_specs(model, self.state_layers)
             except Exception as e:            # noqa: BLE001 (transformers' own failure)
                 raise support.UnsupportedModelError(
                     f"{type(model).__name__}: the state of its stateful layers could not be "
                     f"read off transformers' cache ({type(e).__name__}: {e})") from e
-            self._stepwise_chunks = support.check_state_carry(
+            self._stepwise_chunks = check_state_carry(
                 model, self._switch.configs, self.state_layers, self.state_specs)
             if self._stepwise_chunks:
                 logger.info("stateful layers: later prefill chunks run one token at a time (the "
@@ -111,7 +113,7 @@ class TransformersRunner:
             self.state_bytes_per_seq = state_cache.StatePool.bytes_per_slot(self.state_specs)
             logger.info("stateful layers %s: %d B of state per sequence", sorted(self.state_specs),
                         self.state_bytes_per_seq)
-        self._states = state_cache.StateSwitch(self.state_layers) if self.state_layers else None
+        self._states = StateSwitch(self.state_layers) if self.state_layers else None
         self.state_pool = None
         self.state_tensors: list = []
         kv_plans = [p for p in self.layers if p is not None]
@@ -197,7 +199,7 @@ class TransformersRunner:
     def allocate_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype,
                        max_num_seqs: int) -> None:
         kv_plans = [p for p in self.layers if p is not None]
-        support.check_chunk_blocks(kv_plans, block_size)
+        attention_layers.check_chunk_blocks(kv_plans, block_size)
         shapes = [(p.num_kv_heads, p.head_dim) for p in kv_plans] or [(1, 1)]
         self.k_caches, self.v_caches = allocate_layer_caches(shapes, num_blocks, block_size,
                                                              dtype, self.device)
@@ -212,8 +214,8 @@ class TransformersRunner:
             # One slot per running sequence (the scheduler runs at most max_num_seqs).
             self.state_pool = state_cache.StatePool(self.state_specs, max_num_seqs, self.device)
             self.state_tensors = self.state_pool.tensors
-            self._states = state_cache.StateSwitch(self.state_layers, self.state_pool,
-                                                   self._stepwise_chunks)
+            self._states = StateSwitch(self.state_layers, self.state_pool,
+                                       self._stepwise_chunks)
             for line in hybrid_kernels.describe([w for _, w in self._states._wrapped]):
                 logger.info("stateful layers: %s", line)
         # The decode graphs carry no chunked view, and no state slots.
@@ -255,7 +257,7 @@ class TransformersRunner:
                 "block_tables": attn.block_tables, "cu_seqlens_q": attn.cu_seqlens_q}), None)
         if self.state_pool is not None:
             # The wrappers are state of the model, like the attention switch: under its lock.
-            with self._switch.lock, self._states(inputs.state):
+            with self._switch.lock, self._states:
                 return self._execute(inputs, greedy)
         return self._execute(inputs, greedy)
 
@@ -270,29 +272,34 @@ class TransformersRunner:
             # The CausalLM's own forward would be lm_head(decoder(...)) (probed); a hook or an
             # instance forward on it sends the step to the model's forward below.
             rows = self._hidden_rows(inputs.input_ids, inputs.positions, inputs.logits_indices,
-                                     attn)
+                                     attn, inputs.state)
         else:
             return StepOutput(self.forward_logits(inputs.input_ids, inputs.positions,
-                                                  inputs.logits_indices, attn), None)
+                                                  inputs.logits_indices, attn, inputs.state),
+                              None)
         tokens = head.tokens(rows) if greedy else None
         if tokens is not None:
             return StepOutput(None, tokens, greedy_head=True)
         return StepOutput(head.logits(rows), None)
 
-    def _hidden_rows(self, input_ids, positions, logits_indices, attn) -> torch.Tensor:
+    def _hidden_rows(self, input_ids, positions, logits_indices, attn, state) -> torch.Tensor:
         """transformers' decoder up to the final hidden state: [num_sampled, hidden]."""
-        with self._switch, step_context(attn), explicit_positions(self._positions, positions), \
+        with self._switch, forward_context.entered(attn=attn, state=state), \
+                explicit_positions(self._positions, positions), \
                 self.packed if self.packed is not None else contextlib.nullcontext():
             hidden = self._decoder(input_ids=input_ids[None], position_ids=positions[None],
                                    use_cache=False, cbk_step=attn).last_hidden_state
         return hidden[0].index_select(0, logits_indices)
 
     @torch.inference_mode()
-    def forward_logits(self, input_ids, positions, logits_indices, attn) -> torch.Tensor:
+    def forward_logits(self, input_ids, positions, logits_indices, attn,
+                       state: Optional[state_cache.StateStep] = None) -> torch.Tensor:
         """transformers' forward with our attention: fp32 logits [num_sampled, vocab_size].
-        input_ids, positions: int64 [num_tokens]; logits_indices: int64 [num_sampled]."""
+        input_ids, positions: int64 [num_tokens]; logits_indices: int64 [num_sampled]; `state`:
+        the stateful layers' split (their wrappers installed by the caller)."""
         ids, pos = input_ids[None], positions[None]
-        with self._switch, step_context(attn), explicit_positions(self._positions, positions), \
+        with self._switch, forward_context.entered(attn=attn, state=state), \
+                explicit_positions(self._positions, positions), \
                 self.packed if self.packed is not None else contextlib.nullcontext():
             if self._keeps_logits:
                 out = self.model(input_ids=ids, position_ids=pos, use_cache=False,

@@ -6,7 +6,8 @@ Requests are parsed strictly (a string where a number belongs is refused, not co
 unknown fields are refused, so a typo ("max_token") is reported instead of silently ignored. A few
 fields that OpenAI clients send but this server does not act on are accepted and ignored (`user`,
 `store`, `metadata`, `service_tier`, `parallel_tool_calls`); fields it cannot honour (`tools`,
-`response_format` other than text, `echo`, `suffix`, `best_of` > n) are refused by name.
+`echo`, `suffix`, `best_of` > n) are refused by name. `response_format` (json_object, json_schema;
+both endpoints) becomes SamplingParams.structured (`structured_output`).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cb_kernels.engine.config import SEED_LIMIT, SamplingParams, parse_logit_bias
+from cb_kernels.engine.structured import StructuredOutput
 
 MAX_N = 128           # samples per prompt
 MAX_LOGPROBS = 20     # top logprobs per token (OpenAI's chat limit)
@@ -61,6 +63,18 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    name: str
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(None, alias="schema")
+    strict: Optional[bool] = None      # the schema is always followed strictly
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
 class _Request(_Strict):
     """The fields both endpoints share (OpenAI's, then the extensions vLLM also takes)."""
 
@@ -84,6 +98,7 @@ class _Request(_Strict):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     stop_token_ids: Optional[list[int]] = None
+    response_format: Optional[ResponseFormat] = None
     # for RL clients (TRL's VLLMClient), as vLLM: the prompt's and each choice's token ids in the
     # answer; logprob tokens spelled "token_id:N" (a token's text may not map back to one id)
     return_token_ids: bool = False
@@ -117,10 +132,6 @@ class ChatMessage(BaseModel):
     name: Optional[str] = None
 
 
-class ResponseFormat(_Strict):
-    type: str
-
-
 class ChatRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
@@ -131,7 +142,6 @@ class ChatRequest(_Request):
     tools: Optional[list] = None
     tool_choice: Optional[Any] = None
     functions: Optional[list] = None
-    response_format: Optional[ResponseFormat] = None
     parallel_tool_calls: Optional[bool] = None
 
 
@@ -170,9 +180,6 @@ def check_unsupported(req: _Request) -> None:
                 raise RequestError(f"{name} (tool calling) is not supported by this server", name)
         if req.tool_choice not in (None, "none"):
             raise RequestError("tool_choice is not supported by this server", "tool_choice")
-        if req.response_format is not None and req.response_format.type != "text":
-            raise RequestError(f"response_format {req.response_format.type!r} is not supported "
-                               "(only 'text')", "response_format.type")
         if req.top_logprobs is not None and not req.logprobs:
             raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
     if isinstance(req.stop, list) and len(req.stop) > MAX_STOP:
@@ -217,7 +224,26 @@ def param_named_in(message: str, default: Optional[str]) -> Optional[str]:
     return best[1] if best else default
 
 
-def sampling_params(req: _Request, max_new_tokens: int) -> SamplingParams:
+def structured_output(req: _Request) -> Optional[StructuredOutput]:
+    """The StructuredOutput of `req.response_format` (None for text); RequestError naming the
+    field. The grammar is compiled later, off the event loop (routes.py)."""
+    rf = req.response_format
+    if rf is None or rf.type == "text":
+        return None
+    if req.min_tokens:
+        raise RequestError("min_tokens cannot be combined with a response_format other than "
+                           "text: the format decides where the output ends", "min_tokens")
+    if rf.type == "json_object":
+        return StructuredOutput(json_object=True)
+    if rf.json_schema is None or rf.json_schema.schema_ is None:
+        where = "response_format.json_schema" + (".schema" if rf.json_schema else "")
+        raise RequestError(f"{where} is required when response_format.type is 'json_schema'",
+                           where)
+    return StructuredOutput(json_schema=rf.json_schema.schema_)
+
+
+def sampling_params(req: _Request, max_new_tokens: int,
+                    structured: Optional[StructuredOutput] = None) -> SamplingParams:
     """The SamplingParams of `req`; RequestError naming the field for a value the engine refuses."""
     try:
         bias = parse_logit_bias(req.logit_bias or None, max_abs=100)
@@ -235,7 +261,7 @@ def sampling_params(req: _Request, max_new_tokens: int) -> SamplingParams:
             stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
             min_new_tokens=req.min_tokens, repetition_penalty=req.repetition_penalty,
             frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty,
-            logit_bias=bias)
+            logit_bias=bias, structured=structured)
     except (ValueError, TypeError) as e:
         raise RequestError(str(e), param_named_in(str(e), None)) from None
 

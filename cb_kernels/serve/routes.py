@@ -7,6 +7,8 @@ EngineLoop.
     POST /v1/completions         prompt: str, [str], [int] or [[int]]; stream; n; logprobs: k
     POST /v1/chat/completions    messages through the tokenizer's chat template; stream; n;
                                  logprobs + top_logprobs
+                                 (both: response_format json_object / json_schema, its grammar
+                                 compiled on a worker thread, cached per schema)
     GET  /metrics                Prometheus text (serve/metrics.py)
 
 Per request the routes parse (protocol.py), tokenize (prompts.py), check the request as
@@ -42,7 +44,7 @@ from cb_kernels.serve.prompts import Prompts
 from cb_kernels.serve.protocol import (ChatRequest, CompletionRequest, RequestError,
                                        check_duplicate_keys, check_unsupported,
                                        error_body, prompt_error, requested_max_tokens,
-                                       sampling_params, validation_error)
+                                       sampling_params, structured_output, validation_error)
 
 RETRY_AFTER_S = 1
 
@@ -186,8 +188,11 @@ class _State:
         count = len(req.prompt) if not chat and isinstance(req.prompt, list) and req.prompt \
             and not isinstance(req.prompt[0], int) else 1
         self.check_fan_out(req, count)
+        structured = structured_output(req)
+        if structured is not None:     # a compile can take long: never on the event loop
+            await asyncio.to_thread(self.compile, structured)
         prompts = await aio_loop.run_in_executor(self.pool, self.prompts.of, req)
-        tickets = self.tickets(req, prompts, chat)
+        tickets = self.tickets(req, prompts, chat, structured)
         queue = asyncio.Queue()
         for t in tickets:
             t.aio_loop, t.queue = aio_loop, queue
@@ -250,7 +255,19 @@ class _State:
         except ValidationError as e:
             raise validation_error(e) from None
 
-    def tickets(self, req, prompts: list, chat: bool) -> list:
+    def compile(self, structured) -> None:
+        """Compile `structured`'s grammar into the engine's cache (run on a worker thread)."""
+        try:
+            self.engine.grammars.compile(structured)
+        except ValueError as e:
+            param = "response_format" + (".json_schema.schema" if structured.json_schema
+                                         is not None else "")
+            raise RequestError(str(e), param, code="invalid_response_format") from None
+        except ImportError as e:
+            raise RequestError(f"this server cannot do structured output ({e})",
+                               "response_format", code="unsupported_response_format") from None
+
+    def tickets(self, req, prompts: list, chat: bool, structured=None) -> list:
         base = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         what = "messages" if chat else "prompt"
         tickets = []
@@ -262,7 +279,7 @@ class _State:
                 # within --max-request-tokens for the request's sequences
                 max_new = max(1, min(max_new, self.config.max_request_tokens
                                      // (len(prompts) * req.n)))
-            params = sampling_params(req, max_new)
+            params = sampling_params(req, max_new, structured)
             where = what if len(prompts) == 1 or chat else f"prompt[{i}]"
             try:
                 ids, params = self.engine.check_request(ids, params)

@@ -21,15 +21,16 @@ def _optimizer_step(model, other):
     opt.zero_grad()
 
 
-def _fused_adamw(model, other):
-    """Fused AdamW (the transformers Trainer's default) moves no version counter."""
-    opt = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
-    loss = model(torch.tensor([SYSTEM]), labels=torch.tensor([SYSTEM])).loss
-    loss.backward()
+def _fused_adamw_step(model, other):
+    """transformers Trainer's default optimizer (`adamw_torch_fused`, TRL's too): its fused kernel
+    writes the parameters without bumping their version counters, so only the optimizer step hook
+    can tell."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    model(torch.tensor([SYSTEM]), labels=torch.tensor([SYSTEM])).loss.backward()
     versions = [p._version for p in model.parameters()]
     opt.step()
-    assert [p._version for p in model.parameters()] == versions   # what makes it a case
     opt.zero_grad()
+    assert [p._version for p in model.parameters()] == versions   # the case this guards
 
 
 def _mul(model, other):
@@ -71,7 +72,7 @@ def _module(model, other):
     layer.post_attention_layernorm = norm
 
 
-CHANGES = {"optimizer_step": _optimizer_step, "fused_adamw": _fused_adamw, "mul_": _mul, "load_state_dict": _load,
+CHANGES = {"optimizer_step": _optimizer_step, "fused_adamw_step": _fused_adamw_step, "mul_": _mul, "load_state_dict": _load,
            "load_state_dict_assign": _load_assign, "attribute": _attribute,
            "data_assign": _data_assign, "module": _module}
 PATHS = {"native": {}, "fused_loop": {"native": False},

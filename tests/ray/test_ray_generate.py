@@ -210,6 +210,7 @@ def test_a_model_that_cannot_load_fails_at_start(cluster, model_dir, tmp_path):
 @pytest.mark.parametrize("flags, match", [
     (("--ray", "--replicas", "0"), "--replicas must be an int >= 1"),
     (("--ray", "--ray-batch-size", "0"), "--ray-batch-size must be an int >= 1"),
+    (("--ray", "--ray-batches-in-flight", "0"), "--ray-batches-in-flight must be an int >= 1"),
     (("--ray", "--cpus-per-replica", "0"), "--cpus-per-replica must be > 0"),
     (("--ray", "--tensor-parallel-size", "2"), "tensor parallelism inside a Ray replica"),
     (("--replicas", "2"), "--replicas needs --ray"),

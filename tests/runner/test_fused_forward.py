@@ -222,11 +222,11 @@ def test_rotary_table_equals_the_module_and_grows(dtype):
     table = _engine(model).runner.fused.rotary
     assert table.cached
     x = torch.zeros(1, 1, 64, dtype=dtype)
-    for positions in (torch.tensor([3, 0, 7]), torch.tensor([2047, 5, 1500]), torch.tensor([9])):
+    for positions in (torch.tensor([3, 0, 7]), torch.tensor([8191, 5, 4500]), torch.tensor([9])):
         got = table(x, positions)
         want = model.model.rotary_emb(x, positions[None])
         assert torch.equal(got[0], want[0][0]) and torch.equal(got[1], want[1][0])
-    assert table.cos.shape[0] == 2048
+    assert table.cos.shape[0] == 8192
     with torch.no_grad():
         model.model.rotary_emb.inv_freq.mul_(0.5)          # a new frequency: the table follows
     got = table(x, torch.tensor([11]))

@@ -10,7 +10,8 @@ import torch
 
 from cb_kernels import Engine, EngineConfig, SamplingParams, ops
 from cb_kernels.runner import hybrid_kernels
-from cb_kernels.runner.state_cache import StatePool, _Group, probe_specs, state_modules
+from cb_kernels.runner.state_cache import StatePool, _Group
+from cb_kernels.runner.state_layers import probe_specs, state_modules
 from tests.model_sweep import VOCAB, generate_tokens, tiny_model
 
 FAMILIES = {

@@ -1,5 +1,6 @@
-"""runner/support.py and runner/masks.py: what the construction probe finds and refuses, on
-transformers' own mask functions and tiny models (tests/test_model_sweep.py runs every type)."""
+"""runner/support.py, attention_layers.py and masks.py: what the construction probe finds and
+refuses, on transformers' own mask functions and tiny models (tests/test_model_sweep.py runs every
+type)."""
 from __future__ import annotations
 
 import pytest
@@ -90,11 +91,11 @@ def test_mistral_window_comes_from_its_mask():
 def test_the_sweep_sees_an_ignored_window_chunk_or_sink(monkeypatch):
     """The sweep's tiny models and prompts are long enough that dropping a window, a chunk or
     the sinks changes the tokens: SAME in tests/test_model_sweep.py is not vacuous."""
-    from cb_kernels.runner import attention, support
+    from cb_kernels.runner import attention, attention_layers
     from model_sweep import check
 
-    monkeypatch.setattr(support, "mask_pattern", lambda fn, mp, n: ("full", None))
-    monkeypatch.setattr(support, "_cache_windows", lambda cfg, n: [])
+    monkeypatch.setattr(attention_layers, "mask_pattern", lambda fn, mp, n: ("full", None))
+    monkeypatch.setattr(attention_layers, "_cache_windows", lambda cfg, n: [])
     assert check("phimoe")[0] == "wrong"          # its window
     assert check("llama4_text")[0] == "wrong"     # its chunks
     monkeypatch.undo()

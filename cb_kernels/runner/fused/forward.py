@@ -93,6 +93,7 @@ class _RotaryTable:
     def __init__(self, rotary):
         self.rotary = rotary
         self.key, self.cos, self.sin = None, None, None
+        self.num_builds = 0         # tables computed (the engine's warm-up test counts them)
         rope_type = str(getattr(rotary, "rope_type", "default"))
         self.cached = "dynamic" not in rope_type and rope_type != "longrope" and \
             isinstance(getattr(rotary, "inv_freq", None), torch.Tensor) and self._probe()
@@ -129,9 +130,12 @@ class _RotaryTable:
         key = (f.data_ptr(), 0 if f.is_inference() else f._version,
                getattr(self.rotary, "attention_scaling", None), x.dtype)
         if key != self.key or need > self.cos.shape[0]:
-            n = max(1024, 1 << (need - 1).bit_length())
+            # 4096 positions from the start (1 MiB in bf16 at head_dim 64): prompts up to that
+            # never rebuild it inside a user's step.
+            n = max(4096, 1 << (need - 1).bit_length())
             self.cos, self.sin = self._direct(x[..., :1], torch.arange(n))
             self.key = key
+            self.num_builds += 1
         return self.cos.index_select(0, positions), self.sin.index_select(0, positions)
 
 
@@ -224,6 +228,7 @@ class FusedForward:
         self._table_key: list = []      # the objects the table's addresses come from
         self.rotary = _RotaryTable(decoder.rotary_emb)
         self._table: list = []
+        self.num_table_builds = 0       # layer tables built (the warm-up test counts them)
 
     @classmethod
     def build(cls, model, packed, num_layers: int, num_heads: int,
@@ -281,6 +286,7 @@ class FusedForward:
                   layer.o.lin, layer.gate_up.lin, layer.down.lin, layer.window)
                  for layer in self.layers], step.layout.k_caches, step.layout.v_caches)
             self._table_key = key
+            self.num_table_builds += 1
         return self._table
 
     def forget_table(self) -> int:

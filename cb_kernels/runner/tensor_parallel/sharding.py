@@ -19,8 +19,8 @@ The sums and the gather run as forward hooks on the embedding, o_proj, down_proj
 (so transformers' own forward, and model(x) called on every rank at once, stay exact). They are
 marked (`cbk_tp`) so the engine's fast paths know them: packed_linears.has_hooks does not count
 them, and the fused forward (runner/fused/) calls `all_reduce_` itself after the packed o_proj
-and down_proj. Inside `local_only()` the hooks skip their collectives (the embedding still maps
-ids to its rows): the runner's construction probes run a forward on each rank alone (they read
+and down_proj. Inside `local_only()` (the forward context's `tp_local`) the hooks skip their
+collectives (the embedding still maps ids to its rows): the runner's construction probes run a forward on each rank alone (they read
 shapes, and compare a forward with itself). On gloo, small sums are an all_gather and adds in
 rank order (`GATHER_SUM_MAX`).
 
@@ -29,18 +29,16 @@ Only Llama-style layouts split here (q/k/v/o_proj, gate/up/down_proj, per decode
 """
 from __future__ import annotations
 
-import contextlib
-import threading
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from cb_kernels.runner import forward_context
 from cb_kernels.runner.attention import text_config
 
 ATTN_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJ = ("gate_proj", "up_proj", "down_proj")
-_STATE = threading.local()      # .local: inside local_only()
 
 
 # On gloo a sum of at most this many elements over all ranks runs as all_gather + a local sum in
@@ -76,19 +74,14 @@ def size_of(model) -> int:
     return 1 if info is None else info.size
 
 
-@contextlib.contextmanager
 def local_only():
-    """Inside it the hooks skip their collectives (single-rank construction probes)."""
-    prev = getattr(_STATE, "local", False)
-    _STATE.local = True
-    try:
-        yield
-    finally:
-        _STATE.local = prev
+    """Context manager: inside it the hooks skip their collectives (single-rank construction
+    probes); the flag is the forward context's `tp_local`."""
+    return forward_context.entered(tp_local=True)
 
 
 def _active() -> bool:
-    return not getattr(_STATE, "local", False)
+    return not forward_context.current().tp_local
 
 
 def all_reduce_(x: torch.Tensor, info: TPInfo) -> torch.Tensor:
@@ -123,13 +116,13 @@ def _embed_pre_hook(module, args):
         return None
     ids, start, stop = args[0], module.cbk_vocab_start, module.cbk_vocab_stop
     foreign = (ids < start) | (ids >= stop)
-    _STATE.foreign = foreign
+    forward_context.current().tp_foreign = foreign
     return ((ids - start).masked_fill(foreign, 0),) + tuple(args[1:])
 
 
 def _embed_hook(module, args, out):
-    foreign = getattr(_STATE, "foreign", None)
-    _STATE.foreign = None
+    ctx = forward_context.current()
+    foreign, ctx.tp_foreign = ctx.tp_foreign, None
     if isinstance(out, torch.Tensor) and foreign is not None:
         out = out.masked_fill(foreign[..., None], 0)
         return all_reduce_(out, module._cbk_tp)
