@@ -1,7 +1,9 @@
-"""Serving benchmark: concurrent streaming chat clients against OpenAI-compatible servers on this
-machine, one server at a time, at a few arrival rates.
+"""Serving benchmark: OpenAI-compatible servers on this machine, one at a time, under two loads:
+our own streaming chat clients, and vLLM's own load generator.
 
     python bench/bench_serve.py                                   # cb_kernels and transformers
+    python bench/bench_serve.py --servers cb_kernels,vllm --rates "" --loadgen-rates inf,8 \\
+        --json bench/data/serve_loadgen_cpu.json              # vLLM's load generator only
     python bench/bench_serve.py --servers cb_kernels,transformers,vllm --rates 1,4,inf \\
         --num-requests 32 --max-tokens 64 --json out.json --plot out.png
     cb-kernels bench serve [same arguments]
@@ -13,13 +15,21 @@ Servers (each started here as a subprocess on 127.0.0.1, stopped after its runs)
                  the separate venv bench/vllm_cpu.py manages (created on first use: ~3.4 GB,
                  minutes; its cold start compiles for minutes too)
 
-Each request is a chat completion (the model's chat template, greedy, max_tokens, streamed with
-stream_options.include_usage; no ignore_eos, which transformers refuses): every server generates
-the same greedy answers up to bf16 rounding, so they do the same work. Arrivals are Poisson at
-each rate (requests/s, seeded; "inf" = all at once). Per rate: output tokens/s over the run (first
-send to last byte), TTFT (send -> first content chunk) and inter-token latency (gaps between
-content chunks) p50/p99, failures. The client runs on the same cores as the server (2 here), the
-same for every server.
+Own workload (--rates): each request is a chat completion (the model's chat template, greedy,
+max_tokens, streamed with stream_options.include_usage; no ignore_eos, which transformers
+refuses): every server generates the same greedy answers up to bf16 rounding, so they do the same
+work. Arrivals are Poisson at each rate (requests/s, seeded; "inf" = all at once). Per rate:
+output tokens/s over the run (first send to last byte), TTFT (send -> first content chunk) and
+inter-token latency (gaps between content chunks) p50/p99, failures.
+
+vLLM's load generator (--loadgen-rates; `vllm bench serve` from the vLLM venv, see
+bench/serve_loadgen.py): its random dataset, --loadgen-input-len prompt tokens and
+--loadgen-output-len output tokens (--ignore-eos) per request, --loadgen-requests requests per
+rate, streamed /v1/completions. Per rate: vLLM's output tok/s, mean / median / p99 TTFT, TPOT
+and ITL, and the ratios cb_kernels / vLLM of the same run ("vs_vllm").
+
+The clients run on the same cores as the server (2 here), the same for every server. --model may
+be a checkpoint folder (e.g. the Llama-3.2-1B-shaped random model bench/bench_engine.py writes).
 """
 from __future__ import annotations
 
@@ -28,6 +38,7 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import signal
 import socket
 import subprocess
@@ -40,6 +51,10 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+import serve_loadgen  # noqa: E402  (bench/, standard library only)
 
 QUESTIONS = [
     "What is the capital of France?", "Explain photosynthesis in simple words.",
@@ -120,6 +135,7 @@ def start_server(name: str, args, model_dir: Path, log: Path) -> ServerProcess:
                "--max-waiting", str(max(256, args.num_requests))]
         if args.max_num_seqs:
             cmd += ["--max-num-seqs", str(args.max_num_seqs)]
+        cmd += shlex.split(args.cb_kernels_args)
         env["PYTHONPATH"] = str(ROOT)
         return ServerProcess(name, cmd, env, args.model, port, log, 300)
     if name == "transformers":
@@ -226,11 +242,58 @@ def bench_server(name: str, args, model_dir: Path, log_dir: Path) -> dict:
                   f"{row['itl_p50_ms']}/{row['itl_p99_ms']} ms, {row['ok']}/{row['requests']} ok",
                   file=sys.stderr, flush=True)
             rows.append(row)
-        return {"server": name, "startup_s": round(startup, 1), "rows": rows}
+        loadgen = []
+        if args.loadgen_rates:      # a short burst first, on prompts no measured run repeats
+            run_loadgen(server, args, model_dir, float("inf"), min(16, args.loadgen_requests),
+                        args.seed + 1000, quiet=True)
+        for i, rate in enumerate(args.loadgen_rates):
+            # Each rate its own prompts: a repeated prompt would hit the prefix caches.
+            loadgen.append(run_loadgen(server, args, model_dir, rate, args.loadgen_requests,
+                                       args.seed + i))
+        return {"server": name, "startup_s": round(startup, 1), "rows": rows,
+                "loadgen": loadgen}
     except Exception as e:
         return {"server": name, "error": f"{type(e).__name__}: {e}"}
     finally:
         server.stop()
+
+
+def run_loadgen(server: ServerProcess, args, model_dir: Path, rate: float, requests: int,
+                seed: int, quiet: bool = False) -> dict:
+    import vllm_cpu
+
+    python = vllm_cpu.ensure_venv()
+    row = serve_loadgen.run_loadgen(python, dict(os.environ), server.url, server.model_field,
+                                    model_dir, rate, requests, args.loadgen_input_len,
+                                    args.loadgen_output_len, seed)
+    row["seed"] = seed
+    if quiet:
+        return row
+    if "error" in row:
+        print(f"[{server.name}] vllm bench serve, rate {row['rate']}: {row['error'][-2000:]}",
+              file=sys.stderr, flush=True)
+    else:
+        print(f"[{server.name}] vllm bench serve, rate {row['rate']}: "
+              f"{row['output_throughput']:.1f} output tok/s, TTFT mean/p99 "
+              f"{row['mean_ttft_ms']:.0f}/{row['p99_ttft_ms']:.0f} ms, median TPOT "
+              f"{row['median_tpot_ms']:.1f} ms, {row['completed']}/{requests} ok",
+              file=sys.stderr, flush=True)
+    return row
+
+
+def loadgen_ratios(results: list) -> dict:
+    """Per rate, cb_kernels / vLLM of the load generator's figures from this run (throughput:
+    higher is better; latencies: lower is better)."""
+    by = {r["server"]: {str(x["rate"]): x for x in r.get("loadgen", []) if "error" not in x}
+          for r in results}
+    ours, theirs = by.get("cb_kernels", {}), by.get("vllm", {})
+    out = {}
+    for rate in ours.keys() & theirs.keys():
+        a, b = ours[rate], theirs[rate]
+        out[rate] = {k: round(a[k] / b[k], 3) for k in
+                     ("output_throughput", "mean_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
+                      "p99_itl_ms") if a.get(k) and b.get(k)}
+    return out
 
 
 def agreement(results: list) -> dict:
@@ -289,42 +352,67 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="smollm2-135m", help="built-in name or checkpoint folder")
     p.add_argument("--servers", default="cb_kernels,transformers",
                    help=f"comma-separated, of {','.join(SERVERS)}")
-    p.add_argument("--rates", default="1,4,inf", help="arrival rates in requests/s (inf = all at once)")
+    p.add_argument("--rates", default="1,4,inf",
+                   help="own chat workload's arrival rates in requests/s (inf = all at once; "
+                        "\"\" = skip it)")
     p.add_argument("--num-requests", type=int, default=32, help="requests per rate")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     p.add_argument("--max-num-seqs", type=int, default=None, help="passed to cb_kernels and vllm")
+    p.add_argument("--loadgen-rates", default="",
+                   help="vLLM's load generator at these rates (e.g. inf,8; default: not run)")
+    p.add_argument("--loadgen-requests", type=int, default=128)
+    p.add_argument("--loadgen-input-len", type=int, default=128)
+    p.add_argument("--loadgen-output-len", type=int, default=64)
+    p.add_argument("--cb-kernels-args", default="",
+                   help="more `cb-kernels serve` arguments, e.g. \"--max-batch-tokens 2048\"")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--plot", default=None, help="write the plot (PNG) here")
     args = p.parse_args(argv)
-    args.rates = [parse_rate(r) for r in args.rates.split(",")]
+    args.rates = [parse_rate(r) for r in args.rates.split(",") if r.strip()]
+    args.loadgen_rates = [parse_rate(r) for r in args.loadgen_rates.split(",") if r.strip()]
     servers = [s.strip() for s in args.servers.split(",") if s.strip()]
     for s in servers:
         if s not in SERVERS:
             p.error(f"--servers: unknown server {s!r}; choose from {', '.join(SERVERS)}")
-    if args.num_requests < 1 or args.max_tokens < 1:
-        p.error("--num-requests and --max-tokens must be >= 1")
+    for flag in ("num_requests", "max_tokens", "loadgen_requests", "loadgen_input_len",
+                 "loadgen_output_len"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if not args.rates and not args.loadgen_rates:
+        p.error("nothing to run: --rates and --loadgen-rates are both empty")
     from cb_kernels.models import default_cache_dir, ensure_builtin
 
     model_dir = Path(args.model).expanduser()
     if not model_dir.is_dir():
         model_dir = ensure_builtin(args.model.lower(), default_cache_dir())
+    load_before = list(os.getloadavg())
     with tempfile.TemporaryDirectory(prefix="cbk_bench_serve_") as tmp:
         results = [bench_server(name, args, model_dir, Path(tmp)) for name in servers]
     report = {"model": args.model, "dtype": args.dtype, "max_tokens": args.max_tokens,
+              "cb_kernels_args": args.cb_kernels_args,
               "num_requests": args.num_requests, "cpu_count": os.cpu_count(),
+              "cpu": serve_loadgen.cpu_features(), "load_average_before": load_before,
+              "load_average_after": list(os.getloadavg()),
+              "loadgen": {"requests": args.loadgen_requests,
+                          "input_len": args.loadgen_input_len,
+                          "output_len": args.loadgen_output_len, "ignore_eos": True,
+                          "vs_vllm": loadgen_ratios(results)},
               "agreement_with_cb_kernels": agreement(results), "results": results}
     for r in results:
         if "error" in r:
             print(f"[{r['server']}] failed: {r['error'][:2000]}", file=sys.stderr)
     print(table(results))
+    if args.loadgen_rates:
+        print(loadgen_table(results, report["loadgen"]["vs_vllm"]))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=1))
     if args.plot:
         plot(results, Path(args.plot))
-    return 0 if all("rows" in r for r in results) else 1
+    ok = all("rows" in r and all("error" not in x for x in r["loadgen"]) for r in results)
+    return 0 if ok else 1
 
 
 def table(results: list) -> str:
@@ -335,6 +423,25 @@ def table(results: list) -> str:
             lines.append(f"| {r['server']} | {row['rate']} | {row['ok']}/{row['requests']} | "
                          f"{row['throughput_tok_s']} | {row['ttft_p50_ms']} / {row['ttft_p99_ms']} | "
                          f"{row['itl_p50_ms']} / {row['itl_p99_ms']} | {row['mean_output_tokens']} |")
+    return "\n".join(lines)
+
+
+def loadgen_table(results: list, ratios: dict) -> str:
+    lines = ["| server | rate (req/s) | ok | output tok/s | TTFT mean / p99 (ms) | TPOT median "
+             "(ms) | ITL p99 (ms) |", "|---|---|---|---|---|---|---|"]
+    for r in results:
+        for row in r.get("loadgen", []):
+            if "error" in row:
+                lines.append(f"| {r['server']} | {row['rate']} | failed | | | | |")
+                continue
+            lines.append(f"| {r['server']} | {row['rate']} | {row['completed']} | "
+                         f"{row['output_throughput']:.1f} | {row['mean_ttft_ms']:.0f} / "
+                         f"{row['p99_ttft_ms']:.0f} | {row['median_tpot_ms']:.1f} | "
+                         f"{row['p99_itl_ms']:.0f} |")
+    for rate, q in ratios.items():
+        lines.append(f"| cb_kernels / vllm | {rate} | | {q.get('output_throughput', '')}x | "
+                     f"{q.get('mean_ttft_ms', '')}x / {q.get('p99_ttft_ms', '')}x | "
+                     f"{q.get('median_tpot_ms', '')}x | {q.get('p99_itl_ms', '')}x |")
     return "\n".join(lines)
 
 
