@@ -189,3 +189,19 @@ def test_the_contract_checks_catch_what_they_forbid(tmp_path):
     reads = _runner_reads(fake, _runner_contract())
     assert reads == ["line 4: getattr(runner, ...)",
                      "line 5: runner.sliding_windows_of_my_own is not in ModelRunner"]
+
+
+def test_the_greedy_walk_opens_at_most_ten_files():
+    """docs/ARCHITECTURE.md's walk of one greedy request, generate() to the CPU attention kernel:
+    the files it opens exist, and there are at most 10 of them (issue #26)."""
+    import re
+
+    text = (PACKAGE.parent / "docs" / "ARCHITECTURE.md").read_text()
+    m = re.search(r"The walk opens (\d+) package files: (.*?)\.\n", text, re.S)
+    assert m, "docs/ARCHITECTURE.md no longer states the walk's files"
+    names = [n.strip() for n in re.split(r"[,;]", m.group(2).replace("\n", " "))]
+    assert len(names) == int(m.group(1)) <= 10, names
+    roots = {"engine": PACKAGE, "runner": PACKAGE, "ops": PACKAGE, "python": PACKAGE.parent,
+             "csrc": PACKAGE.parent}
+    missing = [n for n in names if not (roots[n.split("/")[0]] / n).is_file()]
+    assert not missing, missing

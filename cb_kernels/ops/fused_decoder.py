@@ -23,7 +23,7 @@ import torch
 from cb_kernels import _C
 from cb_kernels.ops._backend import DTYPE_CODES, sync_threads
 from cb_kernels.ops.linear import PackedLinear
-from cb_kernels.ops.paged_attention.checks import check_args, check_values
+from cb_kernels.ops.paged_attention import check_args, check_values
 
 
 class FusedDecoder:

@@ -336,5 +336,59 @@ Status rope_write_kv(const RopeWriteKvParams& p) {
 }
 
 }  // namespace CBK_CPU_NS
+
+#if CBK_CPU_PORTABLE
+// The run-time pick (cb_kernels/isa.h): bodies portable and avx2; silu_mul also avx512_bf16.
+#if CBK_X86_BODIES
+#define CBK_DECLARE_ELEMENTWISE(ns)                    \
+  namespace ns {                                      \
+  Status rms_norm(const RmsNormParams& p);            \
+  Status silu_mul(const SiluMulParams& p);            \
+  Status rope(const RopeParams& p);                   \
+  Status rope_write_kv(const RopeWriteKvParams& p);   \
+  }
+CBK_DECLARE_ELEMENTWISE(cpu_avx2)
+CBK_DECLARE_ELEMENTWISE(cpu_avx512_bf16)
+#undef CBK_DECLARE_ELEMENTWISE
+#endif
+
+namespace cpu {
+namespace {
+constexpr Isa kBodies[] = {Isa::kPortable, Isa::kAvx2};
+constexpr Isa kSiluMulBodies[] = {Isa::kPortable, Isa::kAvx2, Isa::kAvx512Bf16};
+}  // namespace
+
+Status rms_norm(const RmsNormParams& p, Isa isa) {
+#if CBK_X86_BODIES
+  if (pick(isa, kBodies) == Isa::kAvx2) return cpu_avx2::rms_norm(p);
+#endif
+  return cpu_portable::rms_norm(p);
+}
+
+Status silu_mul(const SiluMulParams& p, Isa isa) {
+#if CBK_X86_BODIES
+  // 16 lanes and vcvtneps2bf16 where the CPU has AVX512-BF16; the avx2 body's bits (tests)
+  if (pick(isa, kSiluMulBodies) == Isa::kAvx512Bf16) return cpu_avx512_bf16::silu_mul(p);
+  if (pick(isa, kBodies) == Isa::kAvx2) return cpu_avx2::silu_mul(p);
+#endif
+  return cpu_portable::silu_mul(p);
+}
+
+Status rope(const RopeParams& p, Isa isa) {
+#if CBK_X86_BODIES
+  if (pick(isa, kBodies) == Isa::kAvx2) return cpu_avx2::rope(p);
+#endif
+  return cpu_portable::rope(p);
+}
+
+Status rope_write_kv(const RopeWriteKvParams& p, Isa isa) {
+#if CBK_X86_BODIES
+  if (pick(isa, kBodies) == Isa::kAvx2) return cpu_avx2::rope_write_kv(p);
+#endif
+  return cpu_portable::rope_write_kv(p);
+}
+}  // namespace cpu
+#endif
+
 }  // namespace cbk
 

@@ -363,6 +363,12 @@ Status greedy_head(const GreedyHeadParams& p) {
 }  // namespace CBK_CPU_NS
 
 #if CBK_CPU_PORTABLE
+#if CBK_X86_BODIES
+namespace cpu_avx512_vnni {
+Status greedy_head(const GreedyHeadParams& p);
+}
+#endif
+
 // Packing has no ISA-specific path: built once.
 namespace cpu {
 using namespace CBK_CPU_NS;  // the constants and helpers above
@@ -424,6 +430,16 @@ Status greedy_head_pack(const GreedyHeadPackParams& p) {
   }
   if (bad) return Status::Error("greedy_head_pack: the weight holds a non-finite or huge (> 1e15) value");
   return Status::Ok();
+}
+
+// The run-time pick (cb_kernels/isa.h): bodies portable and avx512_vnni.
+Isa greedy_head_isa(Isa isa) { return pick(isa, {Isa::kPortable, Isa::kAvx512Vnni}); }
+
+Status greedy_head(const GreedyHeadParams& p, Isa isa) {
+#if CBK_X86_BODIES
+  if (greedy_head_isa(isa) == Isa::kAvx512Vnni) return cpu_avx512_vnni::greedy_head(p);
+#endif
+  return cpu_portable::greedy_head(p);
 }
 }  // namespace cpu
 #endif

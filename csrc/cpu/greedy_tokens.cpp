@@ -84,5 +84,25 @@ Status greedy_tokens(const GreedyTokensParams& p) {
 }
 
 }  // namespace CBK_CPU_NS
+
+#if CBK_CPU_PORTABLE
+// The run-time pick (cb_kernels/isa.h): bodies portable and avx2.
+#if CBK_X86_BODIES
+namespace cpu_avx2 {
+Status greedy_tokens(const GreedyTokensParams& p);
+}
+#endif
+
+namespace cpu {
+Status greedy_tokens(const GreedyTokensParams& p, Isa isa) {
+#if CBK_X86_BODIES
+  constexpr Isa kBodies[] = {Isa::kPortable, Isa::kAvx2};
+  if (pick(isa, kBodies) == Isa::kAvx2) return cpu_avx2::greedy_tokens(p);
+#endif
+  return cpu_portable::greedy_tokens(p);
+}
+}  // namespace cpu
+#endif
+
 }  // namespace cbk
 

@@ -221,6 +221,15 @@ Status linear(const LinearParams& p) {
 }  // namespace CBK_CPU_NS
 
 #if CBK_CPU_PORTABLE
+#if CBK_X86_BODIES
+namespace cpu_avx2 {
+Status linear(const LinearParams& p);
+}
+namespace cpu_avx512 {
+Status linear(const LinearParams& p);
+}
+#endif
+
 // Packing has no ISA-specific path: built once.
 namespace cpu {
 using namespace CBK_CPU_NS;  // the constants and helpers above
@@ -243,6 +252,20 @@ Status linear_pack(const LinearPackParams& p) {
     }
   }
   return Status::Ok();
+}
+
+// The run-time pick (cb_kernels/isa.h): bodies portable, avx2 and avx512.
+Isa linear_isa(Isa isa) { return pick(isa, {Isa::kPortable, Isa::kAvx2, Isa::kAvx512}); }
+
+Status linear(const LinearParams& p, Isa isa) {
+#if CBK_X86_BODIES
+  switch (linear_isa(isa)) {
+    case Isa::kAvx512: return cpu_avx512::linear(p);
+    case Isa::kAvx2: return cpu_avx2::linear(p);
+    default: break;
+  }
+#endif
+  return cpu_portable::linear(p);
 }
 }  // namespace cpu
 #endif

@@ -155,6 +155,12 @@ Status linear_bf16(const LinearBf16Params& p) {
 }  // namespace CBK_CPU_NS
 
 #if CBK_CPU_PORTABLE
+#if CBK_X86_BODIES
+namespace cpu_avx512_bf16 {
+Status linear_bf16(const LinearBf16Params& p);
+}
+#endif
+
 namespace cpu {
 Status linear_bf16_pack(const LinearBf16PackParams& p) {
   if (p.n <= 0 || p.k <= 0 || p.weight_stride < p.k)
@@ -175,6 +181,16 @@ Status linear_bf16_pack(const LinearBf16PackParams& p) {
     }
   }
   return Status::Ok();
+}
+
+// The run-time pick (cb_kernels/isa.h): bodies portable and avx512_bf16.
+Isa linear_bf16_isa(Isa isa) { return pick(isa, {Isa::kPortable, Isa::kAvx512Bf16}); }
+
+Status linear_bf16(const LinearBf16Params& p, Isa isa) {
+#if CBK_X86_BODIES
+  if (linear_bf16_isa(isa) == Isa::kAvx512Bf16) return cpu_avx512_bf16::linear_bf16(p);
+#endif
+  return cpu_portable::linear_bf16(p);
 }
 }  // namespace cpu
 #endif

@@ -310,5 +310,43 @@ Status paged_attention(const PagedAttentionParams& p) {
 }
 
 }  // namespace CBK_CPU_NS
+
+#if CBK_CPU_PORTABLE
+// The run-time pick (cb_kernels/isa.h): bodies portable and avx2, and avx512_bf16 for bf16 K/V.
+#if CBK_X86_BODIES
+namespace cpu_avx2 {
+Status paged_attention(const PagedAttentionParams& p);
+}
+namespace cpu_avx512_bf16 {
+Status paged_attention(const PagedAttentionParams& p);
+}
+#endif
+
+namespace cpu {
+namespace {
+constexpr Isa kBodies[] = {Isa::kPortable, Isa::kAvx2};
+constexpr Isa kBf16Bodies[] = {Isa::kPortable, Isa::kAvx2, Isa::kAvx512Bf16};
+}  // namespace
+
+Isa paged_attention_isa(Isa isa) { return pick(isa, kBodies); }
+Isa paged_attention_bf16_isa(int64_t head_dim, Isa isa) {
+  const Isa b = pick(isa, kBf16Bodies);
+  return b == Isa::kAvx512Bf16 && head_dim % 32 != 0 ? pick(isa, kBodies) : b;
+}
+
+Status paged_attention(const PagedAttentionParams& p, Isa isa) {
+#if CBK_X86_BODIES
+  // bf16 K/V with head_dim % 32 == 0: the vdpbf16ps kernel where the CPU has AVX512-BF16 (the
+  // fp32 math of the avx2 body otherwise: its AVX-512 compile was slower, see above).
+  if (p.dtype == DType::kBFloat16 &&
+      paged_attention_bf16_isa(p.head_dim, isa) == Isa::kAvx512Bf16)
+    return cpu_avx512_bf16::paged_attention(p);
+  if (pick(isa, kBodies) == Isa::kAvx2) return cpu_avx2::paged_attention(p);
+#endif
+  return cpu_portable::paged_attention(p);
+}
+}  // namespace cpu
+#endif
+
 }  // namespace cbk
 

@@ -10,8 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from cb_kernels import ops
-from cb_kernels.ops.paged_attention.checks import check_args
-from cb_kernels.ops.paged_attention import _run_cpu
+from cb_kernels.ops.paged_attention import _run_cpu, check_args
 from cb_kernels.ops.reference import ref_paged_attention
 from paged_attention_cases import CASES, Case, build, kwargs, tolerance
 
