@@ -7,7 +7,8 @@ unknown fields are refused, so a typo ("max_token") is reported instead of silen
 fields that OpenAI clients send but this server does not act on are accepted and ignored (`user`,
 `store`, `metadata`, `service_tier`, `parallel_tool_calls`); fields it cannot honour (`tools`,
 `echo`, `suffix`, `best_of` > n) are refused by name. `response_format` (json_object, json_schema;
-both endpoints) becomes SamplingParams.structured (`structured_output`).
+both endpoints), and vLLM's `structured_outputs` {json, regex, choice, json_object} and older
+`guided_json|regex|choice`, become SamplingParams.structured (`structured_output`).
 """
 from __future__ import annotations
 
@@ -75,6 +76,16 @@ class ResponseFormat(_Strict):
     json_schema: Optional[JsonSchemaFormat] = None
 
 
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs` (its extra_body field): exactly one of these."""
+
+    json: Optional[Union[dict[str, Any], str]] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    json_object: Optional[bool] = None
+    grammar: Optional[str] = None          # refused by name: no EBNF grammars here
+
+
 class _Request(_Strict):
     """The fields both endpoints share (OpenAI's, then the extensions vLLM also takes)."""
 
@@ -99,6 +110,10 @@ class _Request(_Strict):
     include_stop_str_in_output: bool = False
     stop_token_ids: Optional[list[int]] = None
     response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputs] = None       # vLLM's name
+    guided_json: Optional[Union[dict[str, Any], str]] = None     # vLLM's older names
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
     # for RL clients (TRL's VLLMClient), as vLLM: the prompt's and each choice's token ids in the
     # answer; logprob tokens spelled "token_id:N" (a token's text may not map back to one id)
     return_token_ids: bool = False
@@ -224,15 +239,56 @@ def param_named_in(message: str, default: Optional[str]) -> Optional[str]:
     return best[1] if best else default
 
 
-def structured_output(req: _Request) -> Optional[StructuredOutput]:
-    """The StructuredOutput of `req.response_format` (None for text); RequestError naming the
-    field. The grammar is compiled later, off the event loop (routes.py)."""
+def _vllm_structured(req: _Request) -> dict:
+    """{field path: StructuredOutput keyword} of vLLM's names set on `req`."""
+    asked = {}
+    so = req.structured_outputs
+    if so is not None:
+        if so.grammar is not None:
+            raise RequestError("structured_outputs.grammar (EBNF) is not supported by this "
+                               "server; use json, regex, choice or json_object",
+                               "structured_outputs.grammar")
+        for field, key in (("json", "json_schema"), ("regex", "regex"), ("choice", "choice"),
+                           ("json_object", "json_object")):
+            value = getattr(so, field)
+            if value is not None and value is not False:
+                asked[f"structured_outputs.{field}"] = (key, value)
+    for field, key in (("guided_json", "json_schema"), ("guided_regex", "regex"),
+                       ("guided_choice", "choice")):
+        if getattr(req, field) is not None:
+            asked[field] = (key, getattr(req, field))
+    return asked
+
+
+def structured_field(req: _Request) -> str:
+    """The request field a structured output came from (what a compile error names)."""
+    vllm = _vllm_structured(req)
+    if vllm:
+        return next(iter(vllm))
     rf = req.response_format
-    if rf is None or rf.type == "text":
+    return "response_format" + (".json_schema.schema" if rf and rf.type == "json_schema" else "")
+
+
+def structured_output(req: _Request) -> Optional[StructuredOutput]:
+    """The StructuredOutput of `req.response_format`, or of vLLM's `structured_outputs` /
+    `guided_json|regex|choice` (None for none or text); RequestError naming the field. The
+    grammar is compiled later, off the event loop (routes.py)."""
+    rf = req.response_format
+    vllm = _vllm_structured(req)
+    formats = ([] if rf is None or rf.type == "text" else ["response_format"]) + list(vllm)
+    if not formats:
         return None
+    if len(formats) > 1:
+        raise RequestError(f"one structured output at a time: got {', '.join(formats)}",
+                           formats[1])
     if req.min_tokens:
-        raise RequestError("min_tokens cannot be combined with a response_format other than "
-                           "text: the format decides where the output ends", "min_tokens")
+        raise RequestError("min_tokens cannot be combined with a structured output (the format "
+                           "decides where the output ends)", "min_tokens")
+    if vllm:
+        (where, (key, value)), = vllm.items()
+        if key == "choice" and not value:
+            raise RequestError(f"{where} is an empty list", where)
+        return StructuredOutput(**{key: value})
     if rf.type == "json_object":
         return StructuredOutput(json_object=True)
     if rf.json_schema is None or rf.json_schema.schema_ is None:

@@ -44,7 +44,8 @@ from cb_kernels.serve.prompts import Prompts
 from cb_kernels.serve.protocol import (ChatRequest, CompletionRequest, RequestError,
                                        check_duplicate_keys, check_unsupported,
                                        error_body, prompt_error, requested_max_tokens,
-                                       sampling_params, structured_output, validation_error)
+                                       sampling_params, structured_field, structured_output,
+                                       validation_error)
 
 RETRY_AFTER_S = 1
 
@@ -190,7 +191,7 @@ class _State:
         self.check_fan_out(req, count)
         structured = structured_output(req)
         if structured is not None:     # a compile can take long: never on the event loop
-            await asyncio.to_thread(self.compile, structured)
+            await asyncio.to_thread(self.compile, structured, structured_field(req))
         prompts = await aio_loop.run_in_executor(self.pool, self.prompts.of, req)
         tickets = self.tickets(req, prompts, chat, structured)
         queue = asyncio.Queue()
@@ -255,17 +256,16 @@ class _State:
         except ValidationError as e:
             raise validation_error(e) from None
 
-    def compile(self, structured) -> None:
-        """Compile `structured`'s grammar into the engine's cache (run on a worker thread)."""
+    def compile(self, structured, field: str) -> None:
+        """Compile `structured`'s grammar (asked for by the request field `field`) into the
+        engine's cache (run on a worker thread)."""
         try:
             self.engine.grammars.compile(structured)
         except ValueError as e:
-            param = "response_format" + (".json_schema.schema" if structured.json_schema
-                                         is not None else "")
-            raise RequestError(str(e), param, code="invalid_response_format") from None
+            raise RequestError(str(e), field, code="invalid_response_format") from None
         except ImportError as e:
             raise RequestError(f"this server cannot do structured output ({e})",
-                               "response_format", code="unsupported_response_format") from None
+                               field, code="unsupported_response_format") from None
 
     def tickets(self, req, prompts: list, chat: bool, structured=None) -> list:
         base = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]

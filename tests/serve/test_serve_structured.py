@@ -129,3 +129,46 @@ def test_bad_response_format_is_a_400_naming_it(server, response_format, param, 
         "response_format": {"type": "json_object"}})
     assert status == 400 and body["error"]["param"] == "min_tokens", body
     assert server.health()["status"] == "ok"
+
+
+def test_vllm_names_structured_outputs_and_guided(server):
+    """vLLM's extra_body names: `structured_outputs` {json, regex, choice, json_object} and the
+    older `guided_json|regex|choice`; the openai client sends them through extra_body."""
+    r = server.client.chat.completions.create(
+        model=NAME, messages=MESSAGES, max_tokens=60, temperature=0,
+        extra_body={"structured_outputs": {"json": PERSON}})
+    jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+    for body, check in [
+            ({"structured_outputs": {"choice": ["yes", "no", "maybe"]}},
+             lambda t: t in ("yes", "no", "maybe")),
+            ({"guided_choice": ["left", "right"]}, lambda t: t in ("left", "right")),
+            ({"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}},
+             lambda t: len(t) == 6 and t[:3].isdigit() and t[3] == "-" and t[4:].isalpha()),
+            ({"guided_regex": "(ab|cd){2}"}, lambda t: t in ("abab", "abcd", "cdab", "cdcd")),
+            ({"guided_json": json.dumps(PERSON)},
+             lambda t: jsonschema.validate(json.loads(t), PERSON) is None)]:
+        status, answer, _ = server.post("/v1/completions", {
+            "model": NAME, "prompt": "A:", "max_tokens": 60, "temperature": 1.0, "seed": 3,
+            "n": 3, **body})
+        assert status == 200, (body, answer)
+        for c in answer["choices"]:
+            assert c["finish_reason"] == "stop" and check(c["text"]), (body, c)
+
+
+@pytest.mark.parametrize("extra, param, words", [
+    ({"structured_outputs": {"grammar": "root ::= 'a'"}}, "structured_outputs.grammar",
+     "not supported"),
+    ({"structured_outputs": {"json": {"type": "objec"}}}, "structured_outputs.json",
+     "Invalid type: objec"),
+    ({"guided_regex": "(("}, "guided_regex", "unclosed group"),
+    ({"guided_choice": []}, "guided_choice", "empty"),
+    ({"structured_outputs": {"jsn": {}}}, "structured_outputs.jsn", ""),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex",
+     "one structured output at a time"),
+], ids=["grammar", "bad-schema", "bad-regex", "empty-choice", "unknown-key", "two"])
+def test_bad_vllm_structured_is_a_400_naming_it(server, extra, param, words):
+    status, body, _ = server.post("/v1/chat/completions", {
+        "model": NAME, "messages": MESSAGES, "max_tokens": 8, **extra})
+    assert status == 400, body
+    assert body["error"]["param"] == param and words in body["error"]["message"], body
+    assert server.health()["status"] == "ok"
