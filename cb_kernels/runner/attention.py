@@ -160,7 +160,7 @@ class AttentionSwitch:
         self.lock.release()
 
 
-class PerCallLayerIdx:
+class PerCallLayerIdx(forward_context.ForwardSwap):
     """Context manager for attention modules shared by several layers (Zamba2's one attention
     block, built with layer_idx=-1, whose forward takes the calling layer's `layer_idx`): inside
     it each such module's forward sets `module.layer_idx` to the call's layer_idx for the call,
@@ -179,25 +179,9 @@ class PerCallLayerIdx:
                 continue
             if "layer_idx" in params and "layer_idx" in _source_of(type(module)):
                 self.modules.append((module, params.index("layer_idx") - 1))
-        self._saved: list = []
 
-    def __enter__(self):
-        self._saved = []
-        for module, pos in self.modules:
-            self._saved.append((module, module.__dict__.get("forward", _MISSING)))
-            module.forward = _per_call(module, pos)
-        return self
-
-    def __exit__(self, *exc):
-        for module, forward in self._saved:
-            if forward is _MISSING:
-                del module.forward
-            else:
-                module.forward = forward
-        self._saved = []
-
-
-_MISSING = object()
+    def forwards(self):
+        return [(module, _per_call(module, pos)) for module, pos in self.modules]
 
 
 def _source_of(cls) -> str:

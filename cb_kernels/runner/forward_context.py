@@ -18,6 +18,9 @@ inside a local_only construction) sees the outer fields too; leaving restores th
 also on an error, so nothing of a step outlives its forward. Per thread: two engines stepping
 one model in two threads (under the model's lock, runner/attention.model_lock) or a probe in
 another thread never read each other's step.
+
+`ForwardSwap` is the one way a `with` block puts forwards of the runner's on modules and takes
+them off again (the stateful layers' wrappers, per-call layer indices).
 """
 from __future__ import annotations
 
@@ -57,3 +60,33 @@ def entered(**fields):
         yield _LOCAL.ctx
     finally:
         _LOCAL.ctx = outer
+
+
+class ForwardSwap:
+    """Base of the context managers that put forwards of their own on some modules for a `with`
+    block (state_switch.StateSwitch, attention.PerCallLayerIdx): `forwards()` gives the (module,
+    forward) pairs; leaving puts back what each instance had (its own `forward` attribute, or
+    none, so the class's runs again). Not reentrant."""
+
+    _saved: list = []
+
+    def forwards(self):
+        raise NotImplementedError
+
+    def __enter__(self):
+        self._saved = []
+        for module, forward in self.forwards():
+            self._saved.append((module, module.__dict__.get("forward", _MISSING)))
+            module.forward = forward
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for module, forward in self._saved:
+            if forward is _MISSING:
+                del module.forward
+            else:
+                module.forward = forward
+        self._saved = []
+
+
+_MISSING = object()

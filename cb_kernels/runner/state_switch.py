@@ -132,7 +132,7 @@ class _Wrapped:
         return out if rest is None else (out, *rest)
 
 
-class StateSwitch:
+class StateSwitch(forward_context.ForwardSwap):
     """Context manager: inside it each stateful module of `modules` (layer_idx -> module) runs
     through _Wrapped, which splits the forward context's `state` (a StateStep; None: the module's
     own forward, as in the probe). Leaving restores the modules' own forwards. Not reentrant."""
@@ -143,7 +143,6 @@ class StateSwitch:
         self._wrapped = [(m, _Wrapped(m, idx, pool)) for idx, group in modules.items()
                          for m in group]
         self.stepwise = stepwise
-        self._saved: list = []
 
     @property
     def stepwise(self) -> bool:
@@ -156,19 +155,5 @@ class StateSwitch:
         for _, w in self._wrapped:
             w.stepwise = self._stepwise
 
-    def __enter__(self) -> "StateSwitch":
-        for module, wrapped in self._wrapped:
-            self._saved.append((module, module.__dict__.get("forward", _MISSING)))
-            module.forward = wrapped
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for module, forward in self._saved:
-            if forward is _MISSING:
-                del module.forward
-            else:
-                module.forward = forward
-        self._saved = []
-
-
-_MISSING = object()
+    def forwards(self):
+        return self._wrapped

@@ -161,12 +161,12 @@ def test_fused_decoder_gives_the_python_loops_bits(kind, overrides, dtype):
     assert both.fused._table          # the native call ran
 
 
-def test_fused_decoder_is_not_used_where_it_does_not_fit():
+def test_fused_decoder_is_not_used_where_it_does_not_fit(monkeypatch):
     # q/k norms (Qwen3): the Python loop
     assert _engine(make_model("qwen3")).runner.fused.native is None
     # our packed kernel switched off: the loop over oneDNN or F.linear
     engine = _engine(make_model())
-    packed_linears.GEMM = "torch"
+    monkeypatch.setattr(packed_linears, "GEMM", "torch")
     engine.runner.refresh_weights()
     assert engine.runner.fused._native_table(_FakeStep(engine.runner)) is None
 
