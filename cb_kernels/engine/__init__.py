@@ -22,7 +22,8 @@ the ModelRunner protocol (cb_kernels/runner), the kernels behind cb_kernels.ops.
     offload.py        OffloadManager: the host pool and block swaps
     preemption.py     swap or recompute: the policy
     swapper.py        Swapper: the scheduler's view of offload
-    distributed.py    tensor parallelism, the engine's side: process group, agreed config
+    distributed.py    tensor parallelism, the engine's side: process group, build_runner (this
+                      rank's runner), the runner checked and the config agreed
     launcher.py       spawn: the ranks of a tensor-parallel run on one machine
 """
 from cb_kernels.engine.config import (CompletionOutput, EngineConfig, RequestMetrics, RequestOutput,

@@ -1,18 +1,26 @@
-"""Tensor parallelism, the engine's side: the process group, the agreed config, and the front end
-on every rank. The split model and the runners that keep the ranks in step live below the engine
-(runner/tensor_parallel/); starting the processes lives in engine/launcher.py.
+"""Tensor parallelism, the engine's side: the process group, this rank's runner built over it,
+the agreed config, and the front end on every rank. The split model and the runners that keep
+the ranks in step live below the engine (runner/tensor_parallel/); starting the processes lives in
+engine/launcher.py.
 
-Every rank builds the same model and the same `Engine(model, EngineConfig(tensor_parallel_size=
-N))`. `setup` checks the sizes (tensor_parallel.check_shardable: numbers in the message) and the
+Two ways in, the same on every rank (each builds the same model):
+
+    engine = Engine(model, EngineConfig(tensor_parallel_size=N))          # the short path
+    runner = build_runner(model, config)                                  # or: the runner first
+    engine = Engine(model, config, runner=runner)
+
+`build_runner` checks the sizes (tensor_parallel.check_shardable: numbers in the message) and the
 process group (torchrun's environment or one the caller initialised; the world size must be N),
-selects this rank's GPU (cuda:LOCAL_RANK) before any collective, splits the model in place and
-makes the groups: the model's collectives on gloo (CPU) or NCCL (CUDA), the step channel's
-headers on gloo, both with `EngineConfig.tensor_parallel_timeout_s`.
+selects this rank's GPU (cuda:LOCAL_RANK) before any collective, splits the model in place, makes
+the groups (the model's collectives on gloo (CPU) or NCCL (CUDA), the step channel's headers on
+gloo, both with `EngineConfig.tensor_parallel_timeout_s`) and returns rank 0's DriverRunner or
+another rank's FollowerRunner (runner/tensor_parallel/runners.py). The Engine adopts it through
+`TensorParallel`, which only checks it against the config and the model, switches off what TP
+does not run, and agrees the KV pool size over the process group.
 
-Rank 0 owns every decision: scheduler, block manager, prefix cache, sampler; its runner is a
-DriverRunner, the others' a FollowerRunner (runner/tensor_parallel/runners.py). `generate` and
-`stream` run on rank 0 while the other ranks follow; rank 0 then ends the session with the
-outputs, so every rank's `generate` returns the same list.
+Rank 0 owns every decision: scheduler, block manager, prefix cache, sampler. `generate` and
+`stream` run on rank 0 while the other ranks' runners serve its steps; rank 0 then ends the
+session with the outputs, so every rank's `generate` returns the same list.
 
 Failure: any error inside a tensor-parallel step breaks the channel: that step's requests fail,
 every later step fails at once, and `generate` raises TensorParallelError naming the rank and the
@@ -33,12 +41,14 @@ from typing import Iterator, Optional
 import torch
 
 from cb_kernels.engine import frontend, sizing
-from cb_kernels.runner import tensor_parallel
+from cb_kernels.runner import TransformersRunner, tensor_parallel
+from cb_kernels.runner.base import TensorParallelRunner
 from cb_kernels.runner.tensor_parallel import StepChannel, TensorParallelError
 
 logger = logging.getLogger("cb_kernels.engine")
 
-__all__ = ["setup", "building", "select_device", "TensorParallel", "TensorParallelError"]
+__all__ = ["build_runner", "setup", "adopt", "select_device", "TensorParallel",
+           "TensorParallelError", "generate", "stream"]
 
 
 def _torchrun_env() -> bool:
@@ -55,17 +65,12 @@ def select_device(device: torch.device) -> torch.device:
     return torch.device("cuda", local)
 
 
-def setup(model, config, runner=None) -> Optional["TensorParallel"]:
-    """The TensorParallel of this rank, or None when tensor_parallel_size is 1. Raises
-    ValueError/RuntimeError (with the numbers) for sizes that cannot split or a missing or
-    mismatched process group."""
+def _check_config(model, config) -> None:
+    """What tensor parallelism refuses before anything splits (ValueError/TypeError)."""
     n = config.tensor_parallel_size
     if n == 1:
-        return None
-    if runner is not None:
-        raise ValueError(f"tensor_parallel_size={n} builds its own runner (a DriverRunner or "
-                         "FollowerRunner over this rank's shard); a runner= cannot be given with "
-                         "it")
+        raise ValueError("tensor parallelism needs EngineConfig(tensor_parallel_size=N) with "
+                         "N > 1 (the number of ranks, the same config on every rank), got 1")
     if not hasattr(model, "config") or not callable(getattr(model, "get_output_embeddings",
                                                             None)):
         raise TypeError(f"model must be a transformers causal LM, got {type(model).__name__}")
@@ -73,6 +78,14 @@ def setup(model, config, runner=None) -> Optional["TensorParallel"]:
         raise ValueError(f"tensor_parallel_size={n} preempts by recompute only (a swap would "
                          "have to move every rank's KV blocks in step): use preemption='auto' or "
                          "'recompute' and no cpu_offload_gib")
+
+
+def setup(model, config) -> StepChannel:
+    """This rank's StepChannel over a process group of tensor_parallel_size ranks, with the model
+    split in place for this rank. Raises ValueError/RuntimeError (with the numbers) for sizes that
+    cannot split or a missing or mismatched process group."""
+    _check_config(model, config)
+    n = config.tensor_parallel_size
     tensor_parallel.check_shardable(model, n)
     dist = torch.distributed
     if not dist.is_available():
@@ -107,31 +120,67 @@ def setup(model, config, runner=None) -> Optional["TensorParallel"]:
     else:
         group = control = dist.new_group(backend="gloo", timeout=timeout)
     tensor_parallel.shard_model(model, rank, n, group)
-    channel = StepChannel(rank, n, group, control, device, config.tensor_parallel_timeout_s)
-    return TensorParallel(channel, config)
+    return StepChannel(rank, n, group, control, device, config.tensor_parallel_timeout_s)
 
 
-def building(tp: Optional["TensorParallel"]):
-    """Context of the runner's construction: its probes run on each rank alone."""
-    return tensor_parallel.local_only() if tp is not None else contextlib.nullcontext()
+def build_runner(model, config):
+    """This rank's tensor-parallel runner over `model` (split in place here): a DriverRunner on
+    rank 0, a FollowerRunner on the others. Call it on every rank with the same model and config
+    (EngineConfig(tensor_parallel_size=N), N > 1), then `Engine(model, config, runner=runner)` on
+    every rank. Raises as `setup` does."""
+    channel = setup(model, config)
+    with tensor_parallel.local_only():        # the runner's probes run on each rank alone
+        local = TransformersRunner(
+            model, attention_backend=config.attention_backend, pack_weights=config.pack_weights,
+            greedy_head=config.greedy_head, cuda_graphs=False,
+            available_host_bytes=sizing.host_available_bytes()
+            if config.pack_weights == "auto" else None)
+    return tensor_parallel.make_runner(local, channel)
+
+
+def adopt(model, config, runner) -> Optional["TensorParallel"]:
+    """The engine's TensorParallel for `runner`, or None for a runner of one process (then
+    tensor_parallel_size must be 1). Raises ValueError naming the mismatch."""
+    if isinstance(runner, TensorParallelRunner):
+        return TensorParallel(model, config, runner)
+    if config.tensor_parallel_size > 1:
+        raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} needs a "
+                         f"tensor-parallel runner, got a {type(runner).__name__}: pass no "
+                         "runner= (the Engine builds it) or runner=build_runner(model, config) "
+                         "(cb_kernels.engine.distributed), on every rank")
+    return None
 
 
 class TensorParallel:
-    """One rank's side of a tensor-parallel Engine (see the module docstring)."""
+    """The engine's side of a tensor-parallel runner: the runner checked against the config, the
+    model and the process group; the config with what TP switches off; the agreed pool size."""
 
-    def __init__(self, channel: StepChannel, config):
-        self.channel, self.rank, self.size = channel, channel.rank, channel.size
+    def __init__(self, model, config, runner):
+        n, where = runner.world_size, f"rank {runner.rank} of {runner.world_size}"
+        if config.tensor_parallel_size != n:
+            raise ValueError(f"EngineConfig(tensor_parallel_size={config.tensor_parallel_size}), "
+                             f"but the runner is {where}: pass every rank the config its runner "
+                             "was built with")
+        _check_config(model, config)
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and \
+                (dist.get_world_size(), dist.get_rank()) != (n, runner.rank):
+            raise ValueError(f"the runner is {where} ({type(runner).__name__}), but this process "
+                             f"is rank {dist.get_rank()} of {dist.get_world_size()}: build each "
+                             "rank's runner on that rank (build_runner(model, config))")
+        info = tensor_parallel.info_of(model)
+        if info is None or (info.rank, info.size) != (runner.rank, n):
+            split = "not split" if info is None else f"split as rank {info.rank} of {info.size}"
+            raise ValueError(f"the model is {split}, but the runner is {where}: pass the model "
+                             "the runner was built from (build_runner(model, config) splits it)")
+        self.channel, self.rank, self.size = runner.channel, runner.rank, n
         self.auto_blocks = config.num_blocks is None
-        changes = {}
-        if config.cuda_graphs is not False and channel.device.type == "cuda":
+        if config.cuda_graphs is not False and self.channel.device.type == "cuda":
             logger.info("cuda_graphs: off under tensor parallelism (collectives are not captured)")
-        changes["cuda_graphs"] = False
-        changes["cpu_offload_gib"] = 0.0
         if self.rank == 0:
             logger.info("tensor parallelism: %d ranks, rank 0 drives (no host swap pool: "
                         "preemption by recompute)", self.size)
-        self.config = dataclasses.replace(config, **changes)
-        self.follower = None        # this rank's FollowerRunner (ranks other than 0)
+        self.config = dataclasses.replace(config, cuda_graphs=False, cpu_offload_gib=0.0)
 
     def agree(self, resolved):
         """The resolved config every rank uses: the smallest KV pool any rank can hold. On CPU an
@@ -151,63 +200,46 @@ class TensorParallel:
         return sizing.replace(resolved, num_blocks=int(blocks), preemption="recompute",
                               cpu_offload_gib=0.0)
 
-    def runner(self, local):
-        """This rank's runner around its local one (runner/tensor_parallel/runners.py)."""
-        runner = tensor_parallel.make_runner(local, self.channel)
-        if self.rank != 0:
-            self.follower = runner
-        return runner
 
-    def follow(self):
-        """Ranks other than 0: run rank 0's steps until it ends the session; returns what it
-        sent (rank 0's outputs)."""
-        if self.follower is None:
-            raise RuntimeError("follow() runs on the ranks other than 0; rank 0 steps the engine")
-        return self.follower.serve()
+# -- the front end on every rank (Engine.generate / Engine.stream with a tensor-parallel runner) --
+def generate(engine, prompts, params) -> list:
+    """Rank 0: frontend.generate, then the session ends with its outputs; the other ranks serve
+    rank 0's steps and return those outputs."""
+    runner = engine.runner
+    if runner.rank != 0:
+        return runner.serve()
+    try:
+        outputs = frontend.generate(engine, prompts, params)
+    except BaseException as e:
+        runner.release(None, f"{type(e).__name__}: {e}")
+        raise
+    runner.release(outputs)
+    return outputs
 
-    def release(self, outputs=None, error: Optional[str] = None) -> None:
-        """Rank 0: end the session; the other ranks' follow() returns `outputs`."""
-        self.channel.release(outputs, error)
 
-    def check(self) -> None:
-        if self.channel.broken is not None:
-            raise TensorParallelError(self.channel.broken)
-
-    # -- the front end on every rank ------------------------------------------------------------
-    def generate(self, engine, prompts, params) -> list:
-        if self.rank != 0:
-            return self.follow()
-        try:
-            outputs = frontend.generate(engine, prompts, params)
-        except BaseException as e:
-            self.release(None, f"{type(e).__name__}: {e}")
-            raise
-        self.release(outputs)
-        self.check()
-        return outputs
-
-    def stream(self, engine, prompts, params) -> Iterator:
-        """Rank 0: frontend.stream. The other ranks yield, once rank 0's stream ends, one output
-        per request with all its tokens (the deltas joined; outputs[0] only)."""
-        if self.rank != 0:
-            yield from self.follow()
-            return
-        tokens, texts, finished, error = {}, {}, [], None
-        try:
-            for out in frontend.stream(engine, prompts, params):
-                key = (out.request_id, out.outputs[0].index)
-                tokens.setdefault(key, []).extend(out.token_ids)
-                texts[key] = texts.get(key, "") + (out.text or "")
-                if out.finished:
-                    finished.append(dataclasses.replace(
-                        out, token_ids=tokens[key], text=texts[key] if out.text is not None
-                        else None, outputs=[]))
-                yield out
-        except GeneratorExit:            # the caller stopped reading: the session ends here
-            raise
-        except BaseException as e:
-            error = f"{type(e).__name__}: {e}"
-            raise
-        finally:
-            self.release(finished, error)
-        self.check()
+def stream(engine, prompts, params) -> Iterator:
+    """Rank 0: frontend.stream. The other ranks yield, once rank 0's stream ends, one output
+    per request with all its tokens (the deltas joined; outputs[0] only)."""
+    runner = engine.runner
+    if runner.rank != 0:
+        yield from runner.serve()
+        return
+    tokens, texts, finished = {}, {}, []
+    try:
+        for out in frontend.stream(engine, prompts, params):
+            key = (out.request_id, out.outputs[0].index)
+            tokens.setdefault(key, []).extend(out.token_ids)
+            texts[key] = texts.get(key, "") + (out.text or "")
+            if out.finished:
+                finished.append(dataclasses.replace(
+                    out, token_ids=tokens[key], text=texts[key] if out.text is not None
+                    else None, outputs=[]))
+            yield out
+    except GeneratorExit:            # the caller stopped reading: the session ends here
+        with contextlib.suppress(TensorParallelError):
+            runner.release(finished)
+        raise
+    except BaseException as e:
+        runner.release(finished, f"{type(e).__name__}: {e}")
+        raise
+    runner.release(finished)

@@ -32,8 +32,9 @@ class Engine:
     The model runs as given (call model.eval() first if it has dropout layers); its config is
     switched to our attention only for the duration of each step. `seed` seeds the generator of
     sampled requests that have no seed of their own. `runner` replaces the default
-    TransformersRunner (cb_kernels.runner.ModelRunner says what it must provide). Not
-    thread-safe: call it from one thread.
+    TransformersRunner (cb_kernels.runner.ModelRunner says what it must provide); a
+    tensor-parallel runner (engine/distributed.build_runner, on every rank) makes this rank's
+    engine drive (rank 0) or follow. Not thread-safe: call it from one thread.
     """
 
     def __init__(self, model, config: Optional[EngineConfig] = None, tokenizer=None,
@@ -42,23 +43,25 @@ class Engine:
             config = EngineConfig()
         if not isinstance(config, EngineConfig):
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
-        # Tensor parallelism (engine/distributed.py): None at size 1, else splits the model.
-        self.tp = distributed.setup(model, config, runner)
-        if self.tp is not None:
-            config = self.tp.config       # with what TP switches off (logged)
-        self.config, self.tokenizer = config, tokenizer
+        if runner is None and config.tensor_parallel_size > 1:
+            # Tensor parallelism (engine/distributed.py): this rank's runner, the model split
+            runner = distributed.build_runner(model, config)
         own_runner = runner is None
         if runner is None:
-            with distributed.building(self.tp):
-                runner = TransformersRunner(
-                    model, attention_backend=config.attention_backend,
-                    pack_weights=config.pack_weights, greedy_head=config.greedy_head,
-                    cuda_graphs=config.cuda_graphs,
-                    available_host_bytes=sizing.host_available_bytes()
-                    if config.pack_weights == "auto" else None)
+            runner = TransformersRunner(
+                model, attention_backend=config.attention_backend,
+                pack_weights=config.pack_weights, greedy_head=config.greedy_head,
+                cuda_graphs=config.cuda_graphs,
+                available_host_bytes=sizing.host_available_bytes()
+                if config.pack_weights == "auto" else None)
         elif not isinstance(runner, ModelRunner):
             raise TypeError(f"runner must implement cb_kernels.runner.ModelRunner, got "
                             f"{type(runner).__name__}")
+        # A tensor-parallel runner: checked, its config agreed over the process group; else None
+        self.tp = distributed.adopt(model, config, runner)
+        if self.tp is not None:
+            config = self.tp.config       # with what TP switches off (logged)
+        self.config, self.tokenizer = config, tokenizer
         self.runner = r = runner
         state_bytes = r.state_bytes_per_seq     # stateful layers' state (0: none)
         self.resolved = c = resolve(config, ModelShape(r.num_layers, r.num_kv_heads, r.head_dim,
@@ -72,8 +75,6 @@ class Engine:
                                 c.max_num_seqs) \
             if own_runner and self.tp is None and not state_bytes and r.device.type == "cpu" \
             else 0.0
-        if self.tp is not None:      # rank 0 drives, the others follow (runner/tensor_parallel)
-            self.runner = r = self.tp.runner(r)
         self.block_manager = BlockManager(c.num_blocks, c.block_size, c.prefix_caching)
         if state_bytes:       # one state slot per running request (engine/state_slots.py)
             self.block_manager.state_slots = StateSlots(c.max_num_seqs, r.state_tensors,
@@ -211,7 +212,7 @@ class Engine:
         Tensor parallel: rank 0's prompts run; every rank returns their outputs."""
         self._check_runnable("generate()")
         if self.tp is not None:
-            return self.tp.generate(self, prompts, params)
+            return distributed.generate(self, prompts, params)
         return frontend.generate(self, prompts, params)
 
     def stream(self, prompts, params=None) -> Iterator[RequestOutput]:
@@ -219,7 +220,7 @@ class Engine:
         Tensor parallel: the other ranks yield rank 0's final outputs once it is done."""
         self._check_runnable("stream()")
         if self.tp is not None:
-            return self.tp.stream(self, prompts, params)
+            return distributed.stream(self, prompts, params)
         return frontend.stream(self, prompts, params)
 
     def _check_runnable(self, what: str) -> None:
@@ -236,18 +237,18 @@ class Engine:
 
     def follow(self):
         """Ranks other than 0 of a tensor-parallel engine: run rank 0's steps until rank 0
-        calls release(); returns what it released."""
+        calls release(); returns what it released (the runner's serve())."""
         if self.tp is None:
             raise RuntimeError("follow() is for the ranks other than 0 of a tensor-parallel "
                                "engine; this engine has tensor_parallel_size=1")
-        return self.tp.follow()
+        return self.runner.serve()
 
     def release(self, outputs=None) -> None:
         """Rank 0 of a tensor-parallel engine, after stepping it itself (add_request/step): end
         the session, so the other ranks' follow() returns `outputs`. A no-op without tensor
         parallelism."""
         if self.tp is not None:
-            self.tp.release(outputs)
+            self.runner.release(outputs)
 
     def check_weights(self) -> None:
         """If a parameter was written through torch or replaced since the last check

@@ -82,7 +82,6 @@ class OffloadManager:
         self.blocks_in = 0
         self.bytes_moved = 0
         self.failed_transfers = 0
-        self._copy_seconds = 0.0
         self.last_copy: tuple[int, float] | None = None   # (bytes, seconds) of a timed copy
 
     @property
@@ -178,14 +177,7 @@ class OffloadManager:
         if not self.orchestrator.asynchronous:
             # Issue time equals copy time only when the copy is synchronous.
             seconds = time.perf_counter() - start
-            self._copy_seconds += seconds
             self.last_copy = (nbytes, seconds)
-
-    def measured_bandwidth(self) -> float | None:
-        """Bytes/s of the synchronous swaps so far, or None before any was timed."""
-        if self._copy_seconds <= 0 or self.bytes_moved == 0:
-            return None
-        return self.bytes_moved / self._copy_seconds
 
     def stats(self) -> dict:
         """Its counters; EMPTY_STATS has the same keys (an engine without a host pool)."""

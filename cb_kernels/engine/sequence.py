@@ -119,11 +119,6 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def max_total_tokens(self) -> int:
-        """Tokens this request can ever hold in the cache: prompt + max_new_tokens - 1 (the last
-        sampled token is never fed back)."""
-        return self.num_prompt_tokens + self.params.max_new_tokens - 1
-
     def check_stop(self, token_id: int, tokenizer=None):
         """Finish reason after appending `token_id`, or None to keep going (stop_reason says
         which stop token id or stop string it was). Stop strings need `tokenizer`."""

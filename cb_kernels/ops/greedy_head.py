@@ -22,8 +22,6 @@ would differ: bf16 logits tie often (8 significant bits).
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from cb_kernels import _C
@@ -172,8 +170,3 @@ class GreedyHead:
             out[wide] = logits.argmax(dim=-1)
         return out
 
-
-def greedy_head_tokens(hidden_states: torch.Tensor, weight: torch.Tensor,
-                       head: Optional[GreedyHead] = None) -> torch.Tensor:
-    """One-shot form: argmax of hidden_states @ weight.T (packs the weight unless `head` is given)."""
-    return (head or GreedyHead(weight))(hidden_states)

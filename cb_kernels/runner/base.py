@@ -2,7 +2,8 @@
 
 The engine never touches the model; it hands each scheduled batch to its runner. A runner for
 another model kind implements these attributes and methods and is passed as
-`Engine(model, config, runner=...)`; TransformersRunner is the default one.
+`Engine(model, config, runner=...)`; TransformersRunner is the default one. A runner over one
+rank's shard of a model split across processes adds what TensorParallelRunner declares.
 """
 from __future__ import annotations
 
@@ -89,3 +90,27 @@ class ModelRunner(Protocol):
 
     def refresh_weights(self) -> None:
         """Rebuild every copy derived from the weights (packed linears, the greedy head)."""
+
+
+@runtime_checkable
+class TensorParallelRunner(ModelRunner, Protocol):
+    """A ModelRunner over one rank's shard of a model split across a torch.distributed process
+    group (runner/tensor_parallel/: DriverRunner on rank 0, FollowerRunner on the others; built by
+    engine/distributed.build_runner). Passed as `runner=` on every rank: the Engine agrees its
+    config over `channel` and, on the ranks other than 0, runs rank 0's steps through `serve`.
+
+    rank (0 drives: its engine schedules and samples) of world_size ranks; channel (the
+    StepChannel to the other ranks: `collective(fn, ...)` on its `control` group).
+    """
+
+    rank: int
+    world_size: int
+    channel: object
+
+    def serve(self):
+        """Ranks other than 0: run rank 0's steps until rank 0 ends the session; returns what
+        rank 0 passed to release()."""
+
+    def release(self, outputs=None, error: Optional[str] = None) -> None:
+        """Rank 0: end the session (the others' serve() returns `outputs`, or raises with
+        `error`)."""

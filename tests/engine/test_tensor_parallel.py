@@ -1,6 +1,8 @@
 """Tensor parallelism (engine/distributed.py, runner/tensor_parallel/): 2 CPU ranks over gloo,
 started here with torch.multiprocessing (spawn), one torch thread each. One start runs every
-token scenario; its tokens must be those of the same engine at tensor_parallel_size=1."""
+token scenario, through EngineConfig(tensor_parallel_size=2) alone or through
+Engine(runner=build_runner(...)); its tokens must be those of the same engine at
+tensor_parallel_size=1."""
 import os
 import time
 
@@ -10,7 +12,7 @@ import torch.multiprocessing as mp
 
 from cb_kernels import Engine, EngineConfig, SamplingParams
 from cb_kernels.engine import launcher
-from cb_kernels.engine.distributed import TensorParallelError
+from cb_kernels.engine.distributed import TensorParallelError, build_runner
 from cb_kernels.runner import tensor_parallel
 from helpers import make_model, random_prompts
 
@@ -91,6 +93,59 @@ def _head_ties(rank):
         return head.tokens(x).tolist(), torch.equal(head.logits(x), x @ w.T)
 
 
+def _error(fn):
+    """The text of the ValueError fn() raises (None if it raises none)."""
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _runner_api(rank):
+    """The runner way in: build_runner on every rank, Engine(runner=) on every rank; rank 0
+    generates, rank 1 serves through its runner alone. Then the wrong runners, each refused
+    before any collective (the ranks stay in step)."""
+    config = EngineConfig(tensor_parallel_size=2)
+    model = make_model("llama")
+    runner = build_runner(model, config)
+    engine = Engine(model, config, runner=runner)
+    kind = type(engine.runner).__name__
+    outs = engine.generate(_prompts(1), GREEDY) if rank == 0 else runner.serve()
+    # the step API: rank 0 steps and releases, the others follow
+    if rank == 0:
+        for prompt in _prompts(2):
+            engine.add_request(prompt, GREEDY)
+        stepped = []
+        while engine.has_unfinished():
+            stepped += engine.step()
+        engine.release(stepped)
+    else:
+        stepped = engine.follow()
+    stepped = sorted(stepped, key=lambda o: int(o.request_id.split("_")[1]))
+    try:                                 # the other role's call, refused before any collective
+        engine.follow() if rank == 0 else engine.release([])
+        role_call = None
+    except RuntimeError as e:
+        role_call = str(e)
+    channel = runner.channel
+    other = tensor_parallel.StepChannel(1 - rank, 2, channel.group, channel.control,
+                                        channel.device, channel.timeout_s)
+    wrong = {
+        "world": _error(lambda: Engine(model, EngineConfig(tensor_parallel_size=4),
+                                       runner=runner)),
+        # the role of a rank is fixed by its rank: rank 0 drives, the others follow
+        "role": _error(lambda: (tensor_parallel.DriverRunner, tensor_parallel.FollowerRunner)
+                       [rank == 0](runner.local, channel)),
+        # the other rank's runner (its channel says rank 1 - rank) in this process
+        "other_rank": _error(lambda: Engine(model, config, runner=tensor_parallel.make_runner(
+            runner.local, other))),
+        "not_split": _error(lambda: Engine(make_model("llama"), config, runner=runner)),
+    }
+    return (_tokens(outs), kind, engine.stats()["local_num_kv_heads"], wrong, _tokens(stepped),
+            role_call)
+
+
 def _scenarios_main(rank, queue):
     try:
         results = {"head": _head_ties(rank)}
@@ -106,6 +161,7 @@ def _scenarios_main(rank, queue):
                 engine.runner.local.fused is not None,
                 (tuple(embed.weight.shape), tuple(head.weight.shape),
                  embed.weight is head.weight))
+        results["runner"] = _runner_api(rank)
         engine = _engine("llama", {}, 2)
         results["cancel"] = _cancel_run(engine)
         if rank == 1:                               # a step of its own is refused, clearly
@@ -200,10 +256,10 @@ def tp_results():
     return results[0][0], results[1][0]
 
 
+@pytest.mark.one_thread
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_tokens_equal_tp1(tp_results, name):
     kind, kwargs, prompts, params = SCENARIOS[name]
-    torch.set_num_threads(1)
     ref = _engine(kind, kwargs, 1)
     want = _tokens(ref.generate(prompts, params))
     rank0, rank1 = tp_results
@@ -227,8 +283,8 @@ def test_tokens_equal_tp1(tp_results, name):
         assert stats["prefix_hit_blocks"] > 0
 
 
+@pytest.mark.one_thread
 def test_cancelled_request(tp_results):
-    torch.set_num_threads(1)
     want = _cancel_run(_engine("llama", {}, 1))
     rank0, rank1 = tp_results
     assert rank0["cancel"] == want
@@ -244,6 +300,42 @@ def test_other_ranks_refuse_steps_of_their_own(tp_results):
 def test_sharded_head_breaks_ties_like_argmax(tp_results):
     for r in tp_results:                        # the lowest index wins, across and within ranks
         assert r["head"] == ([2, 6], True)
+
+
+@pytest.mark.one_thread
+def test_runner_api_equals_tp1(tp_results):
+    """Engine(model, config, runner=build_runner(model, config)) on every rank: rank 0 drives,
+    rank 1's runner serves its steps; the tokens of one process."""
+    want = _tokens(_engine("llama", {}, 1).generate(_prompts(1), GREEDY))
+    rank0, rank1 = (r["runner"] for r in tp_results)
+    assert rank0[:3] == (want, "DriverRunner", 1)
+    assert rank1[:3] == (want, "FollowerRunner", 1)
+    # add_request/step on rank 0, then release(outputs): rank 1's follow() returns them
+    want = _tokens(_engine("llama", {}, 1).generate(_prompts(2), GREEDY))
+    assert rank0[4] == rank1[4] == want
+    assert rank0[5] == ("serve() runs on the ranks other than 0; rank 0 drives (its engine "
+                        "steps, then release() ends the session)")
+    assert rank1[5] == ("release() ends rank 0's session; rank 1 follows it (serve() returns "
+                        "when rank 0 releases)")
+
+
+def test_wrong_runner_refused(tp_results):
+    for rank, r in enumerate(tp_results):
+        wrong = r["runner"][3]
+        assert wrong["world"] == (f"EngineConfig(tensor_parallel_size=4), but the runner is rank "
+                                  f"{rank} of 2: pass every rank the config its runner was built "
+                                  "with")
+        want = "DriverRunner" if rank == 0 else "FollowerRunner"
+        built = "FollowerRunner" if rank == 0 else "DriverRunner"
+        assert wrong["role"] == (f"a {built} on rank {rank} of 2: rank 0 drives (DriverRunner), "
+                                 f"the others follow (FollowerRunner); this rank needs a {want} "
+                                 "(make_runner picks it)")
+        assert wrong["other_rank"] == (
+            f"the runner is rank {1 - rank} of 2 ({built}), but this process is rank {rank} of "
+            "2: build each rank's runner on that rank (build_runner(model, config))")
+        assert wrong["not_split"] == (
+            f"the model is not split, but the runner is rank {rank} of 2: pass the model the "
+            "runner was built from (build_runner(model, config) splits it)")
 
 
 def test_world_size_refused(tp_results):
@@ -363,8 +455,12 @@ def test_swap_and_runner_refused():
     for kwargs in ({"preemption": "swap"}, {"cpu_offload_gib": 1.0}):
         with pytest.raises(ValueError, match="tensor_parallel_size=2 preempts by recompute only"):
             Engine(model, EngineConfig(tensor_parallel_size=2, **kwargs))
-    with pytest.raises(ValueError, match="a runner= cannot be given"):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 needs a tensor-parallel "
+                                         r"runner, got a TransformersRunner: .*build_runner"):
         Engine(model, EngineConfig(tensor_parallel_size=2), runner=TransformersRunner(model))
+    with pytest.raises(ValueError, match=r"needs EngineConfig\(tensor_parallel_size=N\) with "
+                                         r"N > 1 .* got 1"):
+        build_runner(model, EngineConfig())
     assert tensor_parallel.info_of(model) is None
 
 

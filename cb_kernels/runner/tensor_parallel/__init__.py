@@ -6,7 +6,10 @@ runners that keep the ranks in step.
     channel.py    StepChannel: rank 0's messages (a packed step, the session's end) and their
                   wire format; TensorParallelError
     runners.py    DriverRunner (rank 0) and FollowerRunner (the others) around each rank's own
-                  runner; make_runner picks one
+                  runner; make_runner picks one (runner/base.TensorParallelRunner: their contract)
+
+engine/distributed.build_runner builds this rank's one over a process group it sets up; pass it
+as Engine(model, config, runner=runner) on every rank.
 """
 from cb_kernels.runner.tensor_parallel.channel import StepChannel, TensorParallelError
 from cb_kernels.runner.tensor_parallel.runners import DriverRunner, FollowerRunner, make_runner

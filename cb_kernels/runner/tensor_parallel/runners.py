@@ -1,16 +1,22 @@
-"""The runners of a tensor-parallel engine: each rank's own runner (over its shard of the model
-and of the KV pool), wrapped so that rank 0's steps reach every rank.
+"""The runners of a tensor-parallel model: each rank's own runner (over its shard of the model
+and of the KV pool), wrapped so that rank 0's steps reach every rank. Both satisfy
+runner/base.TensorParallelRunner and are passed as `Engine(model, config, runner=...)` on their
+rank (engine/distributed.build_runner builds the right one on each).
 
 DriverRunner (rank 0): each execute first sends the step (and the copy-on-write pairs of the
 copy_blocks before it) down the StepChannel, then runs it locally; the collectives inside the
 forward keep the ranks in step. Tokens are picked once: greedy ones by the sharded head's gather
-(the same on every rank), sampled ones by rank 0's sampler from the gathered logits.
-FollowerRunner (the other ranks): serve() runs rank 0's steps until it ends the session; a step
-of the rank's own would break the lockstep, so copy_blocks/execute refuse.
+(the same on every rank), sampled ones by rank 0's sampler from the gathered logits. release()
+ends a session: the followers' serve() returns what it sends.
+FollowerRunner (the other ranks): serve() runs rank 0's steps until rank 0 ends the session; a
+step of the rank's own would break the lockstep, so copy_blocks/execute refuse.
 
-Both read every ModelRunner fact off the local runner (explicitly, one property each).
+Both read every ModelRunner fact off the local runner (explicitly, one property each). Sleeping
+is refused (the engine refuses it first): the other ranks' pools are not reached by one call.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 from cb_kernels.runner.base import StepOutput
 from cb_kernels.runner.step_inputs import StepInputs
@@ -23,7 +29,7 @@ def _of_local(name: str) -> property:
 
 
 class _RankRunner:
-    """The ModelRunner facts of this rank's local runner."""
+    """The ModelRunner facts of this rank's local runner; the channel to the other ranks."""
 
     num_layers = _of_local("num_layers")
     num_kv_heads = _of_local("num_kv_heads")
@@ -41,7 +47,25 @@ class _RankRunner:
     layout = _of_local("layout")
 
     def __init__(self, local, channel: StepChannel):
+        if not isinstance(channel, StepChannel):
+            raise TypeError(f"channel must be a StepChannel, got {type(channel).__name__}")
+        drives = channel.rank == 0
+        if drives != isinstance(self, DriverRunner):
+            want = "DriverRunner" if drives else "FollowerRunner"
+            raise ValueError(f"a {type(self).__name__} on rank {channel.rank} of "
+                             f"{channel.size}: rank 0 drives (DriverRunner), the others follow "
+                             f"(FollowerRunner); this rank needs a {want} (make_runner picks it)")
         self.local, self.channel = local, channel
+
+    @property
+    def rank(self) -> int:
+        """This rank in [0, world_size); 0 drives."""
+        return self.channel.rank
+
+    @property
+    def world_size(self) -> int:
+        """The ranks the model is split over (EngineConfig.tensor_parallel_size)."""
+        return self.channel.size
 
     def allocate_cache(self, num_blocks: int, block_size: int, dtype, max_num_seqs: int) -> None:
         self.local.allocate_cache(num_blocks, block_size, dtype, max_num_seqs)
@@ -51,6 +75,13 @@ class _RankRunner:
 
     def refresh_weights(self) -> None:
         self.local.refresh_weights()
+
+    def release_memory(self, kv: bool, weights: bool) -> int:
+        raise NotImplementedError("sleep under tensor parallelism: one call does not reach the "
+                                  "other ranks' pools and weight copies")
+
+    def restore_memory(self, kv: bool, weights: bool) -> None:
+        raise NotImplementedError("wake_up under tensor parallelism (sleep is refused)")
 
 
 class DriverRunner(_RankRunner):
@@ -74,12 +105,27 @@ class DriverRunner(_RankRunner):
         except Exception as e:            # noqa: BLE001 (the others wait in a collective now)
             self.channel.fail(e)
 
+    def release(self, outputs=None, error: Optional[str] = None) -> None:
+        """End the session: the other ranks' serve() returns `outputs` (or raises
+        TensorParallelError(error) when `error` is given). Raises TensorParallelError when the
+        ranks fell out of step during the session (then nothing is sent) and no `error` is
+        given (one already propagates)."""
+        self.channel.release(outputs, error)
+        if error is None and self.channel.broken is not None:
+            raise TensorParallelError(self.channel.broken)
+
+    def serve(self):
+        raise RuntimeError("serve() runs on the ranks other than 0; rank 0 drives (its engine "
+                           "steps, then release() ends the session)")
+
 
 class FollowerRunner(_RankRunner):
     """The runner of a rank other than 0: its steps come from rank 0 (serve)."""
 
     def serve(self):
-        """Run rank 0's steps until it ends the session; returns what it sent then."""
+        """Run rank 0's steps until it ends the session; returns what it sent then (rank 0's
+        release(outputs)). Raises TensorParallelError when rank 0 failed or the ranks fell out
+        of step."""
         while True:
             kind, message = self.channel.receive(self.local.layout)
             if kind == DONE:
@@ -92,15 +138,19 @@ class FollowerRunner(_RankRunner):
             except Exception as e:        # noqa: BLE001
                 self.channel.fail(e)
 
+    def release(self, outputs=None, error: Optional[str] = None) -> None:
+        raise RuntimeError(f"release() ends rank 0's session; rank {self.rank} follows it "
+                           "(serve() returns when rank 0 releases)")
+
     def copy_blocks(self, pairs: list) -> None:
         self.execute(None)
 
     def execute(self, inputs, greedy: bool = False):
-        raise RuntimeError(f"rank {self.channel.rank} of a tensor-parallel engine runs rank 0's "
+        raise RuntimeError(f"rank {self.rank} of a tensor-parallel engine runs rank 0's "
                            "steps: call generate() or stream() on every rank (or "
                            "engine.follow() while rank 0 steps), not add_request()/step() here")
 
 
 def make_runner(local, channel: StepChannel):
-    """This rank's runner: DriverRunner on rank 0, else FollowerRunner."""
+    """This rank's runner around its local one: DriverRunner on rank 0, else FollowerRunner."""
     return (DriverRunner if channel.rank == 0 else FollowerRunner)(local, channel)
