@@ -8,7 +8,8 @@ parameters), one greedy workload (16 prompts x 64 tokens, 32 new tokens each, no
 warm-up run, through:
   TP=1, 1 thread      the one-process engine on one core
   TP=1, 2 threads     the one-process engine on both cores (what TP=2 competes with here)
-  TP=2, 1 thread/rank  2 processes (engine/launcher.spawn), each half of every layer
+  TP=2, 1 thread/rank  2 processes (engine/launcher.spawn), each half of every layer, through
+                      Engine(model, config, runner=build_runner(model, config)) on each
   TP=2, no collectives the same with the model's all_reduce/all_gather skipped (local_only):
                       each rank's compute alone, an upper bound (its tokens are wrong)
 Per row: wall time per step and generated tokens/s; for TP=2, rank 0's time inside each kind of
@@ -125,8 +126,12 @@ class CollectiveTimer:
 
 def _rank(rank, a, queue):
     from cb_kernels import Engine, EngineConfig
+    from cb_kernels.engine.distributed import build_runner
 
-    engine = Engine(make_model(a), EngineConfig(tensor_parallel_size=2, max_num_seqs=a.num_prompts))
+    config = EngineConfig(tensor_parallel_size=2, max_num_seqs=a.num_prompts)
+    model = make_model(a)
+    runner = build_runner(model, config)          # this rank's DriverRunner / FollowerRunner
+    engine = Engine(model, config, runner=runner)
     timer = CollectiveTimer()
     outs, wall, steps = run(engine, a, timer)
     # The same run with the model's collectives off (the step broadcasts stay, so the ranks keep
@@ -136,12 +141,12 @@ def _rank(rank, a, queue):
         _, local_wall, _ = run(engine, a)
     size, calls = max(timer.reduce_by_size.items(), key=lambda kv: len(kv[1]))
     x = torch.randn(size // a.hidden, a.hidden)
-    group = engine.runner.channel.group
+    group = runner.channel.group
     times = []
     for _ in range(200):
         torch.distributed.barrier(group=group)
         t = time.perf_counter()
-        tensor_parallel.all_reduce_(x, engine.runner.local.model._cbk_tp)
+        tensor_parallel.all_reduce_(x, tensor_parallel.info_of(model))
         times.append(time.perf_counter() - t)
     queue.put((rank, {
         "tokens": [o.token_ids for o in outs], "wall_s": wall, "steps": steps,
@@ -149,7 +154,7 @@ def _rank(rank, a, queue):
         "bare_all_reduce_us": statistics.median(times) * 1e6,
         "in_step_all_reduce_us": statistics.median(calls) * 1e6,
         "all_reduce_rows": size // a.hidden,
-        "local_wall_s": local_wall, "fused": engine.runner.local.fused is not None}))
+        "local_wall_s": local_wall, "fused": runner.local.fused is not None}))
 
 
 GATHER = "2**20"

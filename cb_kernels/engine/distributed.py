@@ -162,12 +162,12 @@ class TensorParallel:
                              f"but the runner is {where}: pass every rank the config its runner "
                              "was built with")
         _check_config(model, config)
-        dist = torch.distributed
+        dist, group = torch.distributed, runner.channel.control
         if dist.is_available() and dist.is_initialized() and \
-                (dist.get_world_size(), dist.get_rank()) != (n, runner.rank):
+                (dist.get_world_size(group), dist.get_rank(group)) != (n, runner.rank):
             raise ValueError(f"the runner is {where} ({type(runner).__name__}), but this process "
-                             f"is rank {dist.get_rank()} of {dist.get_world_size()}: build each "
-                             "rank's runner on that rank (build_runner(model, config))")
+                             f"is rank {dist.get_rank(group)} of {dist.get_world_size(group)}: "
+                             "build each rank's runner on that rank (build_runner(model, config))")
         info = tensor_parallel.info_of(model)
         if info is None or (info.rank, info.size) != (runner.rank, n):
             split = "not split" if info is None else f"split as rank {info.rank} of {info.size}"
