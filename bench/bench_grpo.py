@@ -86,14 +86,14 @@ def optimizer_step(model, optimizer, prompts: list, completions: list) -> float:
     return time.perf_counter() - t0
 
 
-def trl_generation_config(model, args):
+def trl_generation_config(model, args, pad_id: int):
     """GRPOTrainer's GenerationConfig for its transformers paths (TRL 1.16, grpo_trainer.py), with
     GRPOConfig's defaults, EOS off (see the module docstring)."""
     from transformers import GenerationConfig
 
-    return GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=True, pad_token_id=0,
-                            bos_token_id=model.config.bos_token_id, eos_token_id=None,
-                            temperature=1.0, top_p=1.0, top_k=0, min_p=None,
+    return GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=True,
+                            pad_token_id=pad_id, bos_token_id=model.config.bos_token_id,
+                            eos_token_id=None, temperature=1.0, top_p=1.0, top_k=0, min_p=None,
                             repetition_penalty=1.0, cache_implementation=None,
                             disable_compile=True)
 
@@ -127,13 +127,14 @@ class EngineRounds:
 
 def trl_default_generate(model, gen_config, prompts: list, n: int, batch: int) -> tuple:
     """TRL's regular generation path: each prompt n times in a row, generation batches of
-    `batch` rows, each left-padded (pad id 0, attention mask) and passed to model.generate."""
+    `batch` rows, each left-padded (the tokenizer's pad id, attention mask) and passed to
+    model.generate."""
     rows = [p for p in prompts for _ in range(n)]
     completions = []
     for start in range(0, len(rows), batch):
         chunk = rows[start:start + batch]
         width = max(map(len, chunk))
-        ids = torch.zeros(len(chunk), width, dtype=torch.long)
+        ids = torch.full((len(chunk), width), gen_config.pad_token_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, p in enumerate(chunk):
             ids[i, width - len(p):] = torch.tensor(p)
@@ -157,14 +158,14 @@ def generate_batch_generate(model, gen_config, cb_config, prompts: list, n: int)
 
 
 def run_rounds(name: str, model, initial: dict, prompts: list, args, rounds: int,
-               pool_tokens: int) -> dict:
+               pool_tokens: int, pad_id: int) -> dict:
     """`rounds` GRPO rounds of one contender from the initial weights; seconds of each part."""
     model.load_state_dict(initial)
     model.train()                   # as GRPOTrainer leaves it (its generate paths do not switch)
     torch.manual_seed(0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     row = {"contender": name, "generate_s": [], "step_s": [], "init_s": 0.0}
-    gen_config = trl_generation_config(model, args)
+    gen_config = trl_generation_config(model, args, pad_id)
     if name == "cb_kernels":
         runner = EngineRounds(model, args, pool_tokens)
         row["init_s"] = runner.init_s
@@ -292,13 +293,14 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
     if args.model == "tiny-llama":
-        model = build_tiny_llama().to(dtype)
+        model, pad_id = build_tiny_llama().to(dtype), 0
         prompts = quick_prompts(args.prompts, model.config.vocab_size)
     else:
         model, tokenizer, _ = load_model(args.model, dtype)
         if args.prompts > 64:
             p.error(f"--prompts: the chat prompts are 64 questions, asked for {args.prompts}")
         prompts = chat_prompts(tokenizer, args.prompts)
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     # The KV budget of the engine and of generate_batch: every completion of the round at once.
     pool_tokens = args.prompts * args.n * (max(map(len, prompts)) + args.max_new_tokens + 16)
@@ -312,7 +314,7 @@ def main(argv=None) -> int:
         if name in skip:
             continue
         rounds = args.rounds if name == "cb_kernels" else args.baseline_rounds
-        row = run_rounds(name, model, initial, prompts, args, rounds, pool_tokens)
+        row = run_rounds(name, model, initial, prompts, args, rounds, pool_tokens, pad_id)
         res["rows"].append(row)
         print(f"{name:15s} first {row['first_generate_s']:7.2f} s  steady generate "
               f"{row['steady_generate_s']:7.2f} s + step {row['steady_step_s']:5.2f} s  "
