@@ -198,7 +198,9 @@ def run_rounds(name: str, model, initial: dict, prompts: list, args, rounds: int
     row["cpu_s"] = time.process_time() - c0
     if name == "cb_kernels":
         row["weight_versions"] = runner.versions
-        row["weight_follow"] = weight_follow_cost(runner.engine, model, optimizer, prompts, args)
+        if not args.no_weight_follow:
+            row["weight_follow"] = weight_follow_cost(runner.engine, model, optimizer, prompts,
+                                                      args)
         del runner
     gc.collect()
     return summarize(row, len(prompts) * args.n * args.max_new_tokens)
@@ -277,6 +279,8 @@ def main(argv=None) -> int:
     p.add_argument("--skip", default="", help=f"comma-separated contenders of {CONTENDERS}")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--decode-steps", type=int, default=10)
+    p.add_argument("--no-weight-follow", action="store_true",
+                   help="skip the weight-follow measurement (a run that only adds a baseline)")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
     skip = {s for s in args.skip.split(",") if s}
@@ -335,14 +339,19 @@ def add_ratios(res: dict) -> None:
             res["ratios"][name] = {
                 "round": rows[name]["steady_round_s"] / ours["steady_round_s"],
                 "generate": rows[name]["steady_generate_s"] / ours["steady_generate_s"],
-                "first_generate": rows[name]["first_generate_s"] / ours["first_generate_s"],
+                # a single round came after an untimed warm-up: it has no first round
+                "first_generate": rows[name]["first_generate_s"] / ours["first_generate_s"]
+                if len(rows[name]["generate_s"]) > 1 else None,
                 "cpu": rows[name]["cpu_s"] / len(rows[name]["generate_s"])
                 / (ours["cpu_s"] / len(ours["generate_s"]))}
             r = res["ratios"][name]
+            first = "" if r["first_generate"] is None else \
+                f", first round {r['first_generate']:.2f}x"
             print(f"cb_kernels vs {name}: {r['round']:.2f}x per round (generation "
-                  f"{r['generate']:.2f}x, first round {r['first_generate']:.2f}x, CPU time per "
-                  f"round {r['cpu']:.2f}x)")
-    wf = ours["weight_follow"]
+                  f"{r['generate']:.2f}x{first}, CPU time per round {r['cpu']:.2f}x)")
+    wf = ours.get("weight_follow")
+    if wf is None:
+        return
     print(f"weight following: check_weights {wf['check_weights_ms']:.3f} ms = "
           f"{wf['check_pct_of_step']:.2f}% of a 16-request decode step "
           f"({wf['decode_step_16_ms']:.1f} ms); after an optimizer step (repack) "
