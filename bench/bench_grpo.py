@@ -184,7 +184,10 @@ def run_rounds(name: str, model, initial: dict, prompts: list, args, rounds: int
     if rounds == 1:
         # One timed round has no steady rounds after it: pay the one-time costs untimed first
         # (2 prompts, same settings), so the round reads as a steady one.
+        t0 = time.perf_counter()
         generate(prompts[:2])
+        row["warmup_s"] = time.perf_counter() - t0
+        print(f"{name}: warm-up call {row['warmup_s']:.1f} s; timed round started", flush=True)
     c0 = time.process_time()
     for _ in range(rounds):
         t0 = time.perf_counter()
