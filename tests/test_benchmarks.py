@@ -100,3 +100,28 @@ def test_unknown_packaged_bench_names_the_packaged_ones():
     with pytest.raises(ValueError, match="paged_attention"):
         run("engine", [])
     assert "greedy_head" in KERNEL_BENCHES
+
+
+def test_grpo_bench_quick_mode(tmp_path):
+    """bench/bench_grpo.py --quick (tiny random Llama, 8 prompts x 4, 16 tokens, 2 rounds each):
+    every contender ran every round, the engine followed each optimizer step (a new weight
+    version per round), and the ratios and the weight-follow cost are in the JSON."""
+    out = tmp_path / "grpo.json"
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_grpo.py"), "--quick",
+                        "--threads", "1", "--json", str(out)], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    data = json.loads(out.read_text())
+    assert (data["meta"]["prompts"], data["meta"]["n"], data["meta"]["max_new_tokens"]) == (8, 4, 16)
+    rows = {row["contender"]: row for row in data["rows"]}
+    assert list(rows) == ["cb_kernels", "trl_default", "generate_batch"]
+    for row in rows.values():
+        assert len(row["generate_s"]) == len(row["step_s"]) == 2
+        assert row["steady_round_s"] > row["steady_generate_s"] > 0
+    assert rows["cb_kernels"]["weight_versions"] == [0, 1]
+    assert set(data["ratios"]) == {"trl_default", "generate_batch"}
+    assert all(v["round"] > 0 for v in data["ratios"].values())
+    follow = rows["cb_kernels"]["weight_follow"]
+    assert 0 < follow["check_weights_ms"] < follow["decode_step_16_ms"]
+    assert follow["repack_after_step_ms"] > follow["check_weights_ms"]
+    assert "cb_kernels vs trl_default" in r.stdout and "weight following" in r.stdout

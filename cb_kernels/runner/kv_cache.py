@@ -32,9 +32,11 @@ def host_zeros(shape, dtype: torch.dtype, huge_pages: bool = False) -> torch.Ten
             buf = None
     if buf is None:
         buf = np.zeros(nbytes, dtype=np.uint8)
-    # frombuffer keeps `buf` alive as long as the tensor.
-    flat = torch.frombuffer(buf, dtype=torch.uint8)[:nbytes]
-    return flat.view(dtype).view(shape)
+    # frombuffer's storage keeps `buf` alive. The tensor takes that storage itself rather than
+    # being a view of it: a view's `_base` would hold the mapping after Engine.sleep() empties
+    # the tensor (set_), and sleep would free nothing (tests/engine/test_rl_gpu.py's CPU twin).
+    storage = torch.frombuffer(buf, dtype=torch.uint8)[:nbytes].untyped_storage()
+    return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape))
 
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
