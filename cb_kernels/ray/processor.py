@@ -51,12 +51,16 @@ class ProcessorConfig:
         if not self.num_gpus >= 0:
             raise ValueError(f"num_gpus must be >= 0, got {self.num_gpus!r}")
         tp = getattr(self.engine_config, "tensor_parallel_size", 1)
-        if tp != 1:
-            raise ValueError(f"engine_config.tensor_parallel_size={tp}: tensor parallelism inside "
-                             "a Ray replica is not supported yet; run one replica per device")
+        if tp > 1 and (self.device == "cuda" or self.num_gpus) and self.num_gpus < tp:
+            raise ValueError(f"num_gpus must be >= engine_config.tensor_parallel_size={tp} on "
+                             f"CUDA (each rank of a replica its own GPU), got {self.num_gpus!r}")
         if self.device == "cuda" and not self.num_gpus:
             raise ValueError("device='cuda' needs num_gpus > 0 (Ray gives an actor no GPU "
                              "otherwise)")
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return getattr(self.engine_config, "tensor_parallel_size", 1)
 
     @property
     def rows_per_call(self) -> int:
@@ -70,7 +74,7 @@ class ProcessorConfig:
                     sampling_params=self.sampling_params, dtype=self.dtype,
                     device=self.device or ("cuda" if self.num_gpus else "cpu"), chat=self.chat,
                     seed=self.seed, trust_remote_code=self.trust_remote_code,
-                    torch_threads=max(1, int(self.num_cpus)),
+                    torch_threads=max(1, int(self.num_cpus) // self.tensor_parallel_size),
                     settings_fingerprint=self.settings_fingerprint)
 
 

@@ -288,7 +288,8 @@ def test_a_model_that_cannot_load_fails_at_start(cluster, model_dir, tmp_path):
     (("--ray", "--ray-batch-size", "2", "--ray-batches-in-flight", "3"),
      r"--ray-batch-size must be >= batches_in_flight \(3\): a replica holds batch_size rows"),
     (("--ray", "--cpus-per-replica", "0"), "--cpus-per-replica must be > 0"),
-    (("--ray", "--tensor-parallel-size", "2"), "tensor parallelism inside a Ray replica"),
+    (("--ray", "--gpus-per-replica", "1", "--tensor-parallel-size", "2"),
+     r"--gpus-per-replica must be >= engine_config.tensor_parallel_size=2 on CUDA \(each rank"),
     (("--replicas", "2"), "--replicas needs --ray"),
 ])
 def test_bad_ray_flags_are_refused_before_anything_runs(model_dir, tmp_path, flags, match):
@@ -348,6 +349,16 @@ def test_processor_config_is_checked():
         ProcessorConfig(model="")
     with pytest.raises(ValueError, match="device='cuda' needs num_gpus > 0"):
         ProcessorConfig(model="m", device="cuda")
+    from cb_kernels import EngineConfig
+
+    tp2 = EngineConfig(tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"num_gpus must be >= engine_config.tensor_parallel_siz"):
+        ProcessorConfig(model="m", device="cuda", num_gpus=1, engine_config=tp2)
+    # each rank of a replica gets num_cpus // tensor_parallel_size torch threads
+    assert ProcessorConfig(model="m", num_cpus=4, engine_config=tp2).replica_kwargs()[
+        "torch_threads"] == 2
+    assert ProcessorConfig(model="m", num_gpus=2, engine_config=tp2).replica_kwargs()[
+        "device"] == "cuda"
     with pytest.raises(TypeError, match="config must be a ProcessorConfig"):
         build_processor({"model": "m"})
     with pytest.raises(TypeError, match="postprocess must be a callable"):
