@@ -85,7 +85,9 @@ def _follower_main() -> int:
     parent = os.getppid()
     _exit_with_parent(parent)
     spec = pickle.load(sys.stdin.buffer)
-    out = sys.stdout
+    # stdout is rank 0's line from this rank: keep it for that, send every other print to stderr
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
     try:
         import torch
 
