@@ -28,7 +28,8 @@ def _blocks_of(rows: list, size: int):
     import pyarrow as pa
     import ray
 
-    return ray.data.from_arrow([pa.Table.from_pylist(rows[i:i + size])
+    schema = pa.schema([("id", pa.string()), ("index", pa.int64()), ("record", pa.string())])
+    return ray.data.from_arrow([pa.Table.from_pylist(rows[i:i + size], schema=schema)
                                 for i in range(0, len(rows), size)])
 
 
