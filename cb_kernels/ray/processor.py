@@ -17,8 +17,10 @@ class ProcessorConfig:
     batch_size // batches_in_flight rows (2: the next batch's rows are in the engine, queued,
     while the current one's last rows finish, so continuous batching stays full; 1: one batch
     after another, the engine draining at each batch's end). A killed replica's batches in flight
-    are retried on a restarted actor: at most batch_size rows are generated twice. The other
-    fields are EngineReplica's."""
+    are retried on a restarted actor: at most batch_size rows are generated twice.
+    engine_config.tensor_parallel_size=N: each replica is N ranks (the actor and N-1 child
+    processes, cb_kernels.ray.ranks), num_cpus shared by them (num_cpus // N torch threads each),
+    on CUDA one of its num_gpus (>= N) each. The other fields are EngineReplica's."""
     model: str
     engine_config: object = None
     sampling_params: object = None
