@@ -113,9 +113,9 @@ def build_processor(config: ProcessorConfig, preprocess: Optional[Callable] = No
 def map_batches_args(config: ProcessorConfig) -> dict:
     """`Dataset.map_batches(EngineReplica, **map_batches_args(config))`'s other arguments: the
     actor pool, each actor's resources, batches of config.rows_per_call rows, and the concurrent
-    calls per actor that let the next batch in while the current one runs. Those calls must run in threads
-    of their own (enable_true_multi_threading): Ray otherwise serialises an actor's calls on one
-    thread, and a call waiting for the engine would keep the next batch out."""
+    calls per actor that let the next batch in while the current one runs. Those calls must run
+    in threads of their own (enable_true_multi_threading): Ray otherwise serialises an actor's
+    calls on one thread, and a call waiting for the engine would keep the next batch out."""
     import ray.data
 
     k = config.batches_in_flight
