@@ -109,3 +109,20 @@ def test_a_killed_follower_fails_its_replica_and_a_retry_rebuilds(cluster, model
     assert said, "no replica logged the lost rank"
     text = open(said[0], errors="replace").read()
     assert "tensor parallelism: rank 0 of 2" in text and "this replica exits" in text
+
+
+def test_a_follower_that_cannot_load_names_its_rank_and_reason(tmp_path):
+    """Rank 0 waits for every follower's model before the rendezvous: a follower that cannot load
+    it fails the replica at start with its rank and reason, not a rendezvous timeout."""
+    from cb_kernels import EngineConfig
+    from cb_kernels.ray.ranks import Followers
+
+    followers = Followers(3, dict(model=str(tmp_path / "no-such-model"), dtype="float32",
+                                  device="cpu", engine_config=EngineConfig(tensor_parallel_size=3),
+                                  trust_remote_code=False, threads=1))
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"tensor parallelism in this replica: rank 1 of 3 could "
+                                           r"not load the model: \w+Error: .*no-such-model"):
+        followers.wait_loaded(60)
+    assert time.monotonic() - t0 < 60
+    assert all(p.poll() is not None for p in followers.procs)       # none left behind
