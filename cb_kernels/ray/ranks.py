@@ -55,9 +55,11 @@ class Followers:
             ready, _, _ = select.select([proc.stdout], [], [], max(0.0, end - time.monotonic()))
             line = proc.stdout.readline().decode(errors="replace").strip() if ready else ""
             if line != "loaded":
+                code = proc.poll()
                 self.close()
-                reason = line.removeprefix("error: ") or \
-                    f"no answer in {timeout_s:g} s (exit status {proc.poll()})"
+                reason = line.removeprefix("error: ") or (
+                    f"it said nothing in {timeout_s:g} s" if code is None else
+                    f"it exited with status {code} (its stderr is in this actor's log)")
                 raise RuntimeError(f"tensor parallelism in this replica: rank {rank} of "
                                    f"{self.size} could not load the model: {reason}")
 
