@@ -77,6 +77,16 @@ def _lost_rank(error: BaseException) -> bool:
     return False
 
 
+def _check_ranks(engine) -> None:
+    """Raises TensorParallelError once a rank was lost: the engine then fails the rows of every
+    step (as error outputs), and none of them is a result."""
+    from cb_kernels.engine.distributed import TensorParallelError
+
+    broken = engine.tp.channel.broken
+    if broken is not None:
+        raise TensorParallelError(broken)
+
+
 def _in_ray_actor() -> bool:
     import ray
 
@@ -157,9 +167,7 @@ class EngineReplica:
             results = self.feed.run([functools.partial(self._request, row.get("index"), rec)
                                      for row, rec in zip(rows, records)])
             if self.followers is not None:
-                # A lost rank fails the rows of every step from then on (as error outputs):
-                # none of them is a result.
-                self.engine.tp.check()
+                _check_ranks(self.engine)
         except RuntimeError as e:             # TensorParallelError is one
             if self.followers is not None and _lost_rank(e) and _in_ray_actor():
                 print(f"cb_kernels.ray: {e}\nthis replica exits: Ray restarts it (its ranks "
