@@ -9,10 +9,16 @@ Ray ones start their own local cluster, as a user's run does), timed from start 
 jobs of the same rows: a small one (start-up: Python, Ray, model loads, the first batch) and a
 big one. The rate is (big rows - small rows) / (big wall - small wall): rows per second once
 running, start-up subtracted. Rounds alternate the contenders (single, lockstep, continuous,
-single, ...), best of the rounds kept; the load average is printed before each run. Greedy, EOS
-off: the outputs are checked equal line by line. --vary gives each row its own max_new_tokens
-(uniform in [8, 2 * --max-new-tokens - 8], as EOS would end rows at different lengths): then a
-batch's rows end at different steps and lockstep leaves the engine part-empty at its end.
+continuous x2, single, ...), best of the rounds kept; the load average is printed before each
+run. Greedy, EOS off: the outputs are checked equal line by line. --vary gives each row its own
+max_new_tokens (uniform in [8, 2 * --max-new-tokens - 8], as EOS would end rows at different
+lengths): then a batch's rows end at different steps and lockstep leaves the engine part-empty
+at its end.
+
+--batch-size B is the rows a replica holds at once (`--ray-batch-size`), the most a killed
+replica costs: lockstep holds one batch of B, continuous two of B/2 (the same rework bound);
+"continuous x2" runs --ray-batch-size 2B (two batches of B in flight, twice the rework), which
+is what continuous feeding held before the bound.
 
 Ray's per-row overhead: the same Datasets (one JSON line per row, `batch_size` rows a batch, 2
 actors) through an actor that returns its batch untouched, timed in this process after a warm-up
@@ -45,8 +51,8 @@ def write_rows(path, count: int, vocab: int, seed: int = 0, vary_up_to: int = 0)
             f.write(json.dumps(row) + "\n")
 
 
-# name -> batches in flight per replica (None: the single engine, no Ray)
-CONTENDERS = {"single": None, "lockstep": 1, "ray": 2}
+# name -> (batches in flight per replica, --ray-batch-size in --batch-size's); None: no Ray
+CONTENDERS = {"single": None, "lockstep": (1, 1), "ray": (2, 1), "ray_x2": (2, 2)}
 
 
 def run_cli(a, src, dst, name: str) -> float:
@@ -54,9 +60,10 @@ def run_cli(a, src, dst, name: str) -> float:
            "--output", str(dst), "--max-new-tokens", str(a.max_new_tokens), "--ignore-eos",
            "--dtype", a.dtype]
     if CONTENDERS[name] is not None:
+        in_flight, times = CONTENDERS[name]
         cmd += ["--ray", "--replicas", "2", "--cpus-per-replica", "1",
-                "--ray-batch-size", str(a.batch_size),
-                "--ray-batches-in-flight", str(CONTENDERS[name])]
+                "--ray-batch-size", str(a.batch_size * times),
+                "--ray-batches-in-flight", str(in_flight)]
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", RAY_DISABLE_USAGE_STATS="1")
     print(f"  load average {os.getloadavg()[0]:.2f}: {name} "
           f"{sum(1 for _ in open(src))} rows", file=sys.stderr, flush=True)
@@ -141,6 +148,7 @@ def main() -> int:
                   ray_vs_single=rate["ray"] / rate["single"],
                   lockstep_vs_single=rate["lockstep"] / rate["single"],
                   ray_vs_lockstep=rate["ray"] / rate["lockstep"],
+                  ray_x2_vs_lockstep=rate["ray_x2"] / rate["lockstep"],
                   identical_lines={n: f"{k}/{len(outs['single'])}" for n, k in same.items()},
                   ray_s_per_row=per_row,
                   ray_overhead_vs_single_row=per_row * rate["single"],
@@ -152,8 +160,9 @@ def main() -> int:
               f"({rate[name] * tokens / a.rows:.0f} tok/s) once running; identical lines "
               f"{result['identical_lines'][name]}")
     print(f"ray x2 continuous / single x2 threads: {result['ray_vs_single']:.2f}x; lockstep / "
-          f"single: {result['lockstep_vs_single']:.2f}x; continuous / lockstep: "
-          f"{result['ray_vs_lockstep']:.2f}x")
+          f"single: {result['lockstep_vs_single']:.2f}x; continuous / lockstep (both holding "
+          f"{a.batch_size} rows a replica): {result['ray_vs_lockstep']:.2f}x; continuous "
+          f"holding {2 * a.batch_size} / lockstep: {result['ray_x2_vs_lockstep']:.2f}x")
     if per_row > 0:
         print(f"Ray Data per row (do-nothing actors): {per_row * 1e3:.2f} ms = "
               f"{result['ray_overhead_vs_single_row'] * 100:.1f}% of a row's generation time")

@@ -58,9 +58,10 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     ray.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
                      help="run on a Ray cluster (ray.init(ADDRESS); none: a local cluster)")
     ray.add_argument("--replicas", type=int, default=None, help="engines (Ray actors); default 1")
-    ray.add_argument("--ray-batch-size", type=int, default=64, help="rows per Ray Data batch")
+    ray.add_argument("--ray-batch-size", type=int, default=64,
+                     help="rows a replica holds at once: the most a killed replica costs")
     ray.add_argument("--ray-batches-in-flight", type=int, default=2,
-                     help="batches a replica holds at once (1: one after another)")
+                     help="Ray Data batches those rows come in (1: one after another)")
     ray.add_argument("--cpus-per-replica", type=float, default=1.0)
     ray.add_argument("--gpus-per-replica", type=float, default=0.0)
     p.add_argument("--tensor-parallel-size", type=int, default=1,

@@ -4,20 +4,33 @@ The driver (this process) reads and checks --input and, with --resume, --output 
 single-engine command does, before any model loads; the rows still to run become a Ray Dataset
 (one line per row, as JSON text: lines differ in their fields); `--replicas` EngineReplica actors
 generate; the driver writes each output line the moment its batch comes back, flushed, keyed by
-id. A batch whose actor died is retried by Ray Data on a restarted actor (max_restarts=-1 and
-task retries are its defaults for actor pools), so a killed replica costs that batch's rework;
-the driver skips an id it has already written, so a retried batch never duplicates a line.
+id. A replica holds at most --ray-batch-size rows (--ray-batches-in-flight batches of
+--ray-batch-size // --ray-batches-in-flight rows, in blocks of that size); a batch whose actor died
+is retried by Ray Data on a restarted actor (max_restarts=-1 and task retries are its defaults for
+actor pools), so a killed replica costs at most --ray-batch-size rows of rework; the driver skips
+an id it has already written, so a retried batch never duplicates a line.
 """
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 from dataclasses import replace
 
 from cb_kernels.generate_cli import prepare_job
 from cb_kernels.ray.processor import ProcessorConfig, build_processor
+
+
+def _blocks_of(rows: list, size: int):
+    """A Dataset of `rows` in blocks of exactly `size` rows (the last one fewer): Ray Data retries
+    a task's whole input, and a task takes whole blocks, so this bounds a killed replica's rework
+    (ProcessorConfig.rows_per_call)."""
+    import pyarrow as pa
+    import ray
+
+    schema = pa.schema([("id", pa.string()), ("index", pa.int64()), ("record", pa.string())])
+    return ray.data.from_arrow([pa.Table.from_pylist(rows[i:i + size], schema=schema)
+                                for i in range(0, len(rows), size)])
 
 
 def _output_batches(dataset):
@@ -87,8 +100,7 @@ def run_on_ray(args, config, params) -> int:
                 return _done(0, job.out_path)
             rows = [{"id": rid, "index": index, "record": json.dumps(rec, ensure_ascii=False)}
                     for index, rid, rec in job.todo]
-            blocks = math.ceil(len(rows) / args.ray_batch_size)
-            dataset = processor(ray.data.from_items(rows, override_num_blocks=blocks))
+            dataset = processor(_blocks_of(rows, checked.rows_per_call))
             try:
                 for batch in _output_batches(dataset):
                     fresh = [(rid, line) for rid, line in zip(batch["id"], batch["output"])

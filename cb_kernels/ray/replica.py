@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import sys
 
 from cb_kernels.generate_cli import (_sha, drop_nulls, error_result, output_record, request_of,
                                      result_of)
@@ -62,6 +64,35 @@ def _types() -> dict:
             "error": pa.string(), "num_prompt_tokens": pa.int64(), "output": pa.string()}
 
 
+def _lost_rank(error: BaseException) -> bool:
+    """Whether `error` comes from a tensor-parallel rank lost (TensorParallelError in its chain)."""
+    from cb_kernels.engine.distributed import TensorParallelError
+
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, TensorParallelError):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _check_ranks(engine) -> None:
+    """Raises TensorParallelError once a rank was lost: the engine then fails the rows of every
+    step (as error outputs), and none of them is a result."""
+    from cb_kernels.engine.distributed import TensorParallelError
+
+    broken = engine.tp.channel.broken
+    if broken is not None:
+        raise TensorParallelError(broken)
+
+
+def _in_ray_actor() -> bool:
+    import ray
+
+    return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+
+
 class EngineReplica:
     """A stateful callable for `ray.data.Dataset.map_batches(EngineReplica, batch_format="pyarrow",
     **cb_kernels.ray.map_batches_args(ProcessorConfig(...)))`: builds one Engine per actor, driven
@@ -76,6 +107,12 @@ class EngineReplica:
     template to text prompts; seed: row `index` samples with seed + index unless it sets its own;
     torch_threads: torch's intra-op threads in this actor (match the actor's num_cpus);
     settings_fingerprint: written in every output line (`generate --resume` checks it).
+
+    engine_config.tensor_parallel_size=N > 1: this actor is rank 0 and starts the N - 1 other
+    ranks as child processes (cb_kernels.ray.ranks; one GPU each on CUDA). A rank lost mid-job
+    (TensorParallelError) ends this actor's process after it logs why, so that Ray restarts the
+    actor (its ranks rebuilt) and retries its batches; called outside a Ray actor, the batch
+    raises that error.
     """
 
     def __init__(self, model, *, engine_config=None, sampling_params=None, dtype=None,
@@ -86,13 +123,32 @@ class EngineReplica:
         from cb_kernels import Engine, EngineConfig, SamplingParams
         from cb_kernels.models import fast_dtype, load
 
-        torch.set_num_threads(max(1, int(torch_threads)))
+        threads = max(1, int(torch_threads))
+        torch.set_num_threads(threads)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        loaded, self.tokenizer = load(model, dtype=dtype, trust_remote_code=trust_remote_code)
-        if dtype is None:
-            loaded = loaded.to(fast_dtype(loaded.dtype, device)[0])
-        self.engine = Engine(loaded.to(device), engine_config or EngineConfig(),
-                             tokenizer=self.tokenizer)
+        config = engine_config or EngineConfig()
+        self.followers = None
+        if config.tensor_parallel_size > 1:
+            from cb_kernels.engine.distributed import select_device
+            from cb_kernels.ray.ranks import Followers
+
+            self.followers = Followers(config.tensor_parallel_size, dict(
+                model=str(model), dtype=dtype, device=device, engine_config=config,
+                trust_remote_code=trust_remote_code, threads=threads))
+            self.followers.join_as_rank0()
+            device = select_device(torch.device(device))      # cuda:0 of the actor's GPUs
+        try:
+            loaded, self.tokenizer = load(model, dtype=dtype,
+                                          trust_remote_code=trust_remote_code)
+            if dtype is None:
+                loaded = loaded.to(fast_dtype(loaded.dtype, device)[0])
+            if self.followers is not None:
+                self.followers.wait_loaded(config.tensor_parallel_timeout_s)
+            self.engine = Engine(loaded.to(device), config, tokenizer=self.tokenizer)
+        except BaseException:
+            if self.followers is not None:
+                self.followers.close()
+            raise
         self.params = sampling_params or SamplingParams()
         self.chat, self.seed, self.settings = chat, seed, settings_fingerprint
         self.feed = EngineFeed(self.engine)
@@ -107,8 +163,18 @@ class EngineReplica:
     def __call__(self, batch):
         rows = rows_of(batch)
         records = [_record_of(row) for row in rows]
-        results = self.feed.run([functools.partial(self._request, row.get("index"), rec)
-                                 for row, rec in zip(rows, records)])
+        try:
+            results = self.feed.run([functools.partial(self._request, row.get("index"), rec)
+                                     for row, rec in zip(rows, records)])
+            if self.followers is not None:
+                _check_ranks(self.engine)
+        except RuntimeError as e:             # TensorParallelError is one
+            if self.followers is not None and _lost_rank(e) and _in_ray_actor():
+                print(f"cb_kernels.ray: {e}\nthis replica exits: Ray restarts it (its ranks "
+                      "rebuilt) and retries its batches", file=sys.stderr, flush=True)
+                self.followers.close()
+                os._exit(1)
+            raise
         for i, (row, rec, res) in enumerate(zip(rows, records, results)):
             if isinstance(res, Exception):
                 index = row.get("index")

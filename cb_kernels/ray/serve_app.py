@@ -74,7 +74,9 @@ def serve_app(model, *, replicas: int = 1, engine_config=None, dtype: Optional[s
     tp = getattr(engine_config, "tensor_parallel_size", 1)
     if tp != 1:
         raise ValueError(f"engine_config.tensor_parallel_size={tp}: tensor parallelism inside "
-                         "a Ray replica is not supported yet; run one replica per device")
+                         "a Ray Serve replica is not supported yet (its server thread does not "
+                         "drive follower ranks; batch replicas do: cb_kernels.ray.ProcessorConfig)"
+                         "; run one Serve replica per device")
     if device == "cuda" and not num_gpus:
         raise ValueError("device='cuda' needs num_gpus > 0 (Ray gives an actor no GPU otherwise)")
     deployment = serve.deployment(

@@ -159,7 +159,7 @@ def test_ray_feeds_a_replica_its_next_batch_while_one_runs(cluster, model_dir, t
     that bench/bench_ray.py compares against."""
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])   # tests/ is not on the
     prompts = _prompts(24)                                            # workers' path
-    config = ProcessorConfig(model=str(model_dir), dtype="float32", replicas=2, batch_size=3,
+    config = ProcessorConfig(model=str(model_dir), dtype="float32", replicas=2, batch_size=6,
                              batches_in_flight=2, sampling_params=PARAMS,
                              engine_config=CONFIG)
     args = map_batches_args(config)

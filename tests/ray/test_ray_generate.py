@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import signal
+import threading
 import time
 
 import pytest
@@ -122,40 +123,113 @@ def test_parquet_input_gives_the_jsonl_lines(cluster, model_dir, single, tmp_pat
         cli.main(_argv(model_dir, src, dst, *RAY))
 
 
-def _map_workers() -> list:
-    """Pids of this cluster's Ray Data actor processes (their title is ray::MapWorker(...))."""
-    import psutil
+def _logging_replica(log_dir, hold_rows: int):
+    """An EngineReplica class that appends to log_dir/<pid>.log a line "+ index" per row its
+    engine admits and "- index" per row its call returned (O_APPEND writes: a SIGKILL loses
+    none), and whose first engine step waits (up to 30 s) until it holds `hold_rows` rows. The
+    first replica to hold `hold_rows` rows writes its pid to log_dir/victim (created exclusively:
+    one victim per job) and stops stepping: it holds them until the test kills it."""
+    from cb_kernels.ray import EngineReplica
 
-    pids = []
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        cmd = " ".join(p.info["cmdline"] or ())
-        if cmd.startswith("ray::MapWorker") or cmd.startswith("ray::_MapWorker"):
-            pids.append(p.info["pid"])
-    return pids
+    class Logging(EngineReplica):
+        def __init__(self, model, **kwargs):
+            super().__init__(model, **kwargs)
+            self.fd = os.open(os.path.join(log_dir, f"{os.getpid()}.log"),
+                              os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+            self.held, self.victim, step = 0, False, self.engine.step
+            self.lock = threading.Lock()           # held: the feed's thread and the calls'
+
+            def held_step():
+                end = time.monotonic() + 30
+                while self.engine.stats()["steps"] == 0 and self.held < hold_rows and \
+                        time.monotonic() < end:
+                    time.sleep(0.01)
+                while self.victim:                 # until the SIGKILL
+                    time.sleep(0.1)
+                return step()
+
+            self.engine.step = held_step
+
+        def _request(self, index, rec):            # runs in the feed thread, at admission
+            os.write(self.fd, f"+ {index}\n".encode())
+            with self.lock:
+                self.held += 1
+                full = self.held == hold_rows
+            if full:
+                try:
+                    claim = os.open(os.path.join(log_dir, "victim"),
+                                    os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+                except FileExistsError:
+                    pass
+                else:
+                    os.write(claim, str(os.getpid()).encode())
+                    os.close(claim)
+                    self.victim = True
+            return super()._request(index, rec)
+
+        def __call__(self, batch):
+            out = super().__call__(batch)
+            done = out.column("index").to_pylist()
+            os.write(self.fd, "".join(f"- {i}\n" for i in done).encode())
+            with self.lock:
+                self.held -= len(done)
+            return out
+
+    return Logging
 
 
-def test_a_killed_replica_costs_a_retry_and_no_row(cluster, model_dir, single, tmp_path,
+def _admitted(log_dir) -> dict:
+    """pid -> (rows admitted, rows returned) from _logging_replica's logs."""
+    logs = {}
+    for path in log_dir.glob("*.log"):
+        lines = path.read_text().splitlines()
+        logs[int(path.stem)] = ([int(x[2:]) for x in lines if x[0] == "+"],
+                                [int(x[2:]) for x in lines if x[0] == "-"])
+    return logs
+
+
+def test_a_killed_replica_costs_at_most_one_batch(cluster, model_dir, single, tmp_path,
                                                   monkeypatch):
-    import cb_kernels.ray.generate as gen
+    """A replica SIGKILLed while it holds the most rows it can (--ray-batch-size 6: 2 batches in
+    flight of 3 rows, every row admitted to its engine): the rows generated twice (admitted by
+    the killed replica and again by a retry) are exactly the 6 it held, <= --ray-batch-size;
+    every id is written once, with the single engine's tokens."""
+    import cb_kernels.ray.processor as processor
 
     src, reference = single
-    dst = tmp_path / "out.jsonl"
+    dst, logs = tmp_path / "out.jsonl", tmp_path / "logs"
+    logs.mkdir()
+    monkeypatch.setattr(processor, "EngineReplica", _logging_replica(str(logs), 6))
     killed = []
-    batches = gen._output_batches
 
-    def kill_after_first_batch(dataset):
-        for n, batch in enumerate(batches(dataset)):
-            if n == 0:        # both replicas hold a batch now (each has more queued): kill one
-                workers = _map_workers()
-                assert len(workers) == 2, workers
-                os.kill(workers[0], signal.SIGKILL)
-                killed.append(workers[0])
-            yield batch
+    def kill_the_victim():
+        end = time.monotonic() + 120
+        while not (logs / "victim").exists() or not (logs / "victim").read_text():
+            if time.monotonic() > end:
+                return
+            time.sleep(0.02)
+        pid = int((logs / "victim").read_text())
+        killed.append((pid, _admitted(logs)[pid]))
+        os.kill(pid, signal.SIGKILL)
 
-    monkeypatch.setattr(gen, "_output_batches", kill_after_first_batch)
-    assert cli.main(_argv(model_dir, src, dst, *RAY, "--max-new-tokens", "48")) == 0
-    assert killed
-    got = {k: json.loads(v) for k, v in _lines(dst).items()}
+    watcher = threading.Thread(target=kill_the_victim, daemon=True)
+    watcher.start()
+    assert cli.main(_argv(model_dir, src, dst, *RAY, "--ray-batch-size", "6",
+                          "--max-new-tokens", "48")) == 0
+    watcher.join(10)
+    assert killed, "no replica came to hold 6 rows"
+    pid, (admitted, returned) = killed[0]
+    held = set(admitted) - set(returned)
+    assert len(held) == 6                 # 2 batches of 3 in flight, all in its engine
+    logs_after = _admitted(logs)
+    assert pid in logs_after and len(logs_after) >= 3        # the killed actor was replaced
+    seen, twice = set(), set()
+    for adm, _ in logs_after.values():
+        twice |= seen & set(adm)
+        seen |= set(adm)
+    assert twice == held and len(twice) <= 6          # the rework: at most --ray-batch-size rows
+    assert len(seen) == ROWS + 4                      # every row ran
+    got = {k: json.loads(v) for k, v in _lines(dst).items()}     # fails on a duplicated id
     assert set(got) == set(reference)
     for rid, line in reference.items():     # 48 tokens here, 8 there: the first 8 agree
         want = json.loads(line)
@@ -211,8 +285,11 @@ def test_a_model_that_cannot_load_fails_at_start(cluster, model_dir, tmp_path):
     (("--ray", "--replicas", "0"), "--replicas must be an int >= 1"),
     (("--ray", "--ray-batch-size", "0"), "--ray-batch-size must be an int >= 1"),
     (("--ray", "--ray-batches-in-flight", "0"), "--ray-batches-in-flight must be an int >= 1"),
+    (("--ray", "--ray-batch-size", "2", "--ray-batches-in-flight", "3"),
+     r"--ray-batch-size must be >= batches_in_flight \(3\): a replica holds batch_size rows"),
     (("--ray", "--cpus-per-replica", "0"), "--cpus-per-replica must be > 0"),
-    (("--ray", "--tensor-parallel-size", "2"), "tensor parallelism inside a Ray replica"),
+    (("--ray", "--gpus-per-replica", "1", "--tensor-parallel-size", "2"),
+     r"--gpus-per-replica must be >= engine_config.tensor_parallel_size=2 on CUDA \(each rank"),
     (("--replicas", "2"), "--replicas needs --ray"),
 ])
 def test_bad_ray_flags_are_refused_before_anything_runs(model_dir, tmp_path, flags, match):
@@ -263,10 +340,25 @@ def test_processor_config_is_checked():
 
     with pytest.raises(ValueError, match="replicas must be an int >= 1"):
         ProcessorConfig(model="m", replicas=0)
+    with pytest.raises(ValueError, match=r"batch_size must be >= batches_in_flight \(4\)"):
+        ProcessorConfig(model="m", batch_size=3, batches_in_flight=4)
+    # a replica holds batch_size rows in all: batches_in_flight calls of batch_size // k rows
+    assert [ProcessorConfig(model="m", batch_size=b, batches_in_flight=k).rows_per_call
+            for b, k in ((64, 2), (5, 2), (6, 3), (7, 1))] == [32, 2, 2, 7]
     with pytest.raises(ValueError, match="model must be a built-in name"):
         ProcessorConfig(model="")
     with pytest.raises(ValueError, match="device='cuda' needs num_gpus > 0"):
         ProcessorConfig(model="m", device="cuda")
+    from cb_kernels import EngineConfig
+
+    tp2 = EngineConfig(tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"num_gpus must be >= engine_config.tensor_parallel_siz"):
+        ProcessorConfig(model="m", device="cuda", num_gpus=1, engine_config=tp2)
+    # each rank of a replica gets num_cpus // tensor_parallel_size torch threads
+    assert ProcessorConfig(model="m", num_cpus=4, engine_config=tp2).replica_kwargs()[
+        "torch_threads"] == 2
+    assert ProcessorConfig(model="m", num_gpus=2, engine_config=tp2).replica_kwargs()[
+        "device"] == "cuda"
     with pytest.raises(TypeError, match="config must be a ProcessorConfig"):
         build_processor({"model": "m"})
     with pytest.raises(TypeError, match="postprocess must be a callable"):

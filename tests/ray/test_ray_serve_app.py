@@ -111,5 +111,6 @@ def test_serve_app_checks_its_arguments():
         serve_app("")
     with pytest.raises(ValueError, match="device='cuda' needs num_gpus > 0"):
         serve_app("m", device="cuda")
-    with pytest.raises(ValueError, match="tensor parallelism inside a Ray replica"):
+    with pytest.raises(ValueError,
+                       match="tensor parallelism inside a Ray Serve replica is not supported"):
         serve_app("m", engine_config=EngineConfig(tensor_parallel_size=2))
