@@ -82,7 +82,7 @@ def _check_ranks(engine) -> None:
     step (as error outputs), and none of them is a result."""
     from cb_kernels.engine.distributed import TensorParallelError
 
-    broken = engine.tp.channel.broken
+    broken = engine.runner.channel.broken      # the TensorParallelRunner contract's channel
     if broken is not None:
         raise TensorParallelError(broken)
 
