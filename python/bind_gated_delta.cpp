@@ -7,6 +7,7 @@
 
 #include "bindings.h"
 #include "cb_kernels/gated_delta.h"
+#include "varlen_rows_arg.h"
 
 namespace py = pybind11;
 
@@ -15,8 +16,7 @@ void bind_gated_delta(py::module_& m) {
   m.def(
       "gated_delta_rule",
       [](uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t g, uintptr_t beta, uintptr_t state, uintptr_t out,
-         uintptr_t slots, uintptr_t cu_seqlens, uintptr_t has_state, int64_t num_seqs, int64_t num_slots,
-         int64_t num_k_heads, int64_t num_v_heads, int64_t k_dim, int64_t v_dim, Stride2 q_stride,
+         const cbk::VarlenRowsArg& rows, int64_t num_k_heads, int64_t num_v_heads, int64_t k_dim, int64_t v_dim, Stride2 q_stride,
          Stride2 k_stride, Stride2 v_stride, float scale, bool l2norm_qk, const std::string& isa, int dtype) {
         cbk::GatedDeltaParams p;
         p.q = cbk::as_ptr<const void>(q);
@@ -26,11 +26,7 @@ void bind_gated_delta(py::module_& m) {
         p.beta = cbk::as_ptr<const float>(beta);
         p.state = cbk::as_ptr<float>(state);
         p.out = cbk::as_ptr<void>(out);
-        p.slots = cbk::as_ptr<const int64_t>(slots);
-        p.cu_seqlens = cbk::as_ptr<const int32_t>(cu_seqlens);
-        p.has_state = cbk::as_ptr<const uint8_t>(has_state);
-        p.num_seqs = num_seqs;
-        p.num_slots = num_slots;
+        p.rows = cbk::as_rows(rows);
         p.num_k_heads = num_k_heads;
         p.num_v_heads = num_v_heads;
         p.k_dim = k_dim;

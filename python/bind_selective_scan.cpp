@@ -5,6 +5,7 @@
 
 #include "bindings.h"
 #include "cb_kernels/selective_scan.h"
+#include "varlen_rows_arg.h"
 
 namespace py = pybind11;
 
@@ -12,8 +13,7 @@ void bind_selective_scan(py::module_& m) {
   m.def(
       "selective_scan",
       [](uintptr_t x, uintptr_t dt, uintptr_t A, uintptr_t B, uintptr_t C, uintptr_t D, uintptr_t dt_bias,
-         uintptr_t state, uintptr_t out, uintptr_t slots, uintptr_t cu_seqlens, uintptr_t has_state,
-         int64_t num_seqs, int64_t num_slots, int64_t num_heads, int64_t head_dim, int64_t num_groups,
+         uintptr_t state, uintptr_t out, const cbk::VarlenRowsArg& rows, int64_t num_heads, int64_t head_dim, int64_t num_groups,
          int64_t d_state, int64_t x_stride, int64_t b_stride, int64_t c_stride, bool dt_softplus, float dt_min,
          float dt_max, const std::string& isa, int dtype) {
         cbk::SelectiveScanParams p;
@@ -26,11 +26,7 @@ void bind_selective_scan(py::module_& m) {
         p.dt_bias = cbk::as_ptr<const float>(dt_bias);
         p.state = cbk::as_ptr<float>(state);
         p.out = cbk::as_ptr<void>(out);
-        p.slots = cbk::as_ptr<const int64_t>(slots);
-        p.cu_seqlens = cbk::as_ptr<const int32_t>(cu_seqlens);
-        p.has_state = cbk::as_ptr<const uint8_t>(has_state);
-        p.num_seqs = num_seqs;
-        p.num_slots = num_slots;
+        p.rows = cbk::as_rows(rows);
         p.num_heads = num_heads;
         p.head_dim = head_dim;
         p.num_groups = num_groups;

@@ -12,7 +12,7 @@ import torch
 from cb_kernels import _C
 from cb_kernels.ops._backend import (DTYPE_CODES, check_tensor, resolve_backend, same_device,
                                      sync_threads)
-from cb_kernels.ops.gated_delta_rule import _check_values, _check_varlen
+from cb_kernels.ops._varlen import check_values, check_varlen, rows_arg
 
 _BACKENDS = ("cpu", "torch")
 _ACTIVATIONS = (None, "silu")
@@ -21,7 +21,7 @@ _ACTIVATIONS = (None, "silu")
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   conv_state: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor,
                   has_state: torch.Tensor, *, activation: str | None = "silu",
-                  backend: str | None = None) -> torch.Tensor:
+                  backend: str | None = None, isa: str = "auto") -> torch.Tensor:
     """Per row: ``act(bias + depthwise causal conv of its tokens)``, preceded by the last
     ``width - 1`` inputs of its slot's window when ``has_state`` (zeros otherwise); afterwards
     the slot holds the row's last ``state_len`` inputs (older ones from the old window or zeros).
@@ -37,11 +37,13 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     has_state : bool ``[num_seqs]`` (see ops.gated_delta_rule).
     activation : None or "silu".
     backend : None (cpu), "cpu" or "torch".
+    isa : caps the CPU body ("auto", or one of ``_C.cpu_isas()``, for tests): "avx512" or
+        "portable" run (``_C.gated_delta_rule_isa`` names the one chosen, the same two bodies).
 
     Returns ``[num_tokens, channels]`` in x's dtype, contiguous.
     """
     _check(x, weight, bias, conv_state, slots, cu_seqlens, has_state, activation)
-    _check_values(conv_state, slots, cu_seqlens, x.shape[0])
+    check_values(conv_state, slots, cu_seqlens, x.shape[0])
     chosen = resolve_backend(backend, x.device, _BACKENDS, "torch", "causal_conv1d")
     if chosen == "torch":
         from cb_kernels.ops.reference import ref_causal_conv1d
@@ -49,20 +51,20 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return ref_causal_conv1d(x, weight, bias, conv_state, slots, cu_seqlens, has_state,
                                  activation=activation)
     return causal_conv1d_unchecked(x, weight, bias, conv_state, slots, cu_seqlens, has_state,
-                                   activation)
+                                   activation, isa)
 
 
 def causal_conv1d_unchecked(x, weight, bias, conv_state, slots, cu_seqlens, has_state,
-                            activation) -> torch.Tensor:
+                            activation, isa: str = "auto") -> torch.Tensor:
     """The engine's hot path on CPU: `causal_conv1d` without the checks (runner/hybrid_kernels.py
     builds the arguments)."""
     out = torch.empty((x.shape[0], x.shape[1]), dtype=x.dtype)
     sync_threads()
     _C.causal_conv1d(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                     conv_state.data_ptr(), out.data_ptr(), slots.data_ptr(),
-                     cu_seqlens.data_ptr(), has_state.data_ptr(), slots.shape[0],
-                     conv_state.shape[0], x.shape[1], weight.shape[1], conv_state.shape[2],
-                     x.stride(0), activation == "silu", DTYPE_CODES[x.dtype])
+                     conv_state.data_ptr(), out.data_ptr(),
+                     rows_arg(slots, cu_seqlens, has_state, conv_state.shape[0]), x.shape[1],
+                     weight.shape[1], conv_state.shape[2], x.stride(0), activation == "silu",
+                     isa, DTYPE_CODES[x.dtype])
     return out
 
 
@@ -87,7 +89,7 @@ def _check(x, weight, bias, conv_state, slots, cu_seqlens, has_state, activation
     if conv_state.shape[1] != channels or conv_state.shape[2] < weight.shape[1] - 1:
         raise ValueError(f"conv_state must have shape [num_slots, {channels}, state_len >= "
                          f"{weight.shape[1] - 1}], got {tuple(conv_state.shape)}")
-    _check_varlen(slots, cu_seqlens, has_state)
+    check_varlen(slots, cu_seqlens, has_state)
     if activation not in _ACTIVATIONS:
         raise ValueError(f"activation must be None or 'silu', got {activation!r}")
     tensors = [("x", x), ("weight", weight), ("conv_state", conv_state), ("slots", slots),

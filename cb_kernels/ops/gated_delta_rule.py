@@ -13,6 +13,7 @@ import torch
 from cb_kernels import _C
 from cb_kernels.ops._backend import (DTYPE_CODES, check_tensor, default_cuda_backend,
                                      resolve_backend, same_device, sync_threads)
+from cb_kernels.ops._varlen import check_values, check_varlen, rows_arg
 
 _BACKENDS = ("triton", "cpu", "torch")
 
@@ -48,7 +49,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     Returns ``out``: ``[num_tokens, num_v_heads, v_dim]`` in v's dtype.
     """
     _check(q, k, v, g, beta, state, slots, cu_seqlens, has_state, out)
-    _check_values(state, slots, cu_seqlens, q.shape[0])
+    check_values(state, slots, cu_seqlens, q.shape[0])
     device = q.device
     chosen = resolve_backend(backend, device, _BACKENDS, default_cuda_backend(_BACKENDS),
                              "gated_delta_rule")
@@ -87,8 +88,8 @@ def _run_cpu(q, k, v, g, beta, state, slots, cu_seqlens, has_state, out, scale, 
     sync_threads()
     _C.gated_delta_rule(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
-        state.data_ptr(), out.data_ptr(), slots.data_ptr(), cu_seqlens.data_ptr(),
-        has_state.data_ptr(), slots.shape[0], state.shape[0], q.shape[1], v.shape[1], q.shape[2],
+        state.data_ptr(), out.data_ptr(), rows_arg(slots, cu_seqlens, has_state, state.shape[0]),
+        q.shape[1], v.shape[1], q.shape[2],
         v.shape[2], (q.stride(0), q.stride(1)), (k.stride(0), k.stride(1)),
         (v.stride(0), v.stride(1)), scale, bool(l2norm_qk), isa, DTYPE_CODES[v.dtype])
 
@@ -125,37 +126,12 @@ def _check(q, k, v, g, beta, state, slots, cu_seqlens, has_state, out) -> None:
     if tuple(state.shape[1:]) != (num_v_heads, k_dim, v_dim):
         raise ValueError(f"state must have shape [num_slots, {num_v_heads}, {k_dim}, {v_dim}] "
                          f"[num_slots, num_v_heads, k_dim, v_dim], got {tuple(state.shape)}")
-    _check_varlen(slots, cu_seqlens, has_state)
+    check_varlen(slots, cu_seqlens, has_state)
     if out is not None:
         check_tensor(out, "out", ndim=3, dtype=v.dtype, device=v.device, contiguous=True)
         if tuple(out.shape) != (num_tokens, num_v_heads, v_dim):
             raise ValueError(f"out must have shape {(num_tokens, num_v_heads, v_dim)}, got "
                              f"{tuple(out.shape)}")
-
-
-def _check_varlen(slots, cu_seqlens, has_state) -> None:
-    """The varlen batch every hybrid op takes: slots int64 [num_seqs], cu_seqlens int32
-    [num_seqs + 1], has_state bool [num_seqs]."""
-    check_tensor(slots, "slots", ndim=1, dtype=torch.int64, contiguous=True)
-    check_tensor(cu_seqlens, "cu_seqlens", ndim=1, dtype=torch.int32, contiguous=True)
-    check_tensor(has_state, "has_state", ndim=1, dtype=torch.bool, contiguous=True)
-    if cu_seqlens.shape[0] != slots.shape[0] + 1 or has_state.shape[0] != slots.shape[0]:
-        raise ValueError(f"cu_seqlens must have num_seqs + 1 entries and has_state num_seqs, "
-                         f"got {cu_seqlens.shape[0]} and {has_state.shape[0]} for "
-                         f"{slots.shape[0]} slots")
-
-
-def _check_values(state, slots, cu_seqlens, num_tokens: int) -> None:
-    """The index values (one host read of slots and cu_seqlens)."""
-    s = slots.tolist()
-    if any(x < 0 or x >= state.shape[0] for x in s):
-        raise ValueError(f"slots must lie in [0, {state.shape[0]}) (state's num_slots), got {s}")
-    if len(set(s)) != len(s):
-        raise ValueError(f"slots must be distinct (each row owns its state), got {s}")
-    cu = cu_seqlens.tolist()
-    if cu[0] != 0 or cu[-1] != num_tokens or any(b < a for a, b in zip(cu, cu[1:])):
-        raise ValueError(f"cu_seqlens must start at 0, end at num_tokens={num_tokens} and not "
-                         f"decrease, got {cu}")
 
 
 @torch.library.custom_op("cb_kernels::gated_delta_rule", mutates_args=("state",))

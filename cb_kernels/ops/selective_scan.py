@@ -10,7 +10,7 @@ import torch
 from cb_kernels import _C
 from cb_kernels.ops._backend import (DTYPE_CODES, check_tensor, resolve_backend, same_device,
                                      sync_threads)
-from cb_kernels.ops.gated_delta_rule import _check_values, _check_varlen
+from cb_kernels.ops._varlen import check_values, check_varlen, rows_arg
 
 _BACKENDS = ("cpu", "torch")
 
@@ -43,7 +43,7 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
     Returns ``[num_tokens, num_heads, head_dim]`` in x's dtype.
     """
     _check(x, dt, A, B, C, state, slots, cu_seqlens, has_state, D, dt_bias)
-    _check_values(state, slots, cu_seqlens, x.shape[0])
+    check_values(state, slots, cu_seqlens, x.shape[0])
     chosen = resolve_backend(backend, x.device, _BACKENDS, "torch", "selective_scan")
     if chosen == "torch":
         from cb_kernels.ops.reference import ref_selective_scan
@@ -58,8 +58,8 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
     _C.selective_scan(
         x.data_ptr(), dt.data_ptr(), A.data_ptr(), B.data_ptr(), C.data_ptr(),
         0 if D is None else D.data_ptr(), 0 if dt_bias is None else dt_bias.data_ptr(),
-        state.data_ptr(), out.data_ptr(), slots.data_ptr(), cu_seqlens.data_ptr(),
-        has_state.data_ptr(), slots.shape[0], state.shape[0], x.shape[1], x.shape[2],
+        state.data_ptr(), out.data_ptr(), rows_arg(slots, cu_seqlens, has_state, state.shape[0]),
+        x.shape[1], x.shape[2],
         B.shape[1], B.shape[2], x.stride(0), B.stride(0), C.stride(0), bool(dt_softplus),
         lo, hi, isa, DTYPE_CODES[x.dtype])
     return out
@@ -95,7 +95,7 @@ def _check(x, dt, A, B, C, state, slots, cu_seqlens, has_state, D, dt_bias) -> N
     if tuple(state.shape[1:]) != (num_heads, head_dim, B.shape[2]):
         raise ValueError(f"state must have shape [num_slots, {num_heads}, {head_dim}, "
                          f"{B.shape[2]}], got {tuple(state.shape)}")
-    _check_varlen(slots, cu_seqlens, has_state)
+    check_varlen(slots, cu_seqlens, has_state)
     same_device([("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C), ("state", state),
                  ("slots", slots), ("cu_seqlens", cu_seqlens), ("has_state", has_state)])
 

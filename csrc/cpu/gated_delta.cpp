@@ -14,16 +14,16 @@
 #include <vector>
 
 #include "cb_kernels/gated_delta.h"
-#include "threads.h"
+#include "varlen_items.h"
 
 namespace cbk {
 namespace CBK_CPU_NS {
 namespace {
 
 constexpr int64_t kTile = 64;
-// Below this many state-element updates in a call (tokens x heads x k_dim x v_dim) one thread
-// runs it: a tiny decode costs less than waking the pool.
-constexpr int64_t kParallelWork = int64_t{1} << 16;
+// State-element updates (tokens x heads x k_dim x v_dim) a thread must get before a second one
+// joins: 2^16 (~15 us of the avx512 body) is about what waking the OpenMP team costs.
+constexpr int64_t kWorkPerThread = int64_t{1} << 16;
 
 inline float load(const float* p, int64_t i) { return p[i]; }
 inline float load(const uint16_t* p, int64_t i) { return bf16_to_float(p[i]); }
@@ -86,9 +86,9 @@ void run_tile(const GatedDeltaParams& p, float* S, int64_t h, int64_t t0, int64_
 template <typename T>
 void run_item(const GatedDeltaParams& p, int64_t s, int64_t h) {
   const int64_t K = p.k_dim, V = p.v_dim;
-  const int64_t t0 = p.cu_seqlens[s], t1 = p.cu_seqlens[s + 1];
-  float* S = p.state + (p.slots[s] * p.num_v_heads + h) * K * V;
-  if (!p.has_state[s]) std::fill(S, S + K * V, 0.0f);
+  const int64_t t0 = p.rows.cu_seqlens[s], t1 = p.rows.cu_seqlens[s + 1];
+  float* S = p.state + (p.rows.slots[s] * p.num_v_heads + h) * K * V;
+  if (!p.rows.has_state[s]) std::fill(S, S + K * V, 0.0f);
   if (t1 == t0) return;
   const int64_t kh = h / (p.num_v_heads / p.num_k_heads);
   thread_local std::vector<float> qk;      // the row's normalised q' then k', [2, len, K]
@@ -111,18 +111,13 @@ void run_item(const GatedDeltaParams& p, int64_t s, int64_t h) {
 }  // namespace
 
 Status gated_delta_rule(const GatedDeltaParams& p) {
-  const int64_t items = p.num_seqs * p.num_v_heads;
-  if (items == 0) return Status::Ok();
-  const int64_t tokens = p.cu_seqlens[p.num_seqs];
+  const int64_t tokens = p.rows.num_tokens();
   const int64_t work = std::max<int64_t>(tokens, 1) * p.num_v_heads * p.k_dim * p.v_dim;
   const bool bf16 = p.dtype == DType::kBFloat16;
-  // dynamic: a prefill row's items cost its length, a decode's one token.
-#pragma omp parallel for schedule(dynamic, 1) num_threads(cpu::max_threads()) \
-    if (items > 1 && work >= kParallelWork)
-  for (int64_t it = 0; it < items; ++it) {
-    const int64_t s = it / p.num_v_heads, h = it % p.num_v_heads;
-    bf16 ? run_item<uint16_t>(p, s, h) : run_item<float>(p, s, h);
-  }
+  cpu::for_each_row_part(p.rows.cu_seqlens, p.rows.num_seqs, p.num_v_heads, work, kWorkPerThread,
+                         [&](int64_t s, int64_t h) {
+                           bf16 ? run_item<uint16_t>(p, s, h) : run_item<float>(p, s, h);
+                         });
   return Status::Ok();
 }
 
@@ -142,17 +137,16 @@ Isa gated_delta_rule_isa(Isa isa) {
 }
 
 Status gated_delta_rule(const GatedDeltaParams& p, Isa isa) {
-  if (p.num_seqs < 0 || p.num_slots < 0 || p.num_k_heads <= 0 || p.num_v_heads <= 0 ||
-      p.k_dim <= 0 || p.v_dim <= 0)
-    return Status::Error("gated_delta_rule: need num_seqs >= 0 and positive heads and dims");
+  if (const Status rows = check_rows(p.rows); !rows.ok()) return rows;
+  if (p.num_k_heads <= 0 || p.num_v_heads <= 0 || p.k_dim <= 0 || p.v_dim <= 0)
+    return Status::Error("gated_delta_rule: need positive heads and dims");
   if (p.num_v_heads % p.num_k_heads != 0)
     return Status::Error("gated_delta_rule: num_v_heads must be a multiple of num_k_heads");
   if (p.dtype != DType::kFloat32 && p.dtype != DType::kBFloat16)
     return Status::Error("gated_delta_rule: dtype must be float32 or bfloat16");
-  if (p.num_seqs == 0) return Status::Ok();
-  if (!p.state || !p.slots || !p.cu_seqlens || !p.has_state)
-    return Status::Error("gated_delta_rule: null pointer");
-  if (p.cu_seqlens[p.num_seqs] > 0 && (!p.q || !p.k || !p.v || !p.g || !p.beta || !p.out))
+  if (p.rows.num_seqs == 0) return Status::Ok();
+  if (!p.state) return Status::Error("gated_delta_rule: null pointer");
+  if (p.rows.num_tokens() > 0 && (!p.q || !p.k || !p.v || !p.g || !p.beta || !p.out))
     return Status::Error("gated_delta_rule: null pointer");   // (empty tensors may have none)
 #if CBK_X86_BODIES
   if (gated_delta_rule_isa(isa) == Isa::kAvx512) return cpu_avx512::gated_delta_rule(p);

@@ -10,13 +10,14 @@
 
 #include "cb_kernels/gated_delta.h"  // gated_delta_rule_isa: the same two bodies
 #include "cb_kernels/selective_scan.h"
-#include "threads.h"
+#include "varlen_items.h"
 
 namespace cbk {
 namespace CBK_CPU_NS {
 namespace {
 
-constexpr int64_t kParallelWork = int64_t{1} << 16;
+// State-element updates a thread must get before a second one joins (as gated_delta.cpp).
+constexpr int64_t kWorkPerThread = int64_t{1} << 16;
 
 inline float load(const float* p, int64_t i) { return p[i]; }
 inline float load(const uint16_t* p, int64_t i) { return bf16_to_float(p[i]); }
@@ -26,9 +27,9 @@ inline void store(uint16_t* p, int64_t i, float x) { p[i] = float_to_bf16(x); }
 template <typename T>
 void run_item(const SelectiveScanParams& p, int64_t s, int64_t h) {
   const int64_t P = p.head_dim, N = p.d_state, H = p.num_heads;
-  const int64_t t0 = p.cu_seqlens[s], t1 = p.cu_seqlens[s + 1];
-  float* S = p.state + (p.slots[s] * H + h) * P * N;
-  if (!p.has_state[s]) std::fill(S, S + P * N, 0.0f);
+  const int64_t t0 = p.rows.cu_seqlens[s], t1 = p.rows.cu_seqlens[s + 1];
+  float* S = p.state + (p.rows.slots[s] * H + h) * P * N;
+  if (!p.rows.has_state[s]) std::fill(S, S + P * N, 0.0f);
   const int64_t gr = h / (H / p.num_groups);
   const T* x = static_cast<const T*>(p.x);
   const T* Bm = static_cast<const T*>(p.B);
@@ -65,17 +66,13 @@ void run_item(const SelectiveScanParams& p, int64_t s, int64_t h) {
 }  // namespace
 
 Status selective_scan(const SelectiveScanParams& p) {
-  const int64_t items = p.num_seqs * p.num_heads;
-  if (items == 0) return Status::Ok();
   const int64_t work =
-      std::max<int64_t>(p.cu_seqlens[p.num_seqs], 1) * p.num_heads * p.head_dim * p.d_state;
+      std::max<int64_t>(p.rows.num_tokens(), 1) * p.num_heads * p.head_dim * p.d_state;
   const bool bf16 = p.dtype == DType::kBFloat16;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(cpu::max_threads()) \
-    if (items > 1 && work >= kParallelWork)
-  for (int64_t it = 0; it < items; ++it) {
-    const int64_t s = it / p.num_heads, h = it % p.num_heads;
-    bf16 ? run_item<uint16_t>(p, s, h) : run_item<float>(p, s, h);
-  }
+  cpu::for_each_row_part(p.rows.cu_seqlens, p.rows.num_seqs, p.num_heads, work, kWorkPerThread,
+                         [&](int64_t s, int64_t h) {
+                           bf16 ? run_item<uint16_t>(p, s, h) : run_item<float>(p, s, h);
+                         });
   return Status::Ok();
 }
 
@@ -90,15 +87,15 @@ Status selective_scan(const SelectiveScanParams& p);
 
 namespace cpu {
 Status selective_scan(const SelectiveScanParams& p, Isa isa) {
-  if (p.num_seqs < 0 || p.num_heads <= 0 || p.head_dim <= 0 || p.num_groups <= 0 ||
+  if (const Status rows = check_rows(p.rows); !rows.ok()) return rows;
+  if (p.num_heads <= 0 || p.head_dim <= 0 || p.num_groups <= 0 ||
       p.d_state <= 0 || p.num_heads % p.num_groups != 0)
-    return Status::Error("selective_scan: need num_seqs >= 0, positive sizes, num_heads % num_groups == 0");
+    return Status::Error("selective_scan: need positive sizes, num_heads % num_groups == 0");
   if (p.dtype != DType::kFloat32 && p.dtype != DType::kBFloat16)
     return Status::Error("selective_scan: dtype must be float32 or bfloat16");
-  if (p.num_seqs == 0) return Status::Ok();
-  if (!p.A || !p.state || !p.slots || !p.cu_seqlens || !p.has_state)
-    return Status::Error("selective_scan: null pointer");
-  if (p.cu_seqlens[p.num_seqs] > 0 && (!p.x || !p.dt || !p.B || !p.C || !p.out))
+  if (p.rows.num_seqs == 0) return Status::Ok();
+  if (!p.A || !p.state) return Status::Error("selective_scan: null pointer");
+  if (p.rows.num_tokens() > 0 && (!p.x || !p.dt || !p.B || !p.C || !p.out))
     return Status::Error("selective_scan: null pointer");   // (empty tensors may have none)
 #if CBK_X86_BODIES
   if (gated_delta_rule_isa(isa) == Isa::kAvx512) return cpu_avx512::selective_scan(p);

@@ -1,13 +1,14 @@
 """causal_conv1d (csrc/cpu/causal_conv1d.cpp) against ops/reference.py's ref_causal_conv1d and
 transformers' causal_conv1d_fn / causal_conv1d_update (the Qwen3-Next layer's prefill and decode),
 over an explicit case list: channel counts off the 64-channel block, rows shorter than the
-window, decodes and continued chunks mixed with fresh prefills, empty rows."""
+window, decodes and continued chunks mixed with fresh prefills, empty rows; both CPU bodies
+forced; the thread split never changes a bit."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from cb_kernels import ops
+from cb_kernels import _C, ops
 from cb_kernels.ops.reference import ref_causal_conv1d
 
 # id: (channels, width, state_len, bias, [(row length, continues from its slot)])
@@ -19,6 +20,7 @@ CASES = {
     "width-2-long-state": (64, 2, 5, True, [(3, True), (1, True), (6, False)]),
 }
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
+_BODIES = [isa for isa in _C.cpu_isas() if isa in ("portable", "avx512")]
 
 
 def make(case, dtype, seed=0):
@@ -36,14 +38,15 @@ def make(case, dtype, seed=0):
     return x, weight, b, state, slots, cu, has_state
 
 
+@pytest.mark.parametrize("isa", _BODIES)
 @pytest.mark.parametrize("activation", ["silu", None])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_cpu_matches_reference(case, dtype, activation):
+def test_cpu_matches_reference(case, dtype, activation, isa):
     x, w, b, state, slots, cu, has = make(case, dtype)
     want_state = state.clone()
     want = ref_causal_conv1d(x, w, b, want_state, slots, cu, has, activation=activation)
-    got = ops.causal_conv1d(x, w, b, state, slots, cu, has, activation=activation)
+    got = ops.causal_conv1d(x, w, b, state, slots, cu, has, activation=activation, isa=isa)
     torch.testing.assert_close(got, want, **TOL[dtype])
     assert torch.equal(state, want_state)        # the window is a copy of inputs: same bits
 
@@ -127,3 +130,27 @@ def _bad(**change):
 def test_bad_input_raises_naming_it(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+def test_thread_split_does_not_change_bits():
+    """A call big enough for two threads (one long prefill row, decodes around it: the rows are
+    split longest first) gives the bits of the one-thread call, state included."""
+    gen = torch.Generator().manual_seed(5)
+    channels, width, lengths = 256, 4, [1, 300, 1, 1, 40, 1]
+    n = sum(lengths)
+    x = torch.randn(n, channels, generator=gen)
+    w = torch.randn(channels, width, generator=gen)
+    state = torch.randn(len(lengths), channels, width, generator=gen)
+    slots = torch.arange(len(lengths))
+    cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    has = torch.tensor([True, False, True, True, True, True])
+    saved = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            s = state.clone()
+            outs.append((ops.causal_conv1d(x, w, None, s, slots, cu, has), s))
+    finally:
+        torch.set_num_threads(saved)
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])

@@ -120,3 +120,29 @@ def _bad(**change):
 def test_bad_input_raises_naming_it(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+def test_thread_split_does_not_change_bits():
+    """A call big enough for two threads (a long prefill row among decodes, split longest first
+    over (row, head) items) gives the bits of the one-thread call, state included."""
+    gen = torch.Generator().manual_seed(6)
+    lengths, h, p, n_state = [1, 48, 1, 1, 9], 4, 32, 64
+    n = sum(lengths)
+    x = torch.randn(n, h, p, generator=gen)
+    B, C = torch.randn(2, n, 1, n_state, generator=gen)
+    dt = torch.randn(n, h, generator=gen)
+    A = -torch.rand(h, generator=gen)
+    state = torch.randn(len(lengths), h, p, n_state, generator=gen)
+    slots = torch.arange(len(lengths))
+    cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    has = torch.tensor([True, False, True, True, False])
+    saved = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            s = state.clone()
+            outs.append((ops.selective_scan(x, dt, A, B, C, s, slots, cu, has), s))
+    finally:
+        torch.set_num_threads(saved)
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])

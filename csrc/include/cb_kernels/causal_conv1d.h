@@ -13,6 +13,7 @@
 
 #include "cb_kernels/common.h"
 #include "cb_kernels/isa.h"
+#include "cb_kernels/varlen_rows.h"
 
 namespace cbk {
 
@@ -22,10 +23,8 @@ struct CausalConv1dParams {
   const void* bias = nullptr;       // [channels] dtype, or nullptr
   void* conv_state = nullptr;       // [num_slots, channels, state_len], packed, dtype
   void* out = nullptr;              // [num_tokens, channels], packed, dtype
-  const int64_t* slots = nullptr;   // [num_seqs], distinct
-  const int32_t* cu_seqlens = nullptr;   // [num_seqs + 1]
-  const uint8_t* has_state = nullptr;    // [num_seqs]
-  int64_t num_seqs = 0, num_slots = 0, channels = 0, width = 0, state_len = 0;
+  VarlenRows rows;                  // slots, cu_seqlens, has_state, num_seqs, num_slots
+  int64_t channels = 0, width = 0, state_len = 0;
   int64_t x_stride = 0;             // elements between tokens
   bool silu = true;
   DType dtype = DType::kFloat32;    // fp32, or bf16 (fp32 sums; the conv rounded to bf16 before
@@ -33,7 +32,8 @@ struct CausalConv1dParams {
 };
 
 namespace cpu {
-Status causal_conv1d(const CausalConv1dParams& p);
+// Bodies: portable, avx512 (the same C++ compiled for AVX-512), chosen as gated_delta_rule_isa.
+Status causal_conv1d(const CausalConv1dParams& p, Isa isa = Isa::kAuto);
 }  // namespace cpu
 
 }  // namespace cbk

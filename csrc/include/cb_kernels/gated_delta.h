@@ -17,6 +17,7 @@
 
 #include "cb_kernels/common.h"
 #include "cb_kernels/isa.h"
+#include "cb_kernels/varlen_rows.h"
 
 namespace cbk {
 
@@ -28,10 +29,7 @@ struct GatedDeltaParams {
   const float* beta = nullptr;      // [num_tokens, num_v_heads], packed
   float* state = nullptr;           // [num_slots, num_v_heads, k_dim, v_dim] fp32, packed
   void* out = nullptr;              // [num_tokens, num_v_heads, v_dim], dtype, packed
-  const int64_t* slots = nullptr;   // [num_seqs], each in [0, num_slots), distinct
-  const int32_t* cu_seqlens = nullptr;      // [num_seqs + 1], rows' token ranges, ascending
-  const uint8_t* has_state = nullptr;       // [num_seqs]: 1 continue from the slot, 0 from zeros
-  int64_t num_seqs = 0, num_slots = 0;
+  VarlenRows rows;                  // slots, cu_seqlens, has_state, num_seqs, num_slots
   int64_t num_k_heads = 0, num_v_heads = 0, k_dim = 0, v_dim = 0;
   int64_t q_stride[2] = {0, 0};     // elements between tokens, heads (last dim packed)
   int64_t k_stride[2] = {0, 0};

@@ -14,6 +14,7 @@
 
 #include "cb_kernels/common.h"
 #include "cb_kernels/isa.h"
+#include "cb_kernels/varlen_rows.h"
 
 namespace cbk {
 
@@ -27,10 +28,8 @@ struct SelectiveScanParams {
   const float* dt_bias = nullptr;   // [num_heads] or nullptr
   float* state = nullptr;           // [num_slots, num_heads, head_dim, d_state] fp32, packed
   void* out = nullptr;              // [num_tokens, num_heads, head_dim], packed
-  const int64_t* slots = nullptr;   // [num_seqs], distinct
-  const int32_t* cu_seqlens = nullptr;   // [num_seqs + 1]
-  const uint8_t* has_state = nullptr;    // [num_seqs]
-  int64_t num_seqs = 0, num_slots = 0, num_heads = 0, head_dim = 0, num_groups = 0, d_state = 0;
+  VarlenRows rows;                  // slots, cu_seqlens, has_state, num_seqs, num_slots
+  int64_t num_heads = 0, head_dim = 0, num_groups = 0, d_state = 0;
   int64_t x_stride = 0, b_stride = 0, c_stride = 0;   // elements between tokens
   bool dt_softplus = true;
   float dt_min = 0.0f, dt_max = 0.0f;   // dt_max <= dt_min: no clamp
