@@ -77,7 +77,7 @@ class Engine:
         self.block_manager = BlockManager(c.num_blocks, c.block_size, c.prefix_caching)
         if state_bytes:       # one state slot per running request (engine/state_slots.py)
             self.block_manager.state_slots = StateSlots(c.max_num_seqs, r.state_tensors,
-                                                        state_bytes)
+                                                        state_bytes, c.num_state_checkpoints)
         self.streams = StreamOrchestrator(r.device, c.overlap)
         self.swapper = make_swapper(self.block_manager, r.k_caches + r.v_caches,
                                     c.cpu_offload_gib, c.preemption, self.streams)
@@ -361,6 +361,8 @@ class Engine:
         self.block_manager.reset_prefix_cache()
         kv, weights = "kv_cache" not in self._asleep, level == 2 and "weights" not in self._asleep
         freed = self.runner.release_memory(kv=kv, weights=weights)
+        if kv and self.block_manager.state_slots is not None:
+            freed += self.block_manager.state_slots.release_checkpoints()
         self._asleep |= {"kv_cache"} | ({"weights"} if level == 2 else set())
         return freed
 
@@ -372,6 +374,8 @@ class Engine:
             raise ValueError(f"wake_up tags must be None or a list of {known}, got {tags!r}")
         wanted = set(known if tags is None else tags) & self._asleep
         self.runner.restore_memory(kv="kv_cache" in wanted, weights="weights" in wanted)
+        if "kv_cache" in wanted and self.block_manager.state_slots is not None:
+            self.block_manager.state_slots.restore_checkpoints()
         self._asleep -= wanted
 
     def _check_awake(self, what: str) -> None:
