@@ -86,7 +86,7 @@ def test_mixed_batch_with_chunked_prefill(family):
     ps = prompts_of([1, 5, 13, 22], seed=1)
     engine = Engine(model, EngineConfig(block_size=4, num_blocks=64, max_batch_tokens=8,
                                         max_num_seqs=4))
-    assert engine.resolved.prefix_caching is False and engine.resolved.overlap == "off"
+    assert engine.resolved.prefix_caching is True and engine.resolved.overlap == "off"
     outs = drive(engine, [(p, greedy(6)) for p in ps])
     for i, p in enumerate(ps):
         assert outs[i].token_ids == want(family, p, 6), (family, i)

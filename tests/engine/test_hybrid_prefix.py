@@ -61,7 +61,8 @@ BASE = dict(block_size=4, num_blocks=96, max_batch_tokens=32, max_num_seqs=4)
 def test_shared_prefix_batch_and_second_round(family):
     """Round 1: six prompts with a 13-token shared prefix, four seats (two wait and hit the
     checkpoint the second one saved at the shared end); round 2: the same prompts again (each
-    hits its own last full block). Tokens equal the run without the cache."""
+    hits its own last full block, or the shared prefix). Tokens equal the run without the
+    cache."""
     model = model_of(family)
     ps = shared_prefix_prompts(6, 13, seed=11)
     reqs = [(p, greedy(5)) for p in ps]
@@ -70,8 +71,11 @@ def test_shared_prefix_batch_and_second_round(family):
     s = engine.stats()
     assert s["state_checkpoint_hits"] >= 6 + 2, s
     assert s["state_checkpoints_total"] == 4 and s["state_checkpoint_saves"] > 0, s
+    # Round 2 restores either the prompt's own last-full-block checkpoint or, where the LRU of
+    # the 4 checkpoints dropped that one, the shared prefix's (12 tokens: 3 blocks of 13).
     cached = [on[1][i].metrics.num_cached_tokens for i in range(6)]
-    assert cached == [((len(p) - 1) // 4) * 4 for p in ps], cached
+    assert all(c in (12, ((len(p) - 1) // 4) * 4) for c, p in zip(cached, ps)), cached
+    assert any(c > 12 for c in cached), cached
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "mamba"])
@@ -124,10 +128,11 @@ def test_weight_update_and_sleep_drop_every_checkpoint():
         engine.update_weights([("lm_head.weight", w.flip(0).clone())])
     assert engine.stats()["state_checkpoints_used"] == 0
     engine.generate(ps, greedy(3))
-    before = engine.stats()["state_checkpoint_hits"]
     freed = engine.sleep(level=1)
     assert freed > 0 and engine.stats()["state_checkpoints_used"] == 0
     engine.wake_up()
+    engine.generate(ps, greedy(3))            # all miss (one batch): checkpoints saved
+    before = engine.stats()["state_checkpoint_hits"]
     got = [o.token_ids for o in engine.generate(ps, greedy(4))]
     fresh = Engine(model, EngineConfig(prefix_caching=False, **BASE))
     assert got == [o.token_ids for o in fresh.generate(ps, greedy(4))]
