@@ -406,6 +406,8 @@ class Engine:
         timed_steps; greedy_head_steps: steps whose tokens came from the greedy head;
         state_slots_used, state_slots_total, state_bytes_per_slot, state_fork_copies: the state
         slots of a hybrid / recurrent model (engine/state_slots.py; zeros for other models);
+        state_checkpoints_used, state_checkpoints_total, state_checkpoint_saves,
+        state_checkpoint_hits, state_checkpoint_evictions: its prefix cache's state checkpoints;
         tensor_parallel_size and local_num_kv_heads (the KV heads this rank's pool holds);
         weight_version, paused, sleeping (what sleep() freed: "kv_cache", "weights")."""
         bm, s = self.block_manager, self.scheduler
