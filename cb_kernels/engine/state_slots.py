@@ -132,7 +132,8 @@ class StateSlots:
         """Copy the checkpoint of `block_hash` into `seq`'s slot (a prefix-cache hit)."""
         src = self._checkpoint_of[block_hash]
         self._checkpoint_of.move_to_end(block_hash)
-        assert self._owner.get(seq.state_slot) == seq.seq_id, f"{seq} restores into a slot it does not own"
+        assert self._owner.get(seq.state_slot) == seq.seq_id, \
+            f"{seq} restores into a slot it does not own"
         with torch.inference_mode():
             for t, c in zip(self.tensors, self.checkpoint_tensors):
                 t[seq.state_slot].copy_(c[src])
