@@ -22,6 +22,18 @@ Weights: KV depends on the weights that computed it. `reset_prefix_cache()` (the
 when the model's weights change) forgets every hash, frees the cached blocks and starts a new
 `epoch`; a sequence whose KV is older than the epoch (`Sequence.kv_epoch`) never registers a
 block again until it is recomputed, so no request can reuse KV of the old weights.
+
+Stateful layers (hybrid models, engine/state_slots.py): a cached prefix is usable only with the
+state those layers had after its last token, so a hit is cut back to the longest prefix whose
+last block has a state checkpoint (none: the prompt is computed from token 0, its KV blocks
+then its own). Checkpoints are taken at chosen block boundaries of a prefill, its *targets*:
+  * the last full block of the prompt that a later request could hit (the prompt minus its last
+    token), for a second round of the same prompt, a fork waiting for a seat or a recompute;
+  * the end of the KV prefix this prompt shares with earlier ones beyond its last checkpoint:
+    the second request with a system prompt checkpoints it, every later one hits it.
+The scheduler cuts a prefill chunk so that it ends on its next target (`align_chunk`); the
+step that reaches a target saves the slot into a checkpoint once it was issued (`end_step`),
+and a failed step saves nothing. A checkpoint dies with its block (eviction, reset).
 """
 from __future__ import annotations
 
@@ -64,6 +76,8 @@ class BlockManager:
         # Models with stateful layers: the state slot every block-holding sequence owns, taken
         # and returned with its blocks (engine/state_slots.py); None otherwise.
         self.state_slots = None
+        self._targets: dict = {}                 # seq_id -> token counts to checkpoint at
+        self._saves_this_step: list = []         # (seq, block hash): saved at end_step
 
     # -- counts ---------------------------------------------------------------------------------
     @property
@@ -102,7 +116,34 @@ class BlockManager:
             if block is None:
                 break
             hits.append(block)
+        if self.state_slots is not None:       # usable only up to a state checkpoint
+            has = self.state_slots.has_checkpoint
+            while hits and not has(hashes[len(hits) - 1]):
+                hits.pop()
         return hits
+
+    def _set_targets(self, seq: Sequence, num_hits: int) -> None:
+        """The block boundaries (token counts) where `seq`'s prefill saves its state (see the
+        module docstring); `num_hits` blocks came from a checkpoint."""
+        last = (seq.num_tokens - 1) // self.block_size
+        hashes = self._hashes_upto(seq, last)
+        shared = num_hits
+        while shared < len(hashes) and hashes[shared] in self.hash_to_block:
+            shared += 1
+        targets = sorted({n * self.block_size for n in (shared, last) if n > num_hits})
+        if targets:
+            self._targets[seq.seq_id] = targets
+
+    def align_chunk(self, seq: Sequence, n: int) -> int:
+        """`n` new tokens for `seq`'s next prefill chunk, cut so that it ends on its next
+        checkpoint target instead of running past it."""
+        targets = self._targets.get(seq.seq_id)
+        if targets:
+            start = seq.num_computed_tokens
+            for t in targets:
+                if start < t < start + n:
+                    return t - start
+        return n
 
     def commit(self, seq: Sequence, num_tokens: int) -> None:
         """Register the hashes of the full blocks among the first `num_tokens` tokens of `seq`
@@ -123,6 +164,9 @@ class BlockManager:
                 self.block_hash[block] = h
                 self.registered_this_step.append(block)
         seq.num_registered_blocks = num_full
+        targets = self._targets.get(seq.seq_id)
+        if targets and num_tokens in targets and hashes[num_full - 1] in self.hash_to_block:
+            self._saves_this_step.append((seq, hashes[num_full - 1]))
 
     def discard_step_hashes(self) -> None:
         """Forget the hashes registered since the last begin_step(): that step failed, so their
@@ -132,6 +176,7 @@ class BlockManager:
             if h != _NO_HASH and self.hash_to_block.get(h) == block:
                 self._unregister(block)
         self.registered_this_step.clear()
+        self._saves_this_step.clear()
 
     def begin_step(self) -> None:
         # Hashes still pending here belong to a step that neither ended nor was discarded (the
@@ -140,8 +185,13 @@ class BlockManager:
 
     def end_step(self) -> None:
         """The step scheduled since begin_step() was issued: its KV writes are ordered before
-        any later read, so its hashes stop being pending."""
+        any later read, so its hashes stop being pending; the state checkpoints it reached are
+        saved (stream-ordered after its state writes)."""
         self.registered_this_step.clear()
+        for seq, h in self._saves_this_step:
+            if seq.state_slot >= 0 and h in self.hash_to_block:
+                self.state_slots.save(seq, h)
+        self._saves_this_step.clear()
 
     def reset_prefix_cache(self) -> None:
         """Forget every registered hash (the weights changed): cached blocks become free, used
@@ -150,11 +200,14 @@ class BlockManager:
         for block in list(self.hash_to_block.values()):
             self._unregister(block)
         self.registered_this_step.clear()
+        self._saves_this_step.clear()
+        if self.state_slots is not None:
+            self.state_slots.clear()
         self.epoch += 1
         self.num_prefix_resets += 1
 
     def _unregister(self, block: int) -> None:
-        del self.hash_to_block[self.block_hash[block]]
+        self._forget(self.block_hash[block])
         self.block_hash[block] = _NO_HASH
         if block in self.cached_lru:
             del self.cached_lru[block]
@@ -166,11 +219,16 @@ class BlockManager:
             block = self.free_ids.popleft()
         else:
             block, _ = self.cached_lru.popitem(last=False)
-            del self.hash_to_block[self.block_hash[block]]
+            self._forget(self.block_hash[block])
             self.block_hash[block] = _NO_HASH
             self.num_evicted_blocks += 1
         self.ref_counts[block] = 1
         return block
+
+    def _forget(self, h: bytes) -> None:
+        del self.hash_to_block[h]
+        if self.state_slots is not None:
+            self.state_slots.drop(h)
 
     def _ref(self, block: int) -> None:
         if self.ref_counts[block] == 0:
@@ -202,6 +260,10 @@ class BlockManager:
         self.num_hit_blocks += len(hits)
         if self.state_slots is not None:
             self.state_slots.allocate(seq)
+            if hits:
+                self.state_slots.restore(seq, seq.block_hashes[len(hits) - 1])
+            if self.enable_prefix_caching:
+                self._set_targets(seq, len(hits))
 
     def _needs_new_block(self, seq: Sequence) -> bool:
         last = (seq.num_tokens - 1) // self.block_size    # block of the token written next
@@ -265,6 +327,7 @@ class BlockManager:
         seq.num_registered_blocks = 0
         if self.state_slots is not None:
             self.state_slots.free(seq)
+            self._targets.pop(seq.seq_id, None)
 
     # -- checks ---------------------------------------------------------------------------------
     def check_invariants(self, seqs, between_steps: bool = False) -> None:
@@ -299,6 +362,8 @@ class BlockManager:
         pending = [b for b in self.registered_this_step if self.block_hash[b] != _NO_HASH]
         if self.state_slots is not None:
             self.state_slots.check_invariants(seqs)
+            for h in self.state_slots.checkpoint_hashes():
+                assert h in self.hash_to_block, "a state checkpoint outlived its block"
         assert not (between_steps and pending), (
             f"blocks {pending[:8]} keep hashes of a step that never completed (their KV may never "
             "have been written)")

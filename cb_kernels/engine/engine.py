@@ -78,7 +78,7 @@ class Engine:
         self.block_manager = BlockManager(c.num_blocks, c.block_size, c.prefix_caching)
         if state_bytes:       # one state slot per running request (engine/state_slots.py)
             self.block_manager.state_slots = StateSlots(c.max_num_seqs, r.state_tensors,
-                                                        state_bytes)
+                                                        state_bytes, c.num_state_checkpoints)
         self.streams = StreamOrchestrator(r.device, c.overlap)
         self.swapper = make_swapper(self.block_manager, r.k_caches + r.v_caches,
                                     c.cpu_offload_gib, c.preemption, self.streams)
@@ -362,6 +362,8 @@ class Engine:
         self.block_manager.reset_prefix_cache()
         kv, weights = "kv_cache" not in self._asleep, level == 2 and "weights" not in self._asleep
         freed = self.runner.release_memory(kv=kv, weights=weights)
+        if kv and self.block_manager.state_slots is not None:
+            freed += self.block_manager.state_slots.release_checkpoints()
         self._asleep |= {"kv_cache"} | ({"weights"} if level == 2 else set())
         return freed
 
@@ -373,6 +375,8 @@ class Engine:
             raise ValueError(f"wake_up tags must be None or a list of {known}, got {tags!r}")
         wanted = set(known if tags is None else tags) & self._asleep
         self.runner.restore_memory(kv="kv_cache" in wanted, weights="weights" in wanted)
+        if "kv_cache" in wanted and self.block_manager.state_slots is not None:
+            self.block_manager.state_slots.restore_checkpoints()
         self._asleep -= wanted
 
     def _check_awake(self, what: str) -> None:
@@ -403,6 +407,8 @@ class Engine:
         timed_steps; greedy_head_steps: steps whose tokens came from the greedy head;
         state_slots_used, state_slots_total, state_bytes_per_slot, state_fork_copies: the state
         slots of a hybrid / recurrent model (engine/state_slots.py; zeros for other models);
+        state_checkpoints_used, state_checkpoints_total, state_checkpoint_saves,
+        state_checkpoint_hits, state_checkpoint_evictions: its prefix cache's state checkpoints;
         tensor_parallel_size and local_num_kv_heads (the KV heads this rank's pool holds);
         weight_version, paused, sleeping (what sleep() freed: "kv_cache", "weights")."""
         bm, s = self.block_manager, self.scheduler

@@ -9,6 +9,8 @@ One token budget per step (max_batch_tokens) is shared by decodes and prefill ch
 Admission stops at the first request that does not fit (no overtaking), so the oldest waiting
 request is the next one in. While requests run, admission keeps `watermark` blocks free so the
 decodes of the next steps rarely have to preempt.
+A prefill chunk of a stateful model ends early on a block boundary where its state is
+checkpointed for the prefix cache (BlockManager.align_chunk).
 
 Preemption: when a decode needs a block and none is available, the newest running request that
 frees at least one block is the victim (it has the least work invested, and the arrival order of
@@ -105,7 +107,7 @@ class Scheduler:
         for seq in prefilling:
             if budget == 0:
                 break
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = bm.align_chunk(seq, min(seq.num_uncomputed_tokens, budget))
             self._add(batch, seq, n, decode=False)
             budget -= n
         if self.swapped:
@@ -123,7 +125,7 @@ class Scheduler:
             bm.allocate(seq, hits)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=_arrival)
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = bm.align_chunk(seq, min(seq.num_uncomputed_tokens, budget))
             self._add(batch, seq, n, decode=False)
             budget -= n
         batch.failed, self._failed = self._failed, []
@@ -191,7 +193,7 @@ class Scheduler:
                 self._add(batch, seq, 1, decode=True)
                 budget -= 1
             else:
-                n = min(seq.num_uncomputed_tokens, budget)
+                n = bm.align_chunk(seq, min(seq.num_uncomputed_tokens, budget))
                 self._add(batch, seq, n, decode=False)
                 budget -= n
         return budget

@@ -58,6 +58,9 @@ class ResolvedConfig:
     overlap: str
     attention_backend: Optional[str]
     dtype: torch.dtype
+    # Models with stateful layers and prefix caching on: slots of state saved at block
+    # boundaries of cached prefixes (engine/state_slots.py); 0 otherwise.
+    num_state_checkpoints: int = 0
 
 
 def host_available_bytes() -> int:
@@ -102,6 +105,9 @@ def resolve(config: EngineConfig, shape: ModelShape) -> ResolvedConfig:
         raise ValueError(f"max_num_seqs ({max_num_seqs}) must be <= max_batch_tokens "
                          f"({max_batch_tokens})")
     num_blocks = config.num_blocks
+    # Prefix caching of a stateful model keeps the state at block boundaries of cached prefixes:
+    # one checkpoint per running request, at most a quarter of an auto-sized KV budget.
+    checkpoints = max_num_seqs if shape.state_bytes_per_seq and config.prefix_caching else 0
     if num_blocks is None:
         per_block = kv_bytes_per_block(shape, block_size, dtype)
         if on_cuda:
@@ -113,6 +119,9 @@ def resolve(config: EngineConfig, shape: ModelShape) -> ResolvedConfig:
         if shape.state_bytes_per_seq:
             state = max_num_seqs * shape.state_bytes_per_seq
             budget = max(per_block, budget - state)
+            if checkpoints:
+                checkpoints = max(1, min(checkpoints, budget // 4 // shape.state_bytes_per_seq))
+                budget = max(per_block, budget - checkpoints * shape.state_bytes_per_seq)
             source += f", less {state / GiB:.3f} GiB of state slots"
         # More blocks than max_num_seqs full-length requests can use would only waste memory.
         useful = max_num_seqs * -(-shape.max_positions // block_size)
@@ -122,13 +131,13 @@ def resolve(config: EngineConfig, shape: ModelShape) -> ResolvedConfig:
     overlap = config.overlap
     prefix_caching = config.prefix_caching
     if shape.state_bytes_per_seq:
-        # A cached KV prefix holds no state of the stateful layers at its end (no checkpoints
-        # are kept), and a fork (n > 1) copies the state its prefill left, which a step already
-        # in flight would have advanced: both stay off for these models.
+        # A cached KV prefix needs the stateful layers' state at its end: checkpoints of it.
+        # A fork (n > 1) copies the state its prefill left, which a step already in flight
+        # would have advanced: overlap stays off for these models.
         if prefix_caching:
-            logger.info("prefix_caching: off (the model has stateful layers; their state is not "
-                        "checkpointed at block boundaries)")
-            prefix_caching = False
+            logger.info("prefix_caching: on with %d state checkpoints (%.3f GiB; the stateful "
+                        "layers' state saved at block boundaries of cached prefixes)",
+                        checkpoints, checkpoints * shape.state_bytes_per_seq / GiB)
         if overlap != "off":
             logger.info("overlap: off (the model has stateful layers; forks copy the state of a "
                         "finished prefill, which an overlapped step would already advance)")
@@ -154,7 +163,8 @@ def resolve(config: EngineConfig, shape: ModelShape) -> ResolvedConfig:
                               max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs,
                               cpu_offload_gib=cpu_offload_gib, preemption=preemption,
                               prefix_caching=prefix_caching, overlap=overlap,
-                              attention_backend=config.attention_backend, dtype=dtype)
+                              attention_backend=config.attention_backend, dtype=dtype,
+                              num_state_checkpoints=checkpoints)
     for name, why in chosen.items():
         logger.info("EngineConfig.%s auto -> %s", name, why)
     return resolved

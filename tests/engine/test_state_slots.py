@@ -68,3 +68,142 @@ def test_invariants_catch_a_leaked_slot():
 def test_bad_pool_is_refused():
     with pytest.raises(ValueError, match="has not 3 slots"):
         StateSlots(3, [torch.zeros(2, 4)], 16)
+
+
+# -- checkpoints (prefix caching of stateful models) ---------------------------------------------
+def cached_manager(num_checkpoints=2, num_blocks=16):
+    bm = BlockManager(num_blocks, 4, enable_prefix_caching=True)
+    tensors = [torch.zeros(3, 3, 2), torch.zeros(3, 5)]
+    bm.state_slots = StateSlots(3, tensors, 3 * 2 * 4 + 5 * 4, num_checkpoints)
+    return bm
+
+
+def seq_of(i, tokens):
+    return Sequence(i, f"r{i}", list(tokens), SamplingParams(max_new_tokens=4))
+
+
+def run_prefill(bm, s, fill):
+    """Admit `s`, run its prefill chunk by chunk as the scheduler cuts it (align_chunk), each
+    chunk one issued step whose state write is `fill` + tokens computed so far."""
+    hits = bm.match_prefix(s)
+    bm.allocate(s, hits)
+    chunks = []
+    while s.num_computed_tokens < s.num_tokens:
+        bm.begin_step()
+        n = bm.align_chunk(s, s.num_tokens - s.num_computed_tokens)
+        bm.commit(s, s.num_computed_tokens + n)
+        s.num_computed_tokens += n
+        for t in bm.state_slots.tensors:
+            t[s.state_slot] = fill + s.num_computed_tokens
+        bm.end_step()
+        chunks.append(n)
+    return hits, chunks
+
+
+def test_prefill_checkpoints_its_last_full_block_and_a_repeat_restores_it():
+    """A 10-token prompt (blocks of 4) runs as 8 + 2 tokens; the state after token 8 is saved
+    and the same prompt later hits 2 blocks and starts from a copy of that state."""
+    bm = cached_manager()
+    a = seq_of(0, range(1, 11))
+    hits, chunks = run_prefill(bm, a, fill=100.0)
+    assert (hits, chunks) == ([], [8, 2])
+    assert bm.state_slots.stats()["state_checkpoint_saves"] == 1
+    bm.free(a)
+    bm.check_invariants([])
+    b = seq_of(1, range(1, 11))
+    hits, chunks = run_prefill(bm, b, fill=200.0)
+    assert len(hits) == 2 and chunks == [2]
+    s = bm.state_slots.stats()
+    assert s["state_checkpoint_hits"] == 1 and s["state_checkpoints_used"] == 1
+    bm.check_invariants([b])
+
+
+def test_restore_copies_the_checkpoint_into_the_slot():
+    bm = cached_manager()
+    a = seq_of(0, range(1, 11))
+    run_prefill(bm, a, fill=100.0)        # saved state: 108 everywhere
+    bm.free(a)
+    b = seq_of(1, range(1, 11))
+    hits = bm.match_prefix(b)
+    bm.allocate(b, hits)
+    for t in bm.state_slots.tensors:
+        assert torch.all(t[b.state_slot] == 108.0)
+    assert b.num_computed_tokens == 8
+
+
+def test_shared_prefix_is_checkpointed_by_the_second_request():
+    """Prompts sharing 8 tokens then diverging: the first checkpoints only its own last block
+    (no hit for the second); the second splits its prefill at the shared end (8) and checkpoints
+    it; the third hits those 2 blocks."""
+    bm = cached_manager(num_checkpoints=4)
+    shared = list(range(1, 9))
+    a, b, c = (seq_of(i, shared + [50 + i] * 6) for i in range(3))
+    assert run_prefill(bm, a, 0.0) == ([], [12, 2])
+    hits, chunks = run_prefill(bm, b, 0.0)
+    assert hits == [] and chunks == [8, 4, 2]
+    hits, chunks = run_prefill(bm, c, 0.0)
+    assert len(hits) == 2 and chunks == [4, 2]
+    assert bm.state_slots.stats()["state_checkpoint_hits"] == 1
+    bm.check_invariants([a, b, c])
+
+
+def test_a_failed_step_saves_no_checkpoint():
+    bm = cached_manager()
+    a = seq_of(0, range(1, 11))
+    bm.allocate(a, bm.match_prefix(a))
+    bm.begin_step()
+    n = bm.align_chunk(a, 10)
+    bm.commit(a, n)
+    bm.discard_step_hashes()           # the step failed
+    bm.end_step()
+    assert bm.state_slots.stats()["state_checkpoints_used"] == 0
+    bm.free(a)
+    bm.check_invariants([], between_steps=True)
+
+
+def test_checkpoints_die_with_their_block_and_on_reset():
+    """Evicting the cached block a checkpoint belongs to drops it (the hit falls back to the
+    longest prefix that still has one); reset_prefix_cache forgets them all; with more prefixes
+    than checkpoints the least recently used checkpoint goes."""
+    bm = cached_manager(num_checkpoints=2, num_blocks=6)
+    a = seq_of(0, range(1, 10))              # 9 tokens: checkpoint after 8
+    run_prefill(bm, a, 0.0)
+    bm.free(a)
+    assert bm.state_slots.stats()["state_checkpoints_used"] == 1
+    big = seq_of(1, range(60, 80))           # 20 tokens, 5 blocks: evicts a's cached blocks
+    bm.allocate(big, [])
+    assert bm.state_slots.stats()["state_checkpoints_used"] == 0
+    bm.check_invariants([big])
+    bm.free(big)
+    for i, base in enumerate((20, 40, 60)):  # three prefixes, two checkpoints
+        s = seq_of(10 + i, range(base, base + 5))
+        run_prefill(bm, s, 0.0)
+        bm.free(s)
+    st = bm.state_slots.stats()
+    assert st["state_checkpoints_used"] == 2 and st["state_checkpoint_evictions"] >= 1
+    assert bm.match_prefix(seq_of(20, range(20, 25))) == []         # the oldest lost its state
+    assert len(bm.match_prefix(seq_of(21, range(60, 65)))) == 1
+    bm.reset_prefix_cache()
+    assert bm.state_slots.stats()["state_checkpoints_used"] == 0
+    assert bm.match_prefix(seq_of(22, range(60, 65))) == []
+    bm.check_invariants([])
+
+
+def test_no_checkpoints_means_no_hits():
+    """num_checkpoints=0: KV blocks are still registered, but no hit is usable without the
+    state at its end, so every prompt computes from token 0."""
+    bm = cached_manager(num_checkpoints=0)
+    a = seq_of(0, range(1, 10))
+    run_prefill(bm, a, 0.0)
+    bm.free(a)
+    assert bm.match_prefix(seq_of(1, range(1, 10))) == []
+    with pytest.raises(ValueError, match="num_checkpoints must be >= 0"):
+        StateSlots(2, [torch.zeros(2, 1)], 4, -1)
+
+
+def test_release_and_restore_checkpoint_memory():
+    slots = StateSlots(2, [torch.zeros(2, 4)], 16, num_checkpoints=3)
+    assert slots.release_checkpoints() == 3 * 4 * 4
+    slots.restore_checkpoints()
+    assert slots.checkpoint_tensors[0].shape == (3, 4)
+    assert torch.all(slots.checkpoint_tensors[0] == 0)
