@@ -92,10 +92,10 @@ def test_outlier_dimensions(isa):
 
 @pytest.mark.parametrize("isa", BODIES)
 def test_rising_logits_compact_the_candidates_and_rescore_few(isa):
-    """Logits that rise along the vocab keep every row's running floor climbing: each tile adds
-    candidates and the lists are compacted against the floor on the way. The token stays exact,
-    and only the candidates whose bound reaches the best exact logit are rescored (largest bound
-    first), a fraction of those the final floor keeps."""
+    """Logits that rise along the vocab keep every row's running floor climbing tile after tile,
+    so pass 1 keeps candidates that the final floor drops. The token stays exact,
+    and the rescoring (largest bound first) stops before the last candidate the final floor
+    keeps."""
     vocab, hidden, rows = 40000, 64, 3
     g = torch.Generator().manual_seed(7)
     u = torch.randn(hidden, generator=g)
@@ -106,7 +106,7 @@ def test_rising_logits_compact_the_candidates_and_rescore_few(isa):
     assert torch.equal(head(h, isa=isa), ref_greedy_head(h, w))
     assert head.num_fp32_rows == 0
     counts = (head.num_candidates, head.num_rescored)
-    assert head.num_candidates > 64 and head.num_rescored * 2 < head.num_candidates, counts
+    assert head.num_candidates > 64 and head.num_rescored < head.num_candidates, counts
 
 
 def test_1b_head_rescores_a_few_logits_a_row():
