@@ -62,14 +62,15 @@ void bind_greedy_head(py::module_& m) {
         p.outliers = cbk::as_ptr<int32_t>(outliers);
         p.max_outliers = max_outliers;
         const cbk::Isa body = cbk::as_isa(isa);
-        int64_t rescored = 0, found = 0;
+        int64_t rescored = 0, found = 0, candidates = 0;
         p.num_rescored = &rescored;
+        p.num_candidates = &candidates;
         p.num_outliers = &found;
         {
           py::gil_scoped_release nogil;
           cbk::throw_if_error(cbk::cpu::greedy_head(p, body));
         }
-        return py::make_tuple(rescored, found);
+        return py::make_tuple(rescored, found, candidates);
       },
       py::arg("hidden_states"), py::arg("num_rows"), py::arg("hidden_stride"), py::arg("packed"),
       py::arg("row_stats"), py::arg("weight"), py::arg("vocab"), py::arg("hidden"),
@@ -78,8 +79,8 @@ void bind_greedy_head(py::module_& m) {
       py::arg("outliers") = 0, py::arg("max_outliers") = 0, py::arg("isa") = "auto",
       py::arg("weight_dtype") = 0,
       "out[r] = argmax_j <h_r, w_j> (exact; lowest index on a tie), or -1 for a row that would "
-      "rescore more than max_rescored_per_row logits. Returns (logits rescored, dims written to "
-      "outliers: |h| > outlier_ratio x the row's RMS, not exact yet). `isa` caps the body "
+      "keep more than max_rescored_per_row candidates. Returns (logits rescored, dims written to "
+      "outliers: |h| > outlier_ratio x the row's RMS, not exact yet, candidates the bound kept). `isa` caps the body "
       "('portable' or 'avx512_vnni'; both give the same tokens). A bf16 weight (weight_dtype 2): "
       "the argmax of the exact logits rounded to bf16.");
 }

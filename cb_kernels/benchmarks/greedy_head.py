@@ -4,9 +4,11 @@ Contenders, same inputs, same run, each checked to give the same tokens:
   torch          F.linear(h, W) then argmax (what transformers' generate does)
   onednn         the engine's packed oneDNN fp32 head (runner/packed_linears.py) then ops.greedy_tokens
   greedy_head    int8 VNNI scores with a proven bound, exact rescoring of the few candidates
-Shapes: the tiny Llama's head (256 x 32000) and SmolLM2-135M's (576 x 49152), with Gaussian
-hidden rows and with rows carrying a few large "massive activation" dims (as SmolLM2's do), which
-the greedy head scores exactly after its first call. Also reported: exact rescores per row.
+Shapes: the tiny Llama's head (256 x 32000) and SmolLM2-135M's (576 x 49152), fp32, and the
+Llama-3.2-1B shape's tied bf16 head (2048 x 128256, std 0.02 as transformers initialises it; its
+oneDNN contender is the bf16 GEMM), with Gaussian hidden rows and with rows carrying a few large
+"massive activation" dims (as SmolLM2's do), which the greedy head scores exactly after its first
+call. Also reported: candidates and exact rescores per row.
 
     cb-kernels bench greedy_head [--threads 2] [--quick] [--json out.json]
 """
@@ -22,8 +24,11 @@ import torch.nn.functional as F
 from cb_kernels import ops
 from cb_kernels.ops import GreedyHead
 
-SHAPES = [("tiny-llama", 256, 32000, 32), ("tiny-llama", 256, 32000, 1),
-          ("smollm2-135m", 576, 49152, 16)]
+# (name, hidden, vocab, rows, weight dtype, weight std)
+SHAPES = [("tiny-llama", 256, 32000, 32, torch.float32, 0.05),
+          ("tiny-llama", 256, 32000, 1, torch.float32, 0.05),
+          ("smollm2-135m", 576, 49152, 16, torch.float32, 0.05),
+          ("llama-1b", 2048, 128256, 16, torch.bfloat16, 0.02)]
 
 
 def hidden_rows(rows: int, hidden: int, outliers: bool, seed: int) -> torch.Tensor:
@@ -47,10 +52,10 @@ def best_ms(fn, repeats: int) -> float:
     return 1e3 * min(times)
 
 
-def run_case(name, hidden, vocab, rows, outliers, repeats):
+def run_case(name, hidden, vocab, rows, dtype, std, outliers, repeats):
     g = torch.Generator().manual_seed(1)
-    w = torch.randn(vocab, hidden, generator=g) * 0.05
-    h = hidden_rows(rows, hidden, outliers, seed=2)
+    w = (torch.randn(vocab, hidden, generator=g) * std).to(dtype)
+    h = hidden_rows(rows, hidden, outliers, seed=2).to(dtype)
     packed = torch.ops.mkldnn._reorder_linear_weight(w, rows)
     head = GreedyHead(w)
     head(h)                                   # finds the outlier dims
@@ -60,11 +65,13 @@ def run_case(name, hidden, vocab, rows, outliers, repeats):
                torch.ops.mkldnn._linear_pointwise(h, packed, None, "none", [], "")),
            "greedy_head": lambda: head(h)}
     row = {"model": name, "hidden": hidden, "vocab": vocab, "rows": rows, "outliers": outliers,
-           "simd": GreedyHead.fast()}
+           "dtype": str(dtype).replace("torch.", ""), "simd": GreedyHead.fast()}
     for label, fn in fns.items():
         assert torch.equal(fn(), want), f"{label} disagrees with torch on {name}"
         row[f"{label}_ms"] = best_ms(fn, repeats)
     row["rescored_per_row"] = head.num_rescored / rows
+    row["candidates_per_row"] = head.num_candidates / rows
+    row["fp32_rows"] = head.num_fp32_rows
     row["exact_dims"] = head.num_exact
     row["speedup_vs_onednn"] = row["onednn_ms"] / row["greedy_head_ms"]
     row["speedup_vs_torch"] = row["torch_ms"] / row["greedy_head_ms"]
@@ -86,14 +93,16 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     results = []
     print(f"threads {torch.get_num_threads()}, VNNI body: {GreedyHead.fast()}")
-    for name, hidden, vocab, rows in (SHAPES[1:2] if args.quick else SHAPES):
+    for name, hidden, vocab, rows, dtype, std in (SHAPES[1:2] if args.quick else SHAPES):
         for outliers in (False, True):
-            r = run_case(name, hidden, vocab, rows, outliers, args.repeats)
+            r = run_case(name, hidden, vocab, rows, dtype, std, outliers, args.repeats)
             results.append(r)
-            print(f"{name:13s} {rows:3d} x {hidden} x {vocab}{' outlier dims' if outliers else '':13s}: "
+            print(f"{name:13s} {r['dtype']:8s} {rows:3d} x {hidden} x {vocab}"
+                  f"{' outlier dims' if outliers else '':13s}: "
                   f"torch {r['torch_ms']:6.2f} ms, onednn {r['onednn_ms']:6.2f} ms, greedy_head "
                   f"{r['greedy_head_ms']:6.2f} ms ({r['speedup_vs_onednn']:.1f}x onednn, "
-                  f"{r['speedup_vs_torch']:.1f}x torch; {r['rescored_per_row']:.0f} rescores/row, "
+                  f"{r['speedup_vs_torch']:.1f}x torch; {r['candidates_per_row']:.0f} candidates and "
+                  f"{r['rescored_per_row']:.0f} rescores a row, {r['fp32_rows']} rows to the GEMM, "
                   f"{r['exact_dims']} exact dims)")
     if args.json:
         with open(args.json, "w") as f:

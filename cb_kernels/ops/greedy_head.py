@@ -5,9 +5,9 @@ or bf16 weights).
     tokens = head(hidden_states)                  # int64 [rows], == (hidden @ W.T).argmax(-1)
 
 Every vocab row is scored with int8 dot products (AVX-512 VNNI: 4x the fp32 FMA rate) together
-with a proven bound on the score's distance from the exact logit; only the rows whose bound
-reaches the best one are recomputed exactly (fp32 inputs, double sums) and the largest wins, the
-lowest index on a tie. csrc/cpu/greedy_head.cpp derives the bound. The result is the argmax of
+with a proven bound on the score's distance from the exact logit; the rows whose bound reaches
+the best one are candidates, recomputed exactly (fp32 inputs, double sums) largest bound first
+until no candidate left can win, and the largest wins, the lowest index on a tie. csrc/cpu/greedy_head.cpp derives the bound. The result is the argmax of
 exact logits; it equals torch's argmax of fp32 logits up to fp32 rounding of near-ties, the same
 slack as between any two fp32 GEMMs.
 
@@ -57,9 +57,12 @@ class GreedyHead:
         self.num_exact = 0
         self._outliers = torch.zeros(max(1, max_exact_dims), dtype=torch.int32)   # reported dims
         self.num_rescored = 0       # logits computed exactly by the last call
+        self.num_candidates = 0     # vocab rows the int8 bound left in the running, last call
         self.num_fp32_rows = 0      # rows of the last call left to the fp32 product
         # Past this many candidates a row goes to the fp32 product: each rescoring reads a
         # weight row from memory, the product streams the whole weight once (for all such rows).
+        # (Candidates are rescored largest bound first and only until none left can win, so
+        # most of a long list is never read.)
         self.max_rescored_per_row = max(256, self.vocab // 4)
         self._key = None
         self.num_packs = 0          # int8 copies made (the engine's warm-up test counts them)
@@ -151,7 +154,7 @@ class GreedyHead:
         out = torch.empty(h.shape[0], dtype=torch.int64)
         w = self.weight
         room = self.max_exact_dims - self.num_exact
-        self.num_rescored, found = _C.greedy_head(
+        self.num_rescored, found, self.num_candidates = _C.greedy_head(
             h.data_ptr(), h.shape[0], h.stride(0) if h.shape[0] > 1 else self.hidden,
             self.packed.data_ptr(), self.row_stats.data_ptr(),
             w.data_ptr(), self.vocab, self.hidden, w.stride(0), self.exact_dims.data_ptr(),

@@ -1,5 +1,5 @@
 // The AVX512-VNNI body of the CPU greedy head (greedy_head.cpp's avx512_vnni compile): the three
-// ISA-specific steps score_tiles, rescore_tile and exact_logit_of on 16-lane int8 dot products.
+// ISA-specific steps score_tiles and exact_logit_of on 16-lane int8 dot products.
 // Internal to greedy_head.cpp's translation unit.
 #pragma once
 
@@ -20,9 +20,10 @@ namespace {
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
-// tile_epilogue() in 16-lane steps.
-inline void tile_epilogue_vnni(const Work& w, int64_t row, int64_t j0,
-                                               const __m512i (&dots)[4], Slice* s, float* hi_out) {
+// tile_epilogue() in 16-lane steps: the candidates leave the registers by a compress and one
+// 16-lane store each (the memory form of vcompressps is microcoded on Zen 4).
+inline void tile_epilogue_vnni(const Work& w, int64_t row, int64_t j0, const __m512i (&dots)[4],
+                               Slice* s) {
   const GreedyHeadParams& p = w.p;
   const __m512 hs = _mm512_set1_ps(w.hscale[row]), u = _mm512_set1_ps(w.u[row]),
                v = _mm512_set1_ps(w.v[row]), pn = _mm512_set1_ps(w.pn[row]),
@@ -53,23 +54,30 @@ inline void tile_epilogue_vnni(const Work& w, int64_t row, int64_t j0,
       hi[b] = _mm512_mask_blend_ps(keep, none, hi[b]);
     }
   }
-  if (hi_out != nullptr) {
-    for (int b = 0; b < 4; ++b) _mm512_storeu_ps(hi_out + 16 * b, hi[b]);
-    return;
-  }
-  w.tile_hi[row * w.tiles + j0 / kTile] = _mm512_reduce_max_ps(
-      _mm512_max_ps(_mm512_max_ps(hi[0], hi[1]), _mm512_max_ps(hi[2], hi[3])));
   float& best = s->best_lo[row];
   best = std::max(best, _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(lo[0], lo[1]),
                                                            _mm512_max_ps(lo[2], lo[3]))));
+  Candidates& c = s->cands[row];
+  if (c.over) return;
+  const __m512 floor = _mm512_set1_ps(pass1_floor(w, best));
+  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int b = 0; b < 4; ++b) {
+    const __mmask16 m = _mm512_cmp_ps_mask(hi[b], floor, _CMP_GE_OQ);
+    if (m == 0) continue;
+    c.reserve(16);
+    const __m512i js = _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int>(j0 + 16 * b)));
+    _mm512_storeu_si512(c.j.data() + c.n, _mm512_maskz_compress_epi32(m, js));
+    _mm512_storeu_ps(c.hi.data() + c.n, _mm512_maskz_compress_ps(m, hi[b]));
+    c.n += __builtin_popcount(m);
+  }
+  after_append(w, s, row);
 }
 
 // MR hidden rows x one tile: MR x 4 accumulators of 16 int32 lanes, one VNNI op per block and
 // group of 4 dims; each weight vector is loaded once for the MR rows. tile: the packed tile,
-// [groups][4 blocks][16 rows][4 bytes]; hi_out: nullptr or [kTile] as in tile_epilogue.
+// [groups][4 blocks][16 rows][4 bytes].
 template <int MR>
-void tile_rows_vnni(const Work& w, const uint8_t* tile, int64_t row0, int64_t j0,
-                                     Slice* s, float* hi_out) {
+void tile_rows_vnni(const Work& w, const uint8_t* tile, int64_t row0, int64_t j0, Slice* s) {
   // One array per block: a single [MR][4] array is too large for GCC to keep in registers.
   __m512i a0[MR], a1[MR], a2[MR], a3[MR];
   for (int r = 0; r < MR; ++r) a0[r] = a1[r] = a2[r] = a3[r] = _mm512_setzero_si512();
@@ -92,7 +100,7 @@ void tile_rows_vnni(const Work& w, const uint8_t* tile, int64_t row0, int64_t j0
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) {
     const __m512i dots[4] = {a0[r], a1[r], a2[r], a3[r]};
-    tile_epilogue_vnni(w, row0 + r, j0, dots, s, hi_out);
+    tile_epilogue_vnni(w, row0 + r, j0, dots, s);
   }
 }
 
@@ -103,12 +111,12 @@ void tiles_vnni(const Work& w, int64_t t0, int64_t t1, Slice& s) {
     if (t + 1 < t1) _mm_prefetch(reinterpret_cast<const char*>(tile + w.groups * kTile * 4), _MM_HINT_T1);
     int64_t row = 0;
     for (; row + kRowBlock <= p.num_rows; row += kRowBlock)
-      tile_rows_vnni<kRowBlock>(w, tile, row, t * kTile, &s, nullptr);
+      tile_rows_vnni<kRowBlock>(w, tile, row, t * kTile, &s);
     static_assert(kRowBlock == 4, "the remainder cases below assume blocks of 4 rows");
     switch (p.num_rows - row) {
-      case 3: tile_rows_vnni<3>(w, tile, row, t * kTile, &s, nullptr); break;
-      case 2: tile_rows_vnni<2>(w, tile, row, t * kTile, &s, nullptr); break;
-      case 1: tile_rows_vnni<1>(w, tile, row, t * kTile, &s, nullptr); break;
+      case 3: tile_rows_vnni<3>(w, tile, row, t * kTile, &s); break;
+      case 2: tile_rows_vnni<2>(w, tile, row, t * kTile, &s); break;
+      case 1: tile_rows_vnni<1>(w, tile, row, t * kTile, &s); break;
       default: break;
     }
   }
@@ -137,11 +145,8 @@ float exact_logit_avx512(const double* h, const float* wj, int64_t n) {
 }
 #pragma GCC diagnostic pop
 
-// The three ISA-specific steps, VNNI body.
+// The two ISA-specific steps, VNNI body.
 void score_tiles(const Work& w, int64_t t0, int64_t t1, Slice& s) { tiles_vnni(w, t0, t1, s); }
-void rescore_tile(const Work& w, int64_t t, int64_t row, float* hi) {
-  tile_rows_vnni<1>(w, w.p.packed + t * w.groups * kTile * 4, row, t * kTile, nullptr, hi);
-}
 float exact_logit_of(const double* h, const float* wj, int64_t n) { return exact_logit_avx512(h, wj, n); }
 
 }  // namespace

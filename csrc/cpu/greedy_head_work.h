@@ -4,6 +4,7 @@
 // comment gives the bound these constants serve. Internal to that file's translation unit.
 #pragma once
 
+#include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -70,20 +71,63 @@ struct Work {
   // + r l1_j (row_stats: scale s_j, l1, l2, err).
   std::vector<float> u, v, pn, qn, r;
   const float *scale = nullptr, *l1 = nullptr, *l2 = nullptr, *err = nullptr;
-  // [rows, tiles]: the largest score + bound of each (hidden row, tile). Pass 2 recomputes the
-  // 64 scores of only the tiles that reach the row's floor: storing every score (rows x vocab
-  // floats) cost ~0.3 ms of DRAM traffic a call in the engine, 39 MB for 64 x 152k.
-  float* tile_hi = nullptr;
   std::vector<float> hx;         // [rows, num_exact]: h at the exact dims
   int64_t padded_vocab = 0;
+  int64_t cap = 0;               // candidates a row may keep before it is left to the caller
+  bool bf16 = false;             // a bf16 weight: pass 2's floor drops to the bf16 bucket
   explicit Work(const GreedyHeadParams& params) : p(params) {}
 };
 
-// The largest score - bound of each hidden row over one thread's tiles.
+// The vocab rows of one hidden row that one thread's tiles left in the running: those whose
+// score + bound (hi) reached the row's largest score - bound seen so far. The final floor is at
+// least that, so the list holds every candidate of those tiles (and some that the final floor
+// drops). Pass 1 writes up to a tile's 64 entries at a time (16-lane stores in the VNNI body):
+// reserve(k) makes room for k entries past n.
+struct Candidates {
+  std::vector<int32_t> j;
+  std::vector<float> hi;
+  int64_t n = 0;
+  int64_t compact_at = 1024;     // n that triggers a compaction against the running floor
+  bool over = false;             // kept more than the cap after a compaction: left to the caller
+  void reserve(int64_t k) {
+    if (static_cast<int64_t>(j.size()) < n + k) {
+      const size_t size = static_cast<size_t>(std::max<int64_t>(128, 2 * (n + k)));
+      j.resize(size);
+      hi.resize(size);
+    }
+  }
+  // Drops the entries below `floor` (a floor only rises); past `cap` entries the row is over.
+  void compact(float floor, int64_t cap) {
+    int64_t k = 0;
+    for (int64_t i = 0; i < n; ++i)
+      if (hi[i] >= floor) j[k] = j[i], hi[k] = hi[i], ++k;
+    n = k;
+    compact_at = std::max<int64_t>(1024, 2 * n);
+    if (n > cap) over = true, n = 0;
+  }
+};
+
+// One thread's view of pass 1: per hidden row the largest score - bound over its tiles, and
+// the candidates among them.
 struct Slice {
   std::vector<float> best_lo;    // [rows]
-  explicit Slice(int64_t rows) : best_lo(rows, -INFINITY) {}
+  std::vector<Candidates> cands; // [rows]
+  explicit Slice(int64_t rows) : best_lo(rows, -INFINITY), cands(rows) {}
 };
+
+// The floor pass 1 keeps candidates against, given a row's running L: L for an fp32 weight; for
+// a bf16 one below the lowest value rounding to L's bf16 value (pass 2's floor, which lies
+// within 2^-7 |L| plus 2^-20 |L| of L, or one bf16 subnormal step of 0). Both never fall as L
+// rises, so what pass 1 drops is below pass 2's floor too.
+inline float pass1_floor(const Work& w, float L) {
+  return w.bf16 ? L - std::fabs(L) * (1.0f / 64.0f) - 1e-38f : L;
+}
+
+// After a tile: keeps row `row`'s list short (entries that can no longer reach the floor go).
+inline void after_append(const Work& w, Slice* s, int64_t row) {
+  Candidates& c = s->cands[row];
+  if (c.n >= c.compact_at) c.compact(pass1_floor(w, s->best_lo[row]), w.cap);
+}
 
 }  // namespace
 }  // namespace CBK_CPU_NS

@@ -55,6 +55,72 @@ CBK_ALWAYS_INLINE void dot_block_bf16(const bf16_t* q, int64_t q_stride, const b
     __builtin_memcpy(s + r * s_stride, reinterpret_cast<const float*>(&z) + r * T, T * 4);
 }
 
+// The same scores for the R <= 4 rows of one kv head (decode at a group of up to 4: one q token
+// times the group), keys in lanes instead of reduced out of them. qp: the rows packed by
+// pack_rows4 ([d / 32][4 sets] zmm: lane 4r + i of set t, chunk m holds row r's bf16 pair
+// 16m + 4t + i). Per key, set t accumulates the pairs dot_block_bf16 sums in its lanes 4t..4t+3,
+// in the same order (one 16-byte broadcast of the key per set and chunk), and the sums of the
+// 16 lanes fold in dot_block_bf16's tree: ((h0 + h1) + (h2 + h3)) + ((h4 + h5) + (h6 + h7)) with
+// h_l = a_l + a_(l+8). So every score is dot_block_bf16's bits (a row gets the same result in a
+// decode as in a chunk of several tokens, which takes dot_block_bf16); 4 keys take 32 vdpbf16ps
+// and 20 shuffles and adds, where dot_block_bf16 needs 2 calls of ~30 reduction ops each for 8.
+// Keys [g0, g1) in groups of 4 from g0 (a multiple of 4; up to 3 past g1 are computed too).
+CBK_ALWAYS_INLINE void pack_rows4(const bf16_t* q, int64_t q_stride, int64_t rows, int64_t d,
+                                  bf16_t* qp) {
+  for (int64_t m = 0; m < d / 32; ++m)
+    for (int t = 0; t < 4; ++t) {
+      bf16_t* dst = qp + (m * 4 + t) * 32;
+      for (int r = 0; r < 4; ++r) {
+        if (r < rows)
+          std::memcpy(dst + 8 * r, q + r * q_stride + 32 * m + 8 * t, 16);
+        else
+          std::memset(dst + 8 * r, 0, 16);
+      }
+    }
+}
+
+// Lanes 4r + i of u0..u3 -> lane 4r + j of the result: (u_j[4r] + u_j[4r + 1]) + (u_j[4r + 2] +
+// u_j[4r + 3]).
+CBK_ALWAYS_INLINE __m512 fold4(__m512 u0, __m512 u1, __m512 u2, __m512 u3) {
+  const __m512 a = _mm512_add_ps(_mm512_shuffle_ps(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 b = _mm512_add_ps(_mm512_shuffle_ps(u2, u3, _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(u2, u3, _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+CBK_ALWAYS_INLINE void scores_rows4(const bf16_t* qp, int64_t rows, const bf16_t* const* k,
+                                    int g0, int g1, int64_t d, float scale, float* s,
+                                    int64_t s_stride, Prefetcher& pf, int64_t pf_quota) {
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int g = g0; g < g1; g += 4, pf.step(pf_quota)) {
+    __m512 acc[4][4];    // [key][set]
+    for (int j = 0; j < 4; ++j)
+      for (int t = 0; t < 4; ++t) acc[j][t] = _mm512_setzero_ps();
+    for (int64_t m = 0; m < d / 32; ++m)
+      for (int t = 0; t < 4; ++t) {
+        const __m512bh qv = (__m512bh)_mm512_loadu_si512(qp + (m * 4 + t) * 32);
+        for (int j = 0; j < 4; ++j) {
+          const __m512bh kv = (__m512bh)_mm512_broadcast_i32x4(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(k[g + j] + 32 * m + 8 * t)));
+          acc[j][t] = _mm512_dpbf16_ps(acc[j][t], qv, kv);
+        }
+      }
+    // h_0..3 = sets 0 + 2, h_4..7 = sets 1 + 3 (lane l of dot_block_bf16 is set l / 4's lane l % 4)
+    __m512 lo[4], hi[4];
+    for (int j = 0; j < 4; ++j) {
+      lo[j] = _mm512_add_ps(acc[j][0], acc[j][2]);
+      hi[j] = _mm512_add_ps(acc[j][1], acc[j][3]);
+    }
+    const __m512 z = _mm512_mul_ps(
+        _mm512_add_ps(fold4(lo[0], lo[1], lo[2], lo[3]), fold4(hi[0], hi[1], hi[2], hi[3])), sc);
+    alignas(64) float out[16];
+    _mm512_store_ps(out, z);
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(s + r * s_stride + g, out + 4 * r, 16);
+  }
+}
+
 // o_r (fp32, [d]) = o_r * alpha_r + sum over key pairs of p_r,j v_j + p_r,j+1 v_j+1, keys
 // [j0, j1) (both even), for R rows. pp: per row the tile's probabilities as bf16 pairs
 // (pp_stride pairs apart); v: key rows [d] bf16.
@@ -145,6 +211,15 @@ void run_item_bf16(const Ctx& c, const Item& it, const Item* next, float* partia
   std::fill(s.f.ms, s.f.ms + rows, kNegInf);
   std::fill(s.f.ls, s.f.ls + rows, 0.0f);
 
+  // Up to 4 rows a head (decode at a group of up to 4): keys-in-lanes scores (scores_rows4),
+  // from each head's rows packed once for the item.
+  const bool rows4 = per_head <= 4;
+  thread_local std::vector<bf16_t> qpack;
+  if (rows4) {
+    if (static_cast<int64_t>(qpack.size()) < heads * 4 * d) qpack.resize(heads * 4 * d);
+    for (int64_t h = 0; h < heads; ++h)
+      pack_rows4(s.qs + h * per_head * d, d, per_head, d, qpack.data() + h * 4 * d);
+  }
   const int64_t pf_calls = prefetch_calls<kTile>(g);
   walk_tiles<kTile>(c, it, next, pf_calls, [&](int32_t t0, int32_t lo, int32_t hi,
                                                const char* const* krow, const char* const* vrow,
@@ -161,7 +236,10 @@ void run_item_bf16(const Ctx& c, const Item& it, const Item* next, float* partia
       const int64_t r0 = h * per_head, r1 = r0 + per_head;
       const bf16_t* q = s.qs + r0 * d;
       float* ss = s.f.ss + r0 * kTile;
-      int64_t r = 0;
+      int64_t r = rows4 ? per_head : 0;
+      if (rows4)    // as many prefetch steps as the dot blocks of 2 rows it replaces
+        scores_rows4(qpack.data() + h * 4 * d, per_head, kp, jl / 4 * 4, jh, d, p.scale, ss,
+                     kTile, pf, pf_quota * ((per_head + 1) / 2));
       for (; r + 2 <= per_head; r += 2)
         for (int g = jl / 4 * 4; g < jh; g += 4, pf.step(pf_quota))
           dot_block_bf16<2>(q + r * d, d, kp + g, d, p.scale, ss + r * kTile + g, kTile);

@@ -87,7 +87,41 @@ def test_outlier_dimensions(isa):
     assert torch.equal(head(h, isa=isa), got)
     assert torch.equal(plain(h, isa=isa), got) and plain.num_exact == 0
     # Scored exactly, the two dims no longer coarsen every row's int8 scale.
-    assert head.num_rescored * 4 < plain.num_rescored
+    assert head.num_candidates * 4 < plain.num_candidates
+
+
+@pytest.mark.parametrize("isa", BODIES)
+def test_rising_logits_compact_the_candidates_and_rescore_few(isa):
+    """Logits that rise along the vocab keep every row's running floor climbing tile after tile,
+    so pass 1 keeps candidates that the final floor drops. The token stays exact,
+    and the rescoring (largest bound first) stops before the last candidate the final floor
+    keeps."""
+    vocab, hidden, rows = 40000, 64, 3
+    g = torch.Generator().manual_seed(7)
+    u = torch.randn(hidden, generator=g)
+    u /= u.norm()
+    h = 4.0 * u + 0.3 * torch.randn(rows, hidden, generator=g)
+    w = torch.linspace(0.0, 3.0, vocab)[:, None] * u + 0.05 * torch.randn(vocab, hidden, generator=g)
+    head = GreedyHead(w)
+    assert torch.equal(head(h, isa=isa), ref_greedy_head(h, w))
+    assert head.num_fp32_rows == 0
+    counts = (head.num_candidates, head.num_rescored)
+    assert head.num_candidates > 64 and head.num_rescored < head.num_candidates, counts
+
+
+def test_1b_head_rescores_a_few_logits_a_row():
+    """The Llama-3.2-1B shape's head (vocab 128256, hidden 2048, bf16, std 0.02 as transformers
+    initialises it) on Gaussian rows: a few hundred candidates a row, ~20 rescored, none left to
+    the GEMM; the bf16 rule's token."""
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(128256, 2048, generator=g) * 0.02).bfloat16()
+    h = torch.randn(4, 2048, generator=g).bfloat16()
+    head = GreedyHead(w)
+    exact = torch.cat([h.double() @ w[i:i + 16384].double().t() for i in range(0, 128256, 16384)], 1)
+    assert torch.equal(head(h), exact.float().bfloat16().float().argmax(-1))
+    counts = (head.num_candidates, head.num_rescored)
+    assert head.num_fp32_rows == 0
+    assert head.num_rescored < 100 * 4 and head.num_rescored * 4 < head.num_candidates, counts
 
 
 @pytest.mark.parametrize("isa", BODIES)

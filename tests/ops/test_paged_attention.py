@@ -152,6 +152,23 @@ def test_cpu_batch_and_threads_do_not_change_results(case):
         assert torch.equal(again, full), f"{n} threads changed the result"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("group, head_dim", [(4, 64), (3, 64), (2, 64), (1, 64), (4, 32),
+                                             (4, 128), (8, 64)])
+def test_a_row_gets_the_same_bits_in_a_decode_and_in_a_chunk(dtype, group, head_dim):
+    """A query token's output does not depend on how many tokens of its sequence share its q
+    chunk: decode rows (one token x the group: up to 4 rows a kv head take the bf16 kernel's
+    keys-in-lanes scores) give the bits the same token gets inside a 5-token chunk."""
+    case = Case(f"chunk-{group}-{head_dim}", seq_lens=(300,), q_lens=(5,), num_heads=2 * group,
+                num_kv_heads=2, head_dim=head_dim, dtype=dtype)
+    q, k_cache, v_cache, block_tables, seq_lens, cu = build(case)
+    chunk = ops.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu, backend="cpu")
+    for i in (0, 4):       # the chunk's first and last token, each decoded alone
+        one = ops.paged_attention(q[i:i + 1].clone(), k_cache, v_cache, block_tables,
+                                  i32(296 + i), i32(0, 1), backend="cpu")
+        assert torch.equal(one[0], chunk[i]), f"token {i} changed with its chunk"
+
+
 def test_bf16_body_choice_follows_the_cpu_and_head_dim():
     """bf16 K/V with head_dim % 32 == 0 run the vdpbf16ps body exactly where the CPU has
     AVX512-BF16; other head dims, and forced lower bodies, run the fp32-math bodies."""

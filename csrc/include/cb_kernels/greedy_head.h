@@ -71,6 +71,7 @@ struct GreedyHeadParams {
   // (the caller computes it in fp32: cheaper than that many exact rescorings); 0: no cap.
   int64_t max_rescored_per_row = 0;
   int64_t* num_rescored = nullptr;   // optional: how many logits were computed exactly, in all
+  int64_t* num_candidates = nullptr; // optional: vocab rows the bound left in the running, in all
 };
 
 namespace cpu {
