@@ -126,7 +126,7 @@ def main(argv=None) -> int:
             profiler.disable()
             profiler.dump_stats(args.profile)
         best = max(runs, key=lambda r: r["output_tok_s"])
-        row = {"max_batch_tokens": engine.config.max_batch_tokens, "best": best, "runs": runs}
+        row = {"max_batch_tokens": engine.resolved.max_batch_tokens, "best": best, "runs": runs}
         rows.append(row)
         print(f"max_batch_tokens {row['max_batch_tokens']}: {best}", file=sys.stderr, flush=True)
     base = rows[0]["best"]

@@ -252,3 +252,24 @@ def test_bench_serve_runs_against_cb_kernels(model_dir, tmp_path):
         assert row["ok"] == 4 and row["output_tokens"] == 16 and row["errors"] == []
         assert row["throughput_tok_s"] > 0 and 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"]
     assert png.stat().st_size > 0 and "| cb_kernels | inf | 4/4 |" in r.stdout
+
+
+def test_serve_burst_runs_the_burst_through_the_engine(model_dir, tmp_path):
+    """bench/serve_burst.py, shortest form: two budgets on the tiny model, figures that add up."""
+    out = tmp_path / "burst.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "serve_burst.py"), "--model",
+                        str(model_dir), "--dtype", "float32", "--max-batch-tokens", "16,auto",
+                        "--requests", "6", "--input-len", "10", "--output-len", "3",
+                        "--repeats", "1", "--json", str(out)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["max_batch_tokens"] for row in rows] == [16, 2048]
+    small, auto = rows[0]["best"], rows[1]["best"]
+    # 60 prompt tokens: 16 a step (decodes first) takes >= 4 steps that prefill; 2048 takes one
+    assert small["prefill_steps"] >= 4 and auto["prefill_steps"] == 1
+    assert small["steps"] > auto["steps"] >= 3
+    for b in (small, auto):
+        assert b["output_tok_s"] > 0 and 0 < b["ttft_mean_ms"] <= b["ttft_p99_ms"]
+    assert "| 16 |" in r.stdout and rows[0]["vs_first"]["output_tok_s"] == 1.0
