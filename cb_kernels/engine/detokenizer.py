@@ -1,7 +1,7 @@
 """IncrementalDetokenizer: a request's output text as its tokens arrive, and stop strings on it.
 
 Decoding every output token again at each step costs O(length) per token (14 us a token on
-average over a 64-token answer with SmolLM2's tokenizer, 2-core Zen 4; 4x that at 256 tokens);
+average over a 64-token answer with SmolLM2's tokenizer, 2-core Zen 4, growing with the length);
 instead the text grows by what the newest tokens add. Two ways, the same rule:
   - a Hugging Face fast tokenizer (a `tokenizers.Tokenizer` backend, no
     clean_up_tokenization_spaces, no decode of its own) steps a `tokenizers.decoders.DecodeStream`
