@@ -5,8 +5,8 @@ table, the kernels' per-thread scratch growing to the largest row count, the all
 oneDNN's primitives where it runs) otherwise land in the first `generate()`: on a 2-core Xeon
 the first call of a 64-prompt Llama-3.2-1B-shape run took 1.36-1.48x the same call repeated.
 So the constructor runs, through the runner's own `prepare` and `execute`, a prefill-shaped step
-of `max_batch_tokens` tokens and a decode-shaped step of `max_num_seqs` one-token rows (greedy,
-then with logits). Their K/V slots are -1: nothing is written to the pool, no block is taken and
+of `max_batch_tokens` tokens (at most PREFILL_TOKENS) and a decode-shaped step of `max_num_seqs`
+one-token rows (greedy, then with logits). Their K/V slots are -1: nothing is written to the pool, no block is taken and
 no scheduler, block-manager or stats state changes. Only the default CPU runner is warmed (a
 user's runner, tensor parallelism, stateful layers and GPUs keep their own warm-up: CUDA graphs
 are captured in `allocate_cache`).
@@ -20,6 +20,12 @@ from cb_kernels.engine.config import SamplingParams
 from cb_kernels.engine.sequence import Sequence
 
 logger = logging.getLogger("cb_kernels.engine")
+
+# The warm-up prefill's length: the budget's, at most this. What a longer prefill would add is
+# the growth of per-step buffers to its rows (a page-fault pass over tens of MB, milliseconds),
+# while its compute grows with its length (see the module docstring and bench/RESULTS.md, "Cold
+# start": 2048 tokens cost seconds at Engine() on a 1B model for no gain in the first call).
+PREFILL_TOKENS = 512
 
 
 def _dummy(i: int, num_tokens: int, first_block: int, block_size: int) -> Sequence:
@@ -43,7 +49,7 @@ def warm_up(runner, num_blocks: int, block_size: int, max_batch_tokens: int,
     returns the seconds taken. A failure is logged and left to the first real step."""
     t0 = time.perf_counter()
     num_slots = num_blocks * block_size
-    prefill = min(max_batch_tokens, num_slots, runner.max_positions)
+    prefill = min(max_batch_tokens, PREFILL_TOKENS, num_slots, runner.max_positions)
     rows = min(max_num_seqs, num_blocks)
     try:
         if prefill > 1:
