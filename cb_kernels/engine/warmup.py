@@ -7,9 +7,9 @@ the first call of a 64-prompt Llama-3.2-1B-shape run took 1.36-1.48x the same ca
 So the constructor runs, through the runner's own `prepare` and `execute`, a prefill-shaped step
 of `max_batch_tokens` tokens (at most PREFILL_TOKENS) and a decode-shaped step of `max_num_seqs`
 one-token rows (greedy, then with logits). Their K/V slots are -1: nothing is written to the
-pool, no block is taken and no scheduler, block-manager or stats state changes. Only the default CPU runner is warmed (a
-user's runner, tensor parallelism, stateful layers and GPUs keep their own warm-up: CUDA graphs
-are captured in `allocate_cache`).
+pool, no block is taken and no scheduler, block-manager or stats state changes. Only the default
+CPU runner is warmed (a user's runner, tensor parallelism, stateful layers and GPUs keep their own
+warm-up: CUDA graphs are captured in `allocate_cache`).
 """
 from __future__ import annotations
 
