@@ -83,8 +83,9 @@ def completion_of(seq, token_ids: list, tokenizer, text: Optional[str] = None) -
     """The CompletionOutput of one sample holding `token_ids` (its text decoded unless given;
     with stop strings, the detokenized text cut at the match)."""
     if text is None and tokenizer is not None:
-        text = seq.detokenizer.text if seq.detokenizer is not None and \
-            len(token_ids) == seq.num_generated_tokens else \
+        # Only stop strings' detokenizer is fed every token (a stream's is fed per delta).
+        text = seq.detokenizer.text if seq.detokenizer is not None and seq.detokenizer.stop \
+            and len(token_ids) == seq.num_generated_tokens else \
             tokenizer.decode(token_ids, skip_special_tokens=True)
     logprobs = None if seq.logprobs is None else list(seq.logprobs[-len(token_ids):]) \
         if token_ids else []

@@ -22,10 +22,15 @@ GiB = 1 << 30
 # is ours minus activations (reserved below); on CPU the host is shared with everything else.
 CUDA_KV_FRACTION = 0.85
 CPU_KV_FRACTION = 0.4
-# Token budget per step. CPU: 512 rows already keep 2..16 cores' GEMMs busy (on the 2-core
-# bench model a 512-token step takes ~2.5x a 128-token step for 4x the tokens), and a bigger
-# budget only delays decodes behind long prefills. CUDA: 4096 fills an H100 for 1-8B models.
-CPU_MAX_BATCH_TOKENS = 512
+# Token budget per step (prefill chunks and decodes share it; decodes are scheduled first, so
+# a budget never starves them of a step, it only makes the steps that prefill longer).
+# CPU: 2048, vLLM-CPU's default for its server. Under a burst the prefills are what everyone
+# waits for, and each step also decodes every running request: at 512 a burst of 128 x 128-token
+# prompts took 32 steps to prefill, each carrying up to 128 decode rows; at 2048, 8 steps. Measured
+# on SmolLM2 bf16, 2-core Zen 4, bench/serve_burst.py: see bench/RESULTS.md "vLLM's load
+# generator". At 8 requests/s a step holds one or two prompts either way. CUDA: 4096 fills an
+# H100 for 1-8B models.
+CPU_MAX_BATCH_TOKENS = 2048
 CUDA_MAX_BATCH_TOKENS = 4096
 MAX_NUM_SEQS = 256
 BLOCK_SIZE = 16

@@ -5,11 +5,11 @@ table, the kernels' per-thread scratch growing to the largest row count, the all
 oneDNN's primitives where it runs) otherwise land in the first `generate()`: on a 2-core Xeon
 the first call of a 64-prompt Llama-3.2-1B-shape run took 1.36-1.48x the same call repeated.
 So the constructor runs, through the runner's own `prepare` and `execute`, a prefill-shaped step
-of `max_batch_tokens` tokens and a decode-shaped step of `max_num_seqs` one-token rows (greedy,
-then with logits). Their K/V slots are -1: nothing is written to the pool, no block is taken and
-no scheduler, block-manager or stats state changes. Only the default CPU runner is warmed (a
-user's runner, tensor parallelism, stateful layers and GPUs keep their own warm-up: CUDA graphs
-are captured in `allocate_cache`).
+of `max_batch_tokens` tokens (at most PREFILL_TOKENS) and a decode-shaped step of `max_num_seqs`
+one-token rows (greedy, then with logits). Their K/V slots are -1: nothing is written to the
+pool, no block is taken and no scheduler, block-manager or stats state changes. Only the default
+CPU runner is warmed (a user's runner, tensor parallelism, stateful layers and GPUs keep their own
+warm-up: CUDA graphs are captured in `allocate_cache`).
 """
 from __future__ import annotations
 
@@ -20,6 +20,13 @@ from cb_kernels.engine.config import SamplingParams
 from cb_kernels.engine.sequence import Sequence
 
 logger = logging.getLogger("cb_kernels.engine")
+
+# The warm-up prefill's length: the budget's, at most this. What a longer prefill would add is
+# the growth of per-step buffers to its rows (a page-fault pass over tens of MB, milliseconds),
+# while its compute grows with its length (bench/RESULTS.md, "Cold start": a 2048-token warm-up
+# took 14.5 s against 5.6 s at the Llama-3.2-1B shape, 2.4 s against 0.75 s at SmolLM2-135M, bf16
+# on 2 Zen 4 cores, and the first generate() was within 3% of the repeated one either way).
+PREFILL_TOKENS = 512
 
 
 def _dummy(i: int, num_tokens: int, first_block: int, block_size: int) -> Sequence:
@@ -43,7 +50,7 @@ def warm_up(runner, num_blocks: int, block_size: int, max_batch_tokens: int,
     returns the seconds taken. A failure is logged and left to the first real step."""
     t0 = time.perf_counter()
     num_slots = num_blocks * block_size
-    prefill = min(max_batch_tokens, num_slots, runner.max_positions)
+    prefill = min(max_batch_tokens, PREFILL_TOKENS, num_slots, runner.max_positions)
     rows = min(max_num_seqs, num_blocks)
     try:
         if prefill > 1:

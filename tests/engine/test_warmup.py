@@ -63,3 +63,27 @@ def test_a_runner_without_warmup_builds_in_the_first_step():
     after = one_time_work(runner)
     assert after["layer_tables"] == before["layer_tables"] + 1
     assert after["rotary_tables"] == before["rotary_tables"] + 1
+
+
+def test_warmup_prefill_is_capped(monkeypatch, caplog):
+    """The warm-up prefill stops at warmup.PREFILL_TOKENS when the budget is larger (its compute
+    grows with its length, what it warms does not): the first generate(), whose prefill steps
+    are the budget's 48 tokens, still builds nothing, and its tokens are the same."""
+    from cb_kernels.engine import warmup
+
+    monkeypatch.setattr(warmup, "PREFILL_TOKENS", 16)
+    model = make_model("llama").to(torch.bfloat16)
+    with caplog.at_level(logging.INFO, logger="cb_kernels.engine"):
+        engine = Engine(model, EngineConfig(**CONFIG))
+    assert any(r.getMessage().startswith("warm-up: a 16-token prefill and a 8-row decode step")
+               for r in caplog.records)
+    runner = engine.runner
+    before = one_time_work(runner)
+    prompts = random_prompts(LENGTHS, seed=3)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=6))
+    assert one_time_work(runner) == before
+    assert engine.stats()["used_blocks"] == 0
+    monkeypatch.setattr(warmup, "PREFILL_TOKENS", 512)       # the whole 48-token budget
+    uncapped = Engine(model, EngineConfig(**CONFIG))
+    assert [o.token_ids for o in outs] == \
+        [o.token_ids for o in uncapped.generate(prompts, SamplingParams(max_new_tokens=6))]

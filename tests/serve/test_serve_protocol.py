@@ -87,3 +87,25 @@ def test_logit_bias_has_one_parser_for_http_and_the_cli(bias, message, http_only
     else:
         with pytest.raises(ValueError, match=message):
             params_of({"logit_bias": bias}, SamplingParams(), None, 0)
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+@pytest.mark.parametrize("usage", [False, True], ids=["no-usage", "usage"])
+def test_plain_stream_chunks_are_the_bytes_of_the_general_path(chat, usage):
+    """Reply's per-request chunk template (text deltas without logprobs or token ids) makes
+    byte for byte what json.dumps of the whole chunk makes: quotes, newlines, non-ASCII, the
+    empty last delta and every finish reason."""
+    from types import SimpleNamespace
+
+    from cb_kernels.serve.openai_format import Reply
+
+    body = {"model": 'm "x"', "stream": True, "stream_options": {"include_usage": usage}}
+    req = ChatRequest.model_validate({**body, "messages": [{"role": "user", "content": "x"}]}) \
+        if chat else CompletionRequest.model_validate({**body, "prompt": "x"})
+    ticket = SimpleNamespace(request_id="cmpl-1", params=sampling_params(req, 4), token_ids=[1])
+    reply = Reply(req, [ticket], chat, 'm "x"', None, None)
+    plain = reply._plain_chunk(usage)
+    for text, finish in (('hé "q"\n\\ 🦙', None), ("", "stop"), ("", None), ("a", "length"),
+                         ("", "cancelled")):
+        want = reply.chunk([reply.choice(7, text, finish, None, delta=True)], None, usage)
+        assert plain(7, text, finish) == want
