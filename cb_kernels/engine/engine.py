@@ -119,6 +119,13 @@ class Engine:
             self.grammars.compile(params.structured)
         return token_ids, params
 
+    def compile_grammar(self, structured) -> None:
+        """Compile a StructuredOutput's grammar into the engine's cache, so a later request with it
+        starts at once (safe from another thread: the server compiles off its loop). Raises
+        ValueError naming the problem (a bad schema or regex), ImportError without the
+        `structured` extra."""
+        self.grammars.compile(structured)
+
     def add_request(self, prompt, params: Optional[SamplingParams] = None,
                     request_id: Optional[str] = None) -> str:
         """Queue one request; returns its id. Raises ValueError/TypeError (naming the argument)

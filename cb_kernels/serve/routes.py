@@ -260,7 +260,7 @@ class _State:
         """Compile `structured`'s grammar (asked for by the request field `field`) into the
         engine's cache (run on a worker thread)."""
         try:
-            self.engine.grammars.compile(structured)
+            self.engine.compile_grammar(structured)
         except ValueError as e:
             raise RequestError(str(e), field, code="invalid_response_format") from None
         except ImportError as e:
