@@ -124,3 +124,21 @@ def make_byte_tokenizer(vocab_size: int = VOCAB):
                                   show_progress=False)
     tok.train_from_iterator(corpus, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
+
+def assert_same_at_threads(run, state, threads=(1, 2)):
+    """Runs `run(s)` on a fresh copy `s` of `state` at each torch thread count and asserts the
+    outputs and the written states are bit-identical (a stateful kernel's threads split work, never
+    the sums); restores the thread count."""
+    saved = torch.get_num_threads()
+    results = []
+    try:
+        for n in threads:
+            torch.set_num_threads(n)
+            s = state.clone()
+            results.append((run(s), s))
+    finally:
+        torch.set_num_threads(saved)
+    first_out, first_state = results[0]
+    for out, s in results[1:]:
+        assert torch.equal(out, first_out) and torch.equal(s, first_state)

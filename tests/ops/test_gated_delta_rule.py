@@ -10,6 +10,7 @@ import torch
 
 from cb_kernels import _C, ops
 from cb_kernels.ops.reference import ref_gated_delta_rule
+from tests.helpers import assert_same_at_threads
 
 # id: (num_k_heads, num_v_heads, k_dim, v_dim, [(row length, continues from its slot)])
 CASES = {
@@ -219,13 +220,4 @@ def test_thread_split_does_not_change_bits():
     slots = torch.arange(len(lengths)).flip(0)
     cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
     has = torch.tensor([True, True, False, True, False, True])
-    saved = torch.get_num_threads()
-    outs = []
-    try:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            s = state.clone()
-            outs.append((ops.gated_delta_rule(q, k, v, g, beta, s, slots, cu, has), s))
-    finally:
-        torch.set_num_threads(saved)
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert_same_at_threads(lambda s: ops.gated_delta_rule(q, k, v, g, beta, s, slots, cu, has), state)

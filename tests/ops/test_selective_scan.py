@@ -9,6 +9,7 @@ import torch
 
 from cb_kernels import _C, ops
 from cb_kernels.ops.reference import ref_selective_scan
+from tests.helpers import assert_same_at_threads
 
 # id: (num_heads, head_dim, num_groups, d_state, [(row length, continues from its slot)])
 CASES = {
@@ -136,13 +137,4 @@ def test_thread_split_does_not_change_bits():
     slots = torch.arange(len(lengths))
     cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
     has = torch.tensor([True, False, True, True, False])
-    saved = torch.get_num_threads()
-    outs = []
-    try:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            s = state.clone()
-            outs.append((ops.selective_scan(x, dt, A, B, C, s, slots, cu, has), s))
-    finally:
-        torch.set_num_threads(saved)
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert_same_at_threads(lambda s: ops.selective_scan(x, dt, A, B, C, s, slots, cu, has), state)
