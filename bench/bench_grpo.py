@@ -174,10 +174,15 @@ def run_rounds(name: str, model, initial: dict, prompts: list, args, rounds: int
         def generate(p):
             return trl_default_generate(model, gen_config, p, args.n, args.trl_batch)
     else:
+        import inspect
+
         from transformers import ContinuousBatchingConfig
 
+        # The page size is `page_size` in transformers 5.24, `block_size` in 5.17 (the floor).
+        size_arg = ("page_size" if "page_size" in
+                    inspect.signature(ContinuousBatchingConfig).parameters else "block_size")
         cb_config = ContinuousBatchingConfig(max_memory_percent=0.5, max_batch_tokens=512,
-                                             page_size=16, num_blocks=-(-pool_tokens // 16))
+                                             num_blocks=-(-pool_tokens // 16), **{size_arg: 16})
 
         def generate(p):
             return generate_batch_generate(model, gen_config, cb_config, p, args.n)
