@@ -264,3 +264,24 @@ def ref_selective_scan(x, dt, A, B, C, state, slots, cu_seqlens, has_state, *, D
                 out[t] += D[:, None] * xf[t]
         state[slot] = s
     return out.to(x.dtype)
+
+
+def ref_moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj):
+    """hidden_states: [num_tokens, hidden]; top_k_index: int64 [num_tokens, top_k]; top_k_weights:
+    [num_tokens, top_k]; gate_up_proj: [num_experts, 2 * inter, hidden] (gate rows, then up
+    rows); down_proj: [num_experts, hidden, inter]. Returns [num_tokens, hidden]: transformers'
+    experts forward (`grouped_mm_experts_forward`, silu gate): per (token, k) pair
+    d = down(silu(gate(x)) * up(x)), each step rounded to x's dtype, then round(d * w) summed over
+    k in fp32 and rounded once. The GEMMs run in float64 (the op's sums are within fp32 rounding)."""
+    dt = hidden_states.dtype
+    num_tokens, top_k = top_k_index.shape
+    out = torch.zeros(num_tokens, top_k, hidden_states.shape[-1], dtype=torch.float32)
+    for t in range(num_tokens):
+        x = hidden_states[t].double()
+        for k in range(top_k):
+            e = int(top_k_index[t, k])
+            gate, up = (gate_up_proj[e].double() @ x).to(dt).chunk(2)
+            h = (torch.nn.functional.silu(gate.float()).to(dt).float() * up.float()).to(dt)
+            d = (down_proj[e].double() @ h.double()).to(dt)
+            out[t, k] = (d.float() * float(top_k_weights[t, k])).to(dt).float()
+    return out.sum(dim=1).to(dt)

@@ -57,6 +57,7 @@ import torch
 from torch.nn.modules import module as nn_module
 
 from cb_kernels.ops.linear import PackedLinear
+from cb_kernels.runner import moe_layers
 from cb_kernels.runner.tensor_parallel import is_tp_hook
 
 logger = logging.getLogger("cb_kernels.engine")
@@ -262,10 +263,12 @@ def has_hooks(modules: list) -> bool:
 class PackedLinears:
     """Context manager: inside it, the model's plain linears run on packed weights."""
 
-    def __init__(self, groups: list):
+    def __init__(self, groups: list, experts: tuple = ()):
         self.groups = groups
+        self.experts = list(experts)       # moe_layers.ExpertsGroup: experts on ops.moe_experts
         # Every member's parameter dict, for refresh()'s one-pass check, and what it last saw.
         self._param_dicts = [m._parameters for g in groups for m in g.members]
+        self._expert_dicts = [g.members[0]._parameters for g in self.experts]
         self._key = None
         self._installed: list = []     # (module, instance forward it had or None)
         self._depth = 0                # entries not yet left (re-entering installs nothing)
@@ -276,7 +279,8 @@ class PackedLinears:
         """None when nothing qualifies or `pack_weights` is False, or ("auto") when the packed
         copy would take more than a quarter of `available_bytes` (host memory; None = no
         limit). The linears packed are those of the model's dtype (its first parameter's),
-        fp32 or bf16."""
+        fp32 or bf16. The model's MoE experts modules that map onto ops.moe_experts are packed
+        too (runner/moe_layers.py)."""
         dtype = model_dtype(model)
         if pack_weights is False or dtype not in DTYPES or not supported(dtype):
             if pack_weights is not False and dtype not in DTYPES and dtype is not None:
@@ -296,9 +300,12 @@ class PackedLinears:
         for m in model.modules():
             if _plain_linear(m, dtype) and id(m) not in grouped:
                 groups.append(_Group([m]))
-        if not groups:
+        experts = moe_layers.find(model, dtype)
+        if not groups and not experts:
             return None
         nbytes = sum(m.weight.numel() * m.weight.element_size() for g in groups for m in g.members)
+        nbytes += sum(t.numel() * t.element_size() for g in experts
+                      for t in (g.members[0].gate_up_proj, g.members[0].down_proj))
         if pack_weights == "auto" and available_bytes is not None:
             available = available_bytes
             if nbytes > available // 4:
@@ -309,7 +316,7 @@ class PackedLinears:
         logger.info("pack_weights: %d %s linears in %d packed weights (%.1f MiB extra, GEMM %s)",
                     sum(len(g.members) for g in groups), str(dtype).replace("torch.", ""),
                     len(groups), nbytes / 2**20, gemm(dtype))
-        packed = cls(groups)
+        packed = cls(groups, experts)
         # Now, not at the first step: the engine sizes its KV pool from the memory left after
         # this copy, and a second Engine's "auto" check sees the first one's copy.
         packed.refresh()
@@ -338,9 +345,11 @@ class PackedLinears:
         # One pass over every member's parameters first (each step does this: 0.06 ms for
         # SmolLM2's 210 linears on the loaded bench host, against 0.31 ms walking the groups).
         key = [(_identity(d["weight"]), _identity(d.get("bias"))) for d in self._param_dicts]
+        key += [(_identity(d["gate_up_proj"]), _identity(d["down_proj"]))
+                for d in self._expert_dicts]
         if key == self._key and not force:
             return
-        for g in self.groups:
+        for g in self.groups + self.experts:
             g.refresh(force)
         self._key = key
 
@@ -356,6 +365,7 @@ class PackedLinears:
             freed += sum(t.numel() * t.element_size() for t in own if t is not None)
             g.lin = g.weight = g.bias = g.key = None
             g.sources = []
+        freed += sum(g.release() for g in self.experts)
         self._key = None
         return freed
 
@@ -365,7 +375,7 @@ class PackedLinears:
             return self
         try:
             self.refresh()
-            for g in self.groups:
+            for g in self.groups + self.experts:
                 for i, m in enumerate(g.members):
                     previous = m.__dict__.get("forward")
                     if previous is not None and not is_packed_forward(previous):
