@@ -17,6 +17,8 @@ Contenders:
                    of the stateful layers itself)
   engine, transformers' layers  the same Engine with runner/hybrid_kernels.py off (each stateful
                    layer's own torch code per sequence group: the engine before the kernels)
+  engine, transformers' MoE  the same Engine with the experts on transformers' code
+                   (runner/moe_layers.py off: torch._grouped_mm), the engine before ops.moe_experts
 Output tokens/s counts the requested tokens; ratios by wall time and by this process's CPU time
 (on a machine shared with other jobs the CPU-time one is the steadier). Tokens are compared with
 per-prompt model.generate (exact for the engine; padded generate can differ where padding
@@ -111,19 +113,22 @@ def run_padded(model, prompts, new):
         [out[i, width:].tolist() for i in range(len(prompts))]
 
 
-def run_engine(model, prompts, new, kernels=True):
+def run_engine(model, prompts, new, kernels=True, moe=True):
     """kernels=False: the stateful layers on transformers' own code (the engine before
-    runner/hybrid_kernels.py), for an A/B in the same run."""
+    runner/hybrid_kernels.py); moe=False: the experts on transformers' code (before
+    runner/moe_layers.py); each for an A/B in the same run."""
     from cb_kernels import Engine, SamplingParams
-    from cb_kernels.runner import hybrid_kernels
+    from cb_kernels.runner import hybrid_kernels, moe_layers
 
-    original = hybrid_kernels.kernel_for
+    original, original_moe = hybrid_kernels.kernel_for, moe_layers.MOE
     if not kernels:
         hybrid_kernels.kernel_for = lambda module, entry: (None, "off for the A/B")
+    if not moe:
+        moe_layers.MOE = "off"
     try:
         engine = Engine(model)
     finally:
-        hybrid_kernels.kernel_for = original
+        hybrid_kernels.kernel_for, moe_layers.MOE = original, original_moe
     t0, c0 = time.perf_counter(), time.process_time()
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=new, ignore_eos=True))
     seconds = (time.perf_counter() - t0, time.process_time() - c0)
@@ -206,7 +211,9 @@ def contend(model, prompts, new, want, repeats) -> dict:
     for _ in range(repeats):
         for name, fn in (("cb_kernels", run_engine), ("padded_generate", run_padded),
                          ("engine_transformers_layers",
-                          lambda m, p, k: run_engine(m, p, k, kernels=False))):
+                          lambda m, p, k: run_engine(m, p, k, kernels=False)),
+                         ("engine_transformers_moe",
+                          lambda m, p, k: run_engine(m, p, k, moe=False))):
             (seconds, cpu), toks = fn(model, prompts, new)
             same = sum(a == b for a, b in zip(toks, want))
             if name not in best or seconds < best[name]["seconds"]:
@@ -219,6 +226,8 @@ def contend(model, prompts, new, want, repeats) -> dict:
                                          / best["cb_kernels"]["cpu_s"])
     best["kernels_vs_transformers_layers"] = (best["cb_kernels"]["tok_s"]
                                               / best["engine_transformers_layers"]["tok_s"])
+    best["moe_op_vs_transformers_moe"] = (best["cb_kernels"]["tok_s"]
+                                          / best["engine_transformers_moe"]["tok_s"])
     best["profile"] = wrapper_share(model, prompts, new)
     return best
 
@@ -270,7 +279,8 @@ def main(argv=None) -> int:
                   f"({best['padded_generate']['same_as_generate']}), "
                   f"{best['engine_vs_padded']:.2f}x (CPU time "
                   f"{best['engine_vs_padded_cpu_time']:.2f}x); vs the engine on transformers' "
-                  f"layer code {best['kernels_vs_transformers_layers']:.2f}x; stateful layers "
+                  f"layer code {best['kernels_vs_transformers_layers']:.2f}x; vs the engine on "
+                  f"transformers' MoE {best['moe_op_vs_transformers_moe']:.2f}x; stateful layers "
                   f"{100 * best['profile']['stateful_share']:.0f}% of the engine's time",
                   flush=True)
         if len(counts) > 1:
