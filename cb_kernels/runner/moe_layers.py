@@ -24,11 +24,14 @@ PackedLinears.refresh() checks them with the linears every step.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 from typing import Optional
 
 import torch
 
+from cb_kernels.ops.linear import PackedLinear
 from cb_kernels.ops.moe import PackedExperts
 
 logger = logging.getLogger("cb_kernels.engine")
@@ -126,6 +129,10 @@ class ExpertsGroup:
         self.experts, self.key, self.sources = None, None, []
         return freed
 
+    def source_bytes(self) -> int:
+        m = self.members[0]
+        return sum(t.numel() * t.element_size() for t in (m.gate_up_proj, m.down_proj))
+
     def run(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
             top_k_weights: torch.Tensor) -> torch.Tensor:
         """transformers' experts forward: hidden_states [num_tokens, hidden], top_k_index
@@ -135,10 +142,96 @@ class ExpertsGroup:
         return self.experts.run_unchecked(x, ids.contiguous(), top_k_weights.float().contiguous())
 
 
+@functools.lru_cache(maxsize=1)
+def _topk_router_source() -> Optional[str]:
+    try:
+        from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextTopKRouter
+        return inspect.getsource(Qwen3NextTopKRouter.forward)
+    except (ImportError, OSError, TypeError):
+        return None
+
+
+def router_maps(module, dtype: torch.dtype) -> bool:
+    """`module` is a top-k softmax router whose forward is transformers' Qwen3-Next one, source
+    for source (Qwen3-Next, Qwen3-MoE, Qwen2-MoE, OLMoE, FlexOlmo share it: the logits
+    F.linear(x, weight), an fp32 softmax, top-k, optional renormalisation, the dtype cast), with
+    a weight of `dtype` on the CPU and no hook or instance forward."""
+    ref = _topk_router_source()
+    weight = module.__dict__.get("_parameters", {}).get("weight")
+    if ref is None or weight is None or weight.dim() != 2 or weight.dtype != dtype or \
+            weight.device.type != "cpu" or not hasattr(module, "top_k"):
+        return False
+    try:
+        if inspect.getsource(type(module).forward) != ref:
+            return False
+    except (OSError, TypeError):
+        return False
+    return "forward" not in module.__dict__ and not hasattr(module, "_hf_hook") and \
+        not module._forward_hooks and not module._forward_pre_hooks
+
+
+class RouterGroup:
+    """A top-k router (router_maps) with its logits on ops.PackedLinear: transformers' F.linear
+    goes to MKL, whose bf16 path on the AMD bench machine took ~94 us a call for 16 x 256 x 8;
+    the softmax and top-k stay torch's."""
+
+    def __init__(self, module):
+        self.members = [module]
+        self.lin: Optional[PackedLinear] = None
+        self.key = None
+        self.sources: list = []
+        self.num_packs = 0
+        self.last_input, self.last_outputs = None, []
+
+        def forward(hidden_states):
+            return self.run(hidden_states)
+        forward.cbk_packed = True
+        self.forwards = [forward]
+
+    def current_key(self) -> tuple:
+        return (_identity(self.members[0]._parameters["weight"]),)
+
+    def refresh(self, force: bool = False) -> None:
+        key = self.current_key()
+        if key == self.key and not force:
+            return
+        weight = self.members[0].weight
+        self.sources = [weight.untyped_storage()]
+        self.lin = PackedLinear(weight)
+        self.key = key
+        self.num_packs += 1
+
+    def release(self) -> int:
+        freed = self.lin.packed.numel() * self.lin.packed.element_size() if self.lin else 0
+        self.lin, self.key, self.sources = None, None, []
+        return freed
+
+    def source_bytes(self) -> int:
+        w = self.members[0].weight
+        return w.numel() * w.element_size()
+
+    def run(self, hidden_states: torch.Tensor):
+        """(router_logits, top-k weights in the logits' dtype, top-k expert ids), as the
+        module's own forward."""
+        m = self.members[0]
+        logits = self.lin.run_unchecked(hidden_states.reshape(-1, m.hidden_dim))
+        probs = torch.nn.functional.softmax(logits, dtype=torch.float, dim=-1)
+        top_value, top_index = torch.topk(probs, m.top_k, dim=-1)
+        if m.norm_topk_prob:
+            top_value /= top_value.sum(dim=-1, keepdim=True)
+        return logits, top_value.to(logits.dtype), top_index
+
+
 def find(model, dtype: torch.dtype) -> list:
-    """ExpertsGroup of every experts module of `model` that maps onto ops.moe_experts (packed);
-    logs which take the op and why the others do not."""
+    """ExpertsGroup of every experts module of `model` that maps onto ops.moe_experts, and
+    RouterGroup of every router that maps (packed); logs which take the op and why the others
+    do not."""
     groups, refused = [], {}
+    routers = [RouterGroup(m) for m in model.modules()
+               if enabled(dtype) and PackedLinear.fast(dtype) and router_maps(m, dtype)]
+    if routers:
+        logger.info("moe: %d %s routers' logits on ops.PackedLinear", len(routers),
+                    type(routers[0].members[0]).__name__)
     for m in model.modules():
         reason = why_not(m, dtype)
         if reason == "not experts":
@@ -155,4 +248,4 @@ def find(model, dtype: torch.dtype) -> list:
                     type(groups[0].members[0]).__name__, PackedExperts.isa(dtype))
     for (name, reason), n in refused.items():
         logger.info("moe: %d %s experts modules keep transformers' code: %s", n, name, reason)
-    return groups
+    return groups + routers

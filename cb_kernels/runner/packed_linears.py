@@ -265,10 +265,10 @@ class PackedLinears:
 
     def __init__(self, groups: list, experts: tuple = ()):
         self.groups = groups
-        self.experts = list(experts)       # moe_layers.ExpertsGroup: experts on ops.moe_experts
+        # moe_layers' groups: experts modules on ops.moe_experts, routers on a packed weight
+        self.experts = list(experts)
         # Every member's parameter dict, for refresh()'s one-pass check, and what it last saw.
         self._param_dicts = [m._parameters for g in groups for m in g.members]
-        self._expert_dicts = [g.members[0]._parameters for g in self.experts]
         self._key = None
         self._installed: list = []     # (module, instance forward it had or None)
         self._depth = 0                # entries not yet left (re-entering installs nothing)
@@ -304,8 +304,7 @@ class PackedLinears:
         if not groups and not experts:
             return None
         nbytes = sum(m.weight.numel() * m.weight.element_size() for g in groups for m in g.members)
-        nbytes += sum(t.numel() * t.element_size() for g in experts
-                      for t in (g.members[0].gate_up_proj, g.members[0].down_proj))
+        nbytes += sum(g.source_bytes() for g in experts)
         if pack_weights == "auto" and available_bytes is not None:
             available = available_bytes
             if nbytes > available // 4:
@@ -345,8 +344,7 @@ class PackedLinears:
         # One pass over every member's parameters first (each step does this: 0.06 ms for
         # SmolLM2's 210 linears on the loaded bench host, against 0.31 ms walking the groups).
         key = [(_identity(d["weight"]), _identity(d.get("bias"))) for d in self._param_dicts]
-        key += [(_identity(d["gate_up_proj"]), _identity(d["down_proj"]))
-                for d in self._expert_dicts]
+        key += [g.current_key() for g in self.experts]
         if key == self._key and not force:
             return
         for g in self.groups + self.experts:

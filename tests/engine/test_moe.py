@@ -134,3 +134,28 @@ def test_bf16_layer_output_within_tolerance_of_its_own_forward(moe_on):
         group.refresh()
         got = group.run(x, ids, w)
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_router_logits_packed_and_following_the_weight(moe_on):
+    """Qwen3-Next's top-k router (the same forward as Qwen3-MoE's, OLMoE's, ...) runs its logits
+    on a packed weight; a write to the router weight alone changes the tokens as in generate."""
+    model = tiny_model("qwen3_next", seed=6, **FAMILIES["qwen3_next"])
+    routers = [m for m in model.modules() if type(m).__name__ == "Qwen3NextTopKRouter"]
+    assert routers and all(moe_layers.router_maps(m, torch.float32) for m in routers)
+    ps = prompts(seed=4)
+    engine = Engine(model, EngineConfig())
+    before = run(engine, ps)
+    assert before == generate_tokens(model, ps, 10)
+    with torch.no_grad():
+        for m in routers:
+            m.weight.copy_(torch.randn(m.weight.shape, generator=torch.Generator().manual_seed(1)) * 4)
+    want = generate_tokens(model, ps, 10)
+    assert want != before
+    assert run(engine, ps) == want
+    x = torch.randn(9, model.config.hidden_size)
+    group = moe_layers.RouterGroup(routers[0])
+    group.refresh()
+    with torch.inference_mode():
+        own, ours = routers[0](x), group.run(x)
+    assert torch.equal(own[2], ours[2])
+    torch.testing.assert_close(ours[1], own[1], rtol=1e-5, atol=1e-6)
