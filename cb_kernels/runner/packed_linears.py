@@ -44,6 +44,9 @@ bypass the version counter are not seen: through `.data` (`w.data.copy_(...)`,
 Assigning `w.data = new` is seen: a group holds the storages it packed from, so the new one
 cannot reuse their address.
 
+MoE experts modules and top-k routers that map onto our ops (runner/moe_layers.py) are packed,
+installed for a step and refreshed the same way, beside the linears.
+
 Cost: one packed copy of every linear weight (the model's own weights stay untouched). `build`
 skips packing (returns None) when that copy would take more than a quarter of the host memory
 the caller says is available; `EngineConfig(pack_weights=...)` forces either way.
