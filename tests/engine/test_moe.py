@@ -159,3 +159,20 @@ def test_router_logits_packed_and_following_the_weight(moe_on):
         own, ours = routers[0](x), group.run(x)
     assert torch.equal(own[2], ours[2])
     torch.testing.assert_close(ours[1], own[1], rtol=1e-5, atol=1e-6)
+
+
+def test_sleep_level_2_frees_the_packed_experts_and_wake_up_repacks(moe_on):
+    model = tiny_model("mixtral", seed=7)
+    ps = prompts(seed=5)
+    engine = Engine(model, EngineConfig())
+    want = run(engine, ps)
+    experts = [m for m in model.modules() if type(m).__name__ == "MixtralExperts"]
+    packed_bytes = sum(t.numel() * t.element_size() for m in experts
+                       for t in (m.gate_up_proj, m.down_proj))
+    freed = engine.sleep(level=2)
+    assert freed >= packed_bytes
+    with torch.no_grad():                  # a trainer's step while asleep
+        for m in experts:
+            m.down_proj.mul_(-2.0)
+    engine.wake_up()
+    assert run(engine, ps) == generate_tokens(model, ps, 10) != want
