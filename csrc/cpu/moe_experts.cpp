@@ -50,8 +50,33 @@ constexpr int64_t kMinWorkPerThread = 1 << 18;  // multiply-adds (~10 us) a thre
 
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
+// float_to_bf16 then back, on 16 lanes: round to nearest even, a NaN kept quiet (the same bits
+// as the scalar helper, lane by lane).
+inline v16f round_bf16(v16f v) {
+  v16u b;
+  __builtin_memcpy(&b, &v, sizeof(b));
+  const v16u rne = (b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u;
+  const v16u quiet = (b | 0x400000u) & 0xffff0000u;
+  const v16u r = (b & 0x7fffffffu) > 0x7f800000u ? quiet : rne;
+  v16f out;
+  __builtin_memcpy(&out, &r, sizeof(out));
+  return out;
+}
+
+inline v16f load16(const float* p, int64_t n) {
+  v16f v = v16f{};
+  if (n == 16)
+    __builtin_memcpy(&v, p, sizeof(v));
+  else
+    for (int64_t j = 0; j < n; ++j) v[j] = p[j];
+  return v;
+}
 
 // The element types: T in memory, Unit one packed k step of x (a float, or a bf16 pair).
+// round16 / store16: the same on 16 lanes (store16's values already rounded for BF16).
 struct F32 {
   using T = float;
   using Unit = float;
@@ -59,6 +84,13 @@ struct F32 {
   static float get(const T* p) { return *p; }
   static float round(float v) { return v; }
   static T put(float v) { return v; }
+  static v16f round16(v16f v) { return v; }
+  static void store16(T* p, v16f v, int64_t n) {
+    if (n == 16)
+      __builtin_memcpy(p, &v, sizeof(v));
+    else
+      for (int64_t j = 0; j < n; ++j) p[j] = v[j];
+  }
 };
 struct BF16 {
   using T = uint16_t;
@@ -67,6 +99,16 @@ struct BF16 {
   static float get(const T* p) { return bf16_to_float(*p); }
   static float round(float v) { return bf16_to_float(float_to_bf16(v)); }
   static T put(float v) { return float_to_bf16(v); }
+  static v16f round16(v16f v) { return round_bf16(v); }
+  static void store16(T* p, v16f v, int64_t n) {
+    v16u b;
+    __builtin_memcpy(&b, &v, sizeof(b));
+    const v16h h = __builtin_convertvector(b >> 16, v16h);
+    if (n == 16)
+      __builtin_memcpy(p, &h, sizeof(h));
+    else
+      for (int64_t j = 0; j < n; ++j) p[j] = h[j];
+  }
 };
 
 inline float bf(uint32_t bits16) { return bf16_to_float(static_cast<uint16_t>(bits16)); }
@@ -208,13 +250,8 @@ template <typename E>
 void silu_mul(const float* g, int64_t inter, typename E::T* h) {
   for (int64_t j0 = 0; j0 < inter; j0 += 16) {
     const int64_t n = std::min<int64_t>(16, inter - j0);
-    v16f gate = v16f{}, up = v16f{};
-    for (int64_t j = 0; j < n; ++j) {
-      gate[j] = E::round(g[j0 + j]);
-      up[j] = E::round(g[inter + j0 + j]);
-    }
-    const v16f s = silu16(gate);
-    for (int64_t j = 0; j < n; ++j) h[j0 + j] = E::put(E::round(s[j]) * up[j]);
+    const v16f gate = E::round16(load16(g + j0, n)), up = E::round16(load16(g + inter + j0, n));
+    E::store16(h + j0, E::round16(E::round16(silu16(gate)) * up), n);
   }
 }
 
@@ -258,7 +295,10 @@ void run_item(const MoeExpertsParams& p, const Item& it, const int64_t* sorted, 
     const float w = p.topk_weights[pairs[r]];
     const float* d = s.d.data() + r * H;
     float* out = contrib + pairs[r] * H;
-    for (int64_t c = 0; c < H; ++c) out[c] = E::round(E::round(d[c]) * w);
+    for (int64_t c = 0; c < H; c += 16) {
+      const int64_t n = std::min<int64_t>(16, H - c);
+      F32::store16(out + c, E::round16(E::round16(load16(d + c, n)) * w), n);
+    }
   }
 }
 
@@ -267,10 +307,11 @@ void sum_token(const MoeExpertsParams& p, int64_t t, const float* contrib) {
   const int64_t H = p.hidden;
   typename E::T* y = static_cast<typename E::T*>(p.y) + t * p.y_stride;
   const float* c0 = contrib + t * p.top_k * H;
-  for (int64_t c = 0; c < H; ++c) {
-    float acc = c0[c];
-    for (int64_t k = 1; k < p.top_k; ++k) acc += c0[k * H + c];
-    y[c] = E::put(acc);
+  for (int64_t c = 0; c < H; c += 16) {
+    const int64_t n = std::min<int64_t>(16, H - c);
+    v16f acc = load16(c0 + c, n);
+    for (int64_t k = 1; k < p.top_k; ++k) acc += load16(c0 + k * H + c, n);
+    E::store16(y + c, E::round16(acc), n);
   }
 }
 
