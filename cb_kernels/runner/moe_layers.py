@@ -136,10 +136,17 @@ class ExpertsGroup:
     def run(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
             top_k_weights: torch.Tensor) -> torch.Tensor:
         """transformers' experts forward: hidden_states [num_tokens, hidden], top_k_index
-        [num_tokens, top_k], top_k_weights [num_tokens, top_k] (the router's dtype)."""
+        [num_tokens, top_k], top_k_weights [num_tokens, top_k] (the router's dtype). Inputs the
+        op does not take (another dtype, as under autocast; not 2-D; off the CPU) go to the
+        module's own forward."""
+        experts = self.experts
+        if hidden_states.dtype != experts.dtype or hidden_states.dim() != 2 or \
+                hidden_states.device.type != "cpu" or top_k_index.dim() != 2:
+            m = self.members[0]
+            return type(m).forward(m, hidden_states, top_k_index, top_k_weights)
         x = hidden_states if hidden_states.stride(-1) == 1 else hidden_states.contiguous()
         ids = top_k_index if top_k_index.dtype == torch.int64 else top_k_index.long()
-        return self.experts.run_unchecked(x, ids.contiguous(), top_k_weights.float().contiguous())
+        return experts.run_unchecked(x, ids.contiguous(), top_k_weights.float().contiguous())
 
 
 @functools.lru_cache(maxsize=1)
@@ -214,6 +221,8 @@ class RouterGroup:
         """(router_logits, top-k weights in the logits' dtype, top-k expert ids), as the
         module's own forward."""
         m = self.members[0]
+        if hidden_states.dtype != self.lin.dtype or hidden_states.device.type != "cpu":
+            return type(m).forward(m, hidden_states)      # (autocast): the module's own code
         logits = self.lin.run_unchecked(hidden_states.reshape(-1, m.hidden_dim))
         probs = torch.nn.functional.softmax(logits, dtype=torch.float, dim=-1)
         top_value, top_index = torch.topk(probs, m.top_k, dim=-1)

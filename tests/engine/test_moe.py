@@ -176,3 +176,17 @@ def test_sleep_level_2_frees_the_packed_experts_and_wake_up_repacks(moe_on):
             m.down_proj.mul_(-2.0)
     engine.wake_up()
     assert run(engine, ps) == generate_tokens(model, ps, 10) != want
+
+
+def test_inputs_the_op_does_not_take_go_to_the_modules_own_forward(moe_on):
+    """Another dtype than the weights' (autocast) is the module's own forward, not the op."""
+    model = tiny_model("qwen3_moe", seed=8)
+    block = next(m for m in model.modules() if type(m).__name__ == "Qwen3MoeSparseMoeBlock")
+    group = moe_layers.ExpertsGroup(block.experts)
+    group.refresh()
+    x = torch.randn(5, model.config.hidden_size)
+    with torch.inference_mode():
+        _, w, ids = block.gate(x)
+        want = block.experts(x.double(), ids, w.double())
+        got = group.run(x.double(), ids, w.double())
+    assert got.dtype == torch.float64 and torch.equal(got, want)
