@@ -64,6 +64,29 @@ class PackedExperts:
             pack(w.data_ptr(), hidden, inter, inter,
                  self.down.data_ptr() + e * self.down_stride * self.down.element_size())
 
+    @classmethod
+    def from_packed(cls, gate_up: torch.Tensor, down: torch.Tensor, num_experts: int,
+                    hidden: int, inter: int) -> "PackedExperts":
+        """PackedExperts over tensors packed before (`experts.gate_up`, `experts.down`): the
+        registered op's arguments. ValueError when they are not that packing's sizes."""
+        bf16 = gate_up.dtype == torch.bfloat16
+        gate_up_stride = _C.moe_packed_elems(bf16, 2 * inter, hidden)
+        down_stride = _C.moe_packed_elems(bf16, hidden, inter)
+        if gate_up.dtype not in DTYPES or down.dtype != gate_up.dtype or \
+                gate_up.device.type != "cpu" or down.device.type != "cpu" or \
+                gate_up.numel() != num_experts * gate_up_stride or \
+                down.numel() != num_experts * down_stride or \
+                not gate_up.is_contiguous() or not down.is_contiguous():
+            raise ValueError(f"gate_up / down must be PackedExperts' contiguous packed CPU tensors "
+                             f"of {num_experts} experts [{2 * inter}, {hidden}] / [{hidden}, "
+                             f"{inter}]")
+        experts = cls.__new__(cls)
+        experts.dtype = gate_up.dtype
+        experts.num_experts, experts.hidden, experts.inter = num_experts, hidden, inter
+        experts.gate_up_stride, experts.down_stride = gate_up_stride, down_stride
+        experts.gate_up, experts.down = gate_up, down
+        return experts
+
     @property
     def nbytes(self) -> int:
         return self.gate_up.numel() * self.gate_up.element_size() + \
@@ -147,17 +170,7 @@ def _shape(t) -> str:
 def _moe_experts_op(hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                     num_experts: int, inter: int) -> torch.Tensor:
-    experts = PackedExperts.__new__(PackedExperts)
-    experts.dtype, experts.num_experts, experts.inter = gate_up.dtype, num_experts, inter
-    experts.hidden = hidden_states.shape[1]
-    bf16 = gate_up.dtype == torch.bfloat16
-    experts.gate_up_stride = _C.moe_packed_elems(bf16, 2 * inter, experts.hidden)
-    experts.down_stride = _C.moe_packed_elems(bf16, experts.hidden, inter)
-    if gate_up.numel() != num_experts * experts.gate_up_stride or \
-            down.numel() != num_experts * experts.down_stride or \
-            not gate_up.is_contiguous() or not down.is_contiguous():
-        raise ValueError("gate_up / down must be PackedExperts' contiguous packed tensors")
-    experts.gate_up, experts.down = gate_up, down
+    experts = PackedExperts.from_packed(gate_up, down, num_experts, hidden_states.shape[-1], inter)
     return moe_experts(hidden_states, top_k_index, top_k_weights, experts)
 
 

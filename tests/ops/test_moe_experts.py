@@ -104,6 +104,8 @@ def test_registered_op_is_the_same_computation():
     experts = PackedExperts(gate_up, down)
     y = torch.ops.cb_kernels.moe_experts(x, ids, w, experts.gate_up, experts.down, 4, 16)
     assert torch.equal(y, moe_experts(x, ids, w, experts))
+    with pytest.raises(ValueError, match="packed CPU tensors of 4 experts"):
+        torch.ops.cb_kernels.moe_experts(x, ids, w, experts.gate_up[1:], experts.down, 4, 16)
 
 
 def test_bad_arguments_raise_naming_them():
