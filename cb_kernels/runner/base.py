@@ -111,6 +111,12 @@ class TensorParallelRunner(ModelRunner, Protocol):
     rank: int
     world_size: int
     channel: object
+    weight_version: int
+    on_control: object
+    before_step: object
+
+    def send_control(self, op: str, args: dict) -> None:
+        """Rank 0: send one of the engine's calls to the other ranks (their serve() runs it)."""
 
     def serve(self, until: Optional[str] = None):
         """Ranks other than 0: run rank 0's steps (and RL calls) until rank 0 ends the session;

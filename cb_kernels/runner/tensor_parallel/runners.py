@@ -68,6 +68,7 @@ class _RankRunner:
         self.local, self.channel = local, channel
         self.on_control = None     # (op, args) -> result: the engine's call, run on this rank
         self.before_step = None    # (weight_version) -> None: the engine's weight check
+        self.weight_version = 0    # rank 0's engine's (sent with every step)
 
     @property
     def rank(self) -> int:
@@ -102,7 +103,6 @@ class DriverRunner(_RankRunner):
     def __init__(self, local, channel: StepChannel):
         super().__init__(local, channel)
         self._copies: list = []
-        self.weight_version = 0    # rank 0's engine's, sent with every step
 
     def send_control(self, op: str, args: dict) -> None:
         """Send one of the engine's calls to the other ranks (their serve() runs it)."""
@@ -184,6 +184,9 @@ class FollowerRunner(_RankRunner):
             raise
         except Exception as e:            # noqa: BLE001 (rank 0 waits in a collective now)
             self.channel.fail(e)
+
+    def send_control(self, op: str, args: dict) -> None:
+        raise RuntimeError(f"rank {self.rank} runs rank 0's {op}(); rank 0 sends it")
 
     def release(self, outputs=None, error: Optional[str] = None) -> None:
         raise RuntimeError(f"release() ends rank 0's session; rank {self.rank} follows it "
