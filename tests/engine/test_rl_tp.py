@@ -57,6 +57,11 @@ def _spmd(kind, rank):
     r["awake"] = (engine.is_sleeping, tuple(engine.runner.k_caches[0].shape))
     pushed = _model(kind, SECOND).state_dict() if rank == 0 else None
     r["version"] = engine.update_weights(pushed)
+    try:                    # refused on rank 0: rank 1, waiting in the same call, raises it too
+        engine.update_weights({"lm_head.weigth": torch.zeros(2)} if rank == 0 else None)
+        r["refused"] = None
+    except ValueError as e:
+        r["refused"] = str(e)
     r["second"] = _tokens(engine.generate(PROMPTS, GREEDY))
     r["second_versions"] = [o.weight_version for o in engine.generate(PROMPTS[:1], GREEDY)]
     engine.reset_prefix_cache()
@@ -163,6 +168,8 @@ def test_sleep_wake_update_equal_generate_of_the_pushed_model(rl_results, kind):
         # sleep(2) + wake_up + update_weights(the second model's state_dict) on every rank
         assert r["second"] == reference_tokens(second, PROMPTS, 8)
         assert r["version"] == 1 and r["second_versions"] == [1]
+        assert r["refused"].startswith("update_weights: the model has no parameter "
+                                       "'lm_head.weigth'")
         assert r["awake"][0] is False and r["awake"][1][2] == 1     # one KV head a rank
     rank0, rank1 = (r[kind]["asleep"] for r in rl_results)
     # every rank frees its own pool and copies: the sum on every rank, each rank's in stats()
