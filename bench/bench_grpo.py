@@ -35,6 +35,11 @@ optimizer step (it repacks the weight copies: paid once per round).
     python bench/bench_grpo.py --quick --json /tmp/grpo.json      # tiny random Llama, seconds
     python bench/bench_grpo.py --threads 2 --json /tmp/grpo.json  # SmolLM2-135M fp32, 64 x 8 x 64
     python bench/bench_grpo.py --dtype bfloat16 --threads 2       # the same in bf16
+    # one contender per command (each under ~10 min), then their ratios from the files:
+    python bench/bench_grpo.py --threads 2 --contenders cb_kernels --json /tmp/a.json
+    python bench/bench_grpo.py --threads 2 --contenders generate_batch --baseline-rounds 1 \
+        --json /tmp/b.json
+    python bench/bench_grpo.py --merge /tmp/a.json /tmp/b.json --json /tmp/grpo.json
 """
 from __future__ import annotations
 
@@ -186,7 +191,7 @@ def run_rounds(name: str, model, initial: dict, prompts: list, args, rounds: int
 
         def generate(p):
             return generate_batch_generate(model, gen_config, cb_config, p, args.n)
-    if rounds == 1:
+    if rounds == 1 and not args.no_warmup:
         # One timed round has no steady rounds after it: pay the one-time costs untimed first
         # (2 prompts, same settings), so the round reads as a steady one.
         t0 = time.perf_counter()
@@ -281,19 +286,35 @@ def main(argv=None) -> int:
     p.add_argument("--baseline-rounds", type=int, default=2,
                    help="rounds of trl_default and generate_batch (the first apart; with 1, an "
                         "untimed warm-up call on 2 prompts comes first)")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="with --baseline-rounds 1: no untimed warm-up call first (the one round "
+                        "then pays the one-time costs, as the engine's first round does)")
     p.add_argument("--trl-batch", type=int, default=None,
                    help="trl_default's generation batch in rows (default: the whole round, one "
                         "generate call, GRPOTrainer with generation_batch_size = prompts x n)")
     p.add_argument("--skip", default="", help=f"comma-separated contenders of {CONTENDERS}")
+    p.add_argument("--contenders", default=None,
+                   help=f"comma-separated contenders to run, of {CONTENDERS} (default: all but "
+                        "--skip); without cb_kernels no ratio is printed: --merge the files")
+    p.add_argument("--merge", nargs="+", metavar="JSON",
+                   help="no run: join the rows of these files (runs of the same settings, one "
+                        "contender each) and print the ratios against cb_kernels's row")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--decode-steps", type=int, default=10)
     p.add_argument("--no-weight-follow", action="store_true",
                    help="skip the weight-follow measurement (a run that only adds a baseline)")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, args.json, p)
     skip = {s for s in args.skip.split(",") if s}
     if skip - set(CONTENDERS) or "cb_kernels" in skip:
         p.error(f"--skip takes trl_default and/or generate_batch, got {args.skip!r}")
+    if args.contenders is not None:
+        chosen = {s for s in args.contenders.split(",") if s}
+        if not chosen or chosen - set(CONTENDERS):
+            p.error(f"--contenders takes names of {CONTENDERS}, got {args.contenders!r}")
+        skip |= set(CONTENDERS) - chosen
     for name in ("prompts", "n", "max_new_tokens", "rounds", "baseline_rounds", "decode_steps"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -332,9 +353,31 @@ def main(argv=None) -> int:
               f"{row['steady_generate_s']:7.2f} s + step {row['steady_step_s']:5.2f} s  "
               f"({row['steady_tok_per_s']:7.1f} tok/s)", flush=True)
         write_json(res, args.json)          # after each contender: a cut-short run keeps rows
-    add_ratios(res)
+    if "cb_kernels" not in skip:
+        add_ratios(res)
     res["meta"]["load_after"] = os.getloadavg()
     write_json(res, args.json)
+    return 0
+
+
+def merge(paths: list, out, parser) -> int:
+    """The rows of separate runs (one contender each, the same settings) in one result, with
+    the ratios against the cb_kernels row; each run's meta (its load, its time) kept."""
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            runs.append(json.load(f))
+    keys = ("model", "dtype", "prompts", "n", "max_new_tokens", "threads", "pool_tokens")
+    settings = {tuple(r["meta"].get(k) for k in keys) for r in runs}
+    if len(settings) != 1:
+        parser.error(f"--merge: the runs differ in their settings ({keys}): {sorted(settings)}")
+    res = {"meta": {**{k: runs[0]["meta"].get(k) for k in keys}, "merged_from": paths,
+                    "runs": [r["meta"] for r in runs]},
+           "rows": [row for r in runs for row in r["rows"]]}
+    if "cb_kernels" not in {row["contender"] for row in res["rows"]}:
+        parser.error("--merge: no file holds a cb_kernels row (the ratios' baseline)")
+    add_ratios(res)
+    write_json(res, out)
     return 0
 
 

@@ -125,3 +125,33 @@ def test_grpo_bench_quick_mode(tmp_path):
     assert 0 < follow["check_weights_ms"] < follow["decode_step_16_ms"]
     assert follow["repack_after_step_ms"] > follow["check_weights_ms"]
     assert "cb_kernels vs trl_default" in r.stdout and "weight following" in r.stdout
+
+
+def test_grpo_bench_one_contender_per_run_then_merge(tmp_path):
+    """bench_grpo.py --contenders runs one contender (each its own locked command at the issue's
+    shape); --merge joins such runs and prints the ratios; a run of other settings is refused."""
+    bench = str(ROOT / "bench" / "bench_grpo.py")
+
+    def run(*args):
+        return subprocess.run([sys.executable, bench, *args], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=300)
+
+    for name in ("cb_kernels", "trl_default"):
+        r = run("--quick", "--threads", "1", "--no-weight-follow", "--contenders", name,
+                "--json", str(tmp_path / f"{name}.json"))
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+        rows = json.loads((tmp_path / f"{name}.json").read_text())["rows"]
+        assert [row["contender"] for row in rows] == [name]
+    r = run("--merge", str(tmp_path / "cb_kernels.json"), str(tmp_path / "trl_default.json"),
+            "--json", str(tmp_path / "merged.json"))
+    assert r.returncode == 0, r.stderr[-4000:]
+    merged = json.loads((tmp_path / "merged.json").read_text())
+    assert [row["contender"] for row in merged["rows"]] == ["cb_kernels", "trl_default"]
+    assert merged["ratios"]["trl_default"]["round"] > 0 and "cb_kernels vs trl_default" in r.stdout
+    other = json.loads((tmp_path / "trl_default.json").read_text())
+    other["meta"]["n"] = 2
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    r = run("--merge", str(tmp_path / "cb_kernels.json"), str(tmp_path / "other.json"))
+    assert r.returncode != 0 and "the runs differ in their settings" in r.stderr
+    r = run("--quick", "--contenders", "cb_kernels,vllm")
+    assert r.returncode != 0 and "--contenders takes names of" in r.stderr

@@ -26,6 +26,14 @@ Failure: any error inside a tensor-parallel step breaks the channel: that step's
 every later step fails at once, and `generate` raises TensorParallelError naming the rank and the
 cause, on every live rank.
 
+The RL calls (README, "Tensor parallelism"): sleep, wake_up, reset_prefix_cache,
+weights_updated and update_weights run on rank 0 and reach the others as CONTROL messages beside
+the steps (`everywhere`); the other ranks run them inside follow() or inside their own call of
+the same method. An error rank 0 raises before sending (a bad argument, requests in flight) is
+sent as a refusal (`refusing`), so a rank waiting in the same call raises it too. Each of rank
+0's steps carries its weight_version; before running one, a follower checks its own shard's
+weights (`follow_weights`: trainer writes to any rank's shard are computed with on that rank).
+
 What TP switches off (logged once): the host swap pool (preemption is by recompute: a swap would
 have to move every rank's blocks in step), CUDA graphs (no collective is captured in them here).
 """
@@ -36,19 +44,22 @@ import dataclasses
 import datetime
 import logging
 import os
+import weakref
 from typing import Iterator, Optional
 
 import torch
 
-from cb_kernels.engine import frontend, sizing
+from cb_kernels.engine import frontend, rl, sizing
 from cb_kernels.runner import TransformersRunner, tensor_parallel
 from cb_kernels.runner.base import TensorParallelRunner
 from cb_kernels.runner.tensor_parallel import StepChannel, TensorParallelError
+from cb_kernels.runner.tensor_parallel.runners import REFUSED
 
 logger = logging.getLogger("cb_kernels.engine")
 
 __all__ = ["build_runner", "setup", "adopt", "select_device", "TensorParallel",
-           "TensorParallelError", "generate", "stream"]
+           "TensorParallelError", "generate", "stream", "attach", "everywhere", "refusing",
+           "update_weights", "follow_weights"]
 
 
 def _torchrun_env() -> bool:
@@ -243,3 +254,99 @@ def stream(engine, prompts, params) -> Iterator:
         runner.release(finished, f"{type(e).__name__}: {e}")
         raise
     runner.release(finished)
+
+
+# -- the RL calls on every rank (Engine.sleep, wake_up, update_weights, reset_prefix_cache,
+#    weights_updated with a tensor-parallel runner; README, "RL") ---------------------------------
+def attach(engine) -> None:
+    """A follower's runner wired to its engine: rank 0's RL calls run here (`on_control`), and
+    before each of rank 0's steps this rank checks its own shard's weights (`before_step`)."""
+    if engine.tp is None or engine.rank == 0:
+        return
+    ref = weakref.ref(engine)
+    engine.runner.on_control = lambda op, args: _run(ref(), op, args)
+    engine.runner.before_step = lambda version: follow_weights(ref(), version)
+
+
+def follow_weights(engine, version: int) -> None:
+    """A follower, before each of rank 0's steps: this rank's shard checked as rank 0 checks its
+    own (Engine.check_weights: the runner's copies rebuilt after a submodule replacement or an
+    optimizer step, its own version checks otherwise), then rank 0's weight_version adopted, so
+    every rank reports the same one."""
+    engine.check_weights()
+    engine.weight_version = engine.frontend.weight_version = version
+
+
+@contextlib.contextmanager
+def refusing(engine, op: str):
+    """Rank 0: an error raised inside (a bad argument, requests in flight) is sent to the other
+    ranks before it propagates, so a rank waiting in the same call raises it too, instead of
+    waiting forever; a rank serving steps (follow()) ignores it. Nothing else is sent."""
+    try:
+        yield
+    except Exception as e:
+        if engine.tp is not None and engine.rank == 0 and not isinstance(e, TensorParallelError):
+            with contextlib.suppress(TensorParallelError):
+                engine.runner.send_control(REFUSED, {"op": op, "type": type(e).__name__,
+                                                     "message": str(e)})
+        raise
+
+
+def everywhere(engine, op: str, **args):
+    """Engine call `op` (engine._<op>_here(**args)) on this rank and, under tensor parallelism
+    from rank 0, on every other rank: sent first, then run here. The other ranks run it in
+    follow() or in their own call of the same method (serve(until=op) returns its result)."""
+    if engine.tp is not None:
+        if engine.rank != 0:
+            return engine.runner.serve(until=op)
+        engine.runner.send_control(op, args)
+    return _run(engine, op, args)
+
+
+def _run(engine, op: str, args: dict, tensors=None):
+    """Every rank: the local half of `op`, then what joins the ranks (sleep: the bytes)."""
+    if op == "update_weights":
+        return _load_shards(engine, args["meta"], tensors)
+    if op not in ("sleep", "wake_up", "reset_prefix_cache", "weights_updated"):
+        raise RuntimeError(f"unknown engine call {op!r} from rank 0")
+    result = getattr(engine, f"_{op}_here")(**args)
+    if op == "sleep":
+        per_rank = [result]
+        if engine.tp is not None:
+            mine = torch.tensor([result], dtype=torch.int64)
+            parts = [torch.zeros(1, dtype=torch.int64) for _ in range(engine.tp.size)]
+            engine.tp.channel.collective(torch.distributed.all_gather, parts, mine,
+                                         group=engine.tp.channel.control)
+            per_rank = [int(p) for p in parts]
+        engine.sleep_freed_bytes = per_rank
+        return sum(per_rank)
+    return result
+
+
+def update_weights(engine, named_tensors) -> int:
+    """Rank 0: every (name, full tensor) pair checked against the unsplit shapes (nothing is
+    sent when one is bad: every rank stays as it was), then the names, dtypes and shapes sent,
+    each tensor broadcast (gloo, as bytes), and every rank writes its own part (sharding's
+    split of that name: rows, columns, the whole, a tied pair's one Parameter). The other
+    ranks' calls (or follow()) take rank 0's tensors; what they pass is not read. Returns the
+    new weight_version (the same on every rank)."""
+    runner = engine.runner
+    if engine.rank != 0:
+        return runner.serve(until="update_weights")
+    model = engine.model
+    with refusing(engine, "update_weights"):
+        pairs = rl.check_named(model, named_tensors, lambda name, p: tensor_parallel.full_shape(
+            model, name, tuple(p.shape)))
+    meta = [(name, t.dtype, tuple(t.shape)) for name, _, t in pairs]
+    runner.send_control("update_weights", {"meta": meta})
+    return _load_shards(engine, meta, [t for _, _, t in pairs])
+
+
+def _load_shards(engine, meta: list, tensors) -> int:
+    params = dict(engine.model.named_parameters(remove_duplicate=False))
+    channel = engine.runner.channel
+    with torch.no_grad():
+        for i, (name, dtype, shape) in enumerate(meta):
+            full = channel.broadcast_tensor(None if tensors is None else tensors[i], dtype, shape)
+            params[name].copy_(tensor_parallel.shard_of(engine.model, name, full))
+    return engine._weights_updated_here()

@@ -102,6 +102,8 @@ class Engine:
         self.weight_version = 0       # +1 per weight change seen (RequestOutput.weight_version)
         self._paused = False
         self._asleep = set()          # "kv_cache", "weights": what sleep() freed
+        self.sleep_freed_bytes: list = []     # the last sleep()'s bytes, one entry per rank
+        distributed.attach(self)      # a follower runs rank 0's RL calls and weight checks
 
     # -- requests -------------------------------------------------------------------------------
     def check_request(self, prompt, params: Optional[SamplingParams] = None) -> tuple:
@@ -273,33 +275,44 @@ class Engine:
         self.weight_version += 1
         self.frontend.weight_version = self.weight_version
         self.block_manager.reset_prefix_cache()
+        if self.tp is not None and self.rank == 0:
+            self.runner.weight_version = self.weight_version     # sent with every step
 
     def weights_updated(self) -> None:
         """Say the model's weights changed in a way torch cannot see (`p.data.copy_(...)`,
         writes to inference tensors): the runner rebuilds its copies of them, weight_version
         + 1, and the prefix cache forgets every block, so no request reads KV of the old
-        weights. Requests running now keep the KV they have (computed with the old weights)."""
+        weights. Requests running now keep the KV they have (computed with the old weights).
+        Tensor parallel: on rank 0 (the others in follow()) or on every rank; every rank
+        rebuilds its copies."""
+        distributed.everywhere(self, "weights_updated")
+
+    def _weights_updated_here(self) -> int:
         if "weights" not in self._asleep:
             self.runner.refresh_weights()
         self.weights.changed()
         self._new_weights()
+        return self.weight_version
 
     # -- RL (DESIGN.md, "RL surface"; README, "RL") ------------------------------------------------
     def update_weights(self, named_tensors) -> int:
         """Copy (name, tensor) pairs into the model's parameters, by transformers' names
         (`model.named_parameters()`, tied names too: a tied weight is written once); then as
         weights_updated(). Returns the new weight_version. Checks every pair (known name,
-        shape) before writing any. Tensor parallel: refused (each rank holds a split)."""
+        shape) before writing any. Tensor parallel: rank 0 takes the full (unsplit) tensors,
+        checks them, and every rank writes its part (engine/distributed.update_weights); the
+        other ranks are in follow() or call update_weights too (their argument is not read)."""
         if self.tp is not None:
-            raise NotImplementedError(
-                "update_weights under tensor parallelism: each rank holds a split of the weights; "
-                "write each rank's shard into its model and call weights_updated() on every rank")
+            return distributed.update_weights(self, named_tensors)
         rl.load_named(self.model, named_tensors)
-        self.weights_updated()
-        return self.weight_version
+        return self._weights_updated_here()
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix block (running requests keep theirs)."""
+        """Forget every cached prefix block (running requests keep theirs). Tensor parallel: on
+        rank 0 (the others in follow()) or on every rank."""
+        distributed.everywhere(self, "reset_prefix_cache")
+
+    def _reset_prefix_cache_here(self) -> None:
         self.block_manager.reset_prefix_cache()
 
     @property
@@ -345,27 +358,35 @@ class Engine:
         weight copies (packed linears, the greedy head's copy) and scratch buffers. The model's
         own weights stay (they are the trainer's). Requests waiting or running: RuntimeError,
         unless mode="wait" (they finish first) or "abort" (they end now); their outputs come
-        with the next step()."""
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
-        if mode not in (None, "wait", "abort"):
-            raise ValueError(f"sleep mode must be None, 'wait' or 'abort', got {mode!r}")
-        if self.tp is not None:
-            raise NotImplementedError("sleep under tensor parallelism (the other ranks' pools "
-                                      "are not reached)")
-        if self.table.num_live or self.loop.in_flight is not None:
-            if mode is None:
-                raise RuntimeError(f"sleep() with {self.table.num_live} requests waiting or "
-                                   "running; pass mode='wait' (finish them first) or "
-                                   "mode='abort' (end them now)")
-            paused = self._paused
-            self._paused = False
-            if mode == "wait":
-                while self.table.num_live or self.loop.in_flight is not None:
-                    self.defer(self.step())
-            else:
-                self.defer(self.pause("abort"))
-            self._paused = paused
+        with the next step().
+        Tensor parallel: call it on rank 0 while the others are in follow(), or on every rank
+        (as generate()); rank 0's level and mode rule, every rank frees its own pool and
+        copies; every rank returns the sum over the ranks, and stats()["sleep_freed_bytes"]
+        lists each rank's bytes."""
+        if self.tp is not None and self.rank != 0:
+            return distributed.everywhere(self, "sleep")
+        with distributed.refusing(self, "sleep"):
+            if level not in (1, 2):
+                raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+            if mode not in (None, "wait", "abort"):
+                raise ValueError(f"sleep mode must be None, 'wait' or 'abort', got {mode!r}")
+            if self.table.num_live or self.loop.in_flight is not None:
+                if mode is None:
+                    raise RuntimeError(f"sleep() with {self.table.num_live} requests waiting or "
+                                       "running; pass mode='wait' (finish them first) or "
+                                       "mode='abort' (end them now)")
+                paused = self._paused
+                self._paused = False
+                if mode == "wait":
+                    while self.table.num_live or self.loop.in_flight is not None:
+                        self.defer(self.step())
+                else:
+                    self.defer(self.pause("abort"))
+                self._paused = paused
+        return distributed.everywhere(self, "sleep", level=level)
+
+    def _sleep_here(self, level: int) -> int:
+        """This rank's half of sleep(): the bytes it freed."""
         self.block_manager.reset_prefix_cache()
         kv, weights = "kv_cache" not in self._asleep, level == 2 and "weights" not in self._asleep
         freed = self.runner.release_memory(kv=kv, weights=weights)
@@ -376,11 +397,19 @@ class Engine:
 
     def wake_up(self, tags: Optional[list] = None) -> None:
         """Give back what sleep() freed: tags None (all), ["kv_cache"] or ["weights"]; a
-        weight copy is rebuilt from the model's weights as they are now."""
+        weight copy is rebuilt from the model's weights as they are now. Tensor parallel: as
+        sleep(); every rank restores its own."""
         known = ("kv_cache", "weights")
-        if tags is not None and (isinstance(tags, str) or any(t not in known for t in tags)):
-            raise ValueError(f"wake_up tags must be None or a list of {known}, got {tags!r}")
-        wanted = set(known if tags is None else tags) & self._asleep
+        if self.tp is None or self.rank == 0:
+            with distributed.refusing(self, "wake_up"):
+                if tags is not None and (isinstance(tags, str) or
+                                         any(t not in known for t in tags)):
+                    raise ValueError(f"wake_up tags must be None or a list of {known}, got "
+                                     f"{tags!r}")
+        distributed.everywhere(self, "wake_up", tags=None if tags is None else list(tags))
+
+    def _wake_up_here(self, tags: Optional[list]) -> None:
+        wanted = set(("kv_cache", "weights") if tags is None else tags) & self._asleep
         self.runner.restore_memory(kv="kv_cache" in wanted, weights="weights" in wanted)
         if "kv_cache" in wanted and self.block_manager.state_slots is not None:
             self.block_manager.state_slots.restore_checkpoints()
@@ -417,7 +446,8 @@ class Engine:
         state_checkpoints_used, state_checkpoints_total, state_checkpoint_saves,
         state_checkpoint_hits, state_checkpoint_evictions: its prefix cache's state checkpoints;
         tensor_parallel_size and local_num_kv_heads (the KV heads this rank's pool holds);
-        weight_version, paused, sleeping (what sleep() freed: "kv_cache", "weights")."""
+        weight_version, paused, sleeping (what sleep() freed: "kv_cache", "weights"),
+        sleep_freed_bytes (the last sleep()'s bytes freed, one entry per rank)."""
         bm, s = self.block_manager, self.scheduler
         return {
             "used_blocks": bm.num_used_blocks, "free_blocks": len(bm.free_ids),
@@ -432,6 +462,6 @@ class Engine:
             **(bm.state_slots.stats() if bm.state_slots is not None else EMPTY_STATS),
             "tensor_parallel_size": self.tp.size if self.tp is not None else 1,
             "weight_version": self.weight_version, "paused": self._paused,
-            "sleeping": sorted(self._asleep),
+            "sleeping": sorted(self._asleep), "sleep_freed_bytes": list(self.sleep_freed_bytes),
             "local_num_kv_heads": self.runner.num_kv_heads,
         }

@@ -12,9 +12,21 @@ import torch
 def load_named(model: torch.nn.Module, named_tensors) -> int:
     """Copy each (name, tensor) into the model's parameter of that transformers name
     (`named_parameters(remove_duplicate=False)`: both names of a tied weight are known and
-    write the one tensor). Every pair is checked (a known name, the parameter's shape, a
-    tensor) before any is written, so a bad push changes nothing. Values are converted to the
-    parameter's dtype and device. Returns the number of tensors written."""
+    write the one tensor). Every pair is checked (check_named) before any is written, so a bad
+    push changes nothing. Values are converted to the parameter's dtype and device. Returns the
+    number of tensors written."""
+    pairs = check_named(model, named_tensors)
+    with torch.no_grad():
+        for _, p, tensor in pairs:
+            p.copy_(tensor)           # moves the version counter; the engine repacks anyway
+    return len(pairs)
+
+
+def check_named(model: torch.nn.Module, named_tensors, shape_of=None) -> list:
+    """[(name, parameter, tensor)] of a push, each checked: a (name, tensor) pair, a known
+    name, the shape (`shape_of(name, parameter)`: the parameter's own by default; the unsplit
+    one of a tensor-parallel model), a floating tensor for a floating parameter. Raises
+    TypeError/ValueError naming the parameter at the first bad pair."""
     if isinstance(named_tensors, dict):
         named_tensors = named_tensors.items()
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -31,17 +43,15 @@ def load_named(model: torch.nn.Module, named_tensors) -> int:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"update_weights: {name!r} must be a torch.Tensor, got "
                             f"{type(tensor).__name__}")
-        if tuple(tensor.shape) != tuple(p.shape):
+        want = tuple(p.shape) if shape_of is None else tuple(shape_of(name, p))
+        if tuple(tensor.shape) != want:
             raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the "
-                             f"model's parameter {tuple(p.shape)}")
+                             f"model's parameter {want}")
         if not (tensor.is_floating_point() or not p.is_floating_point()):
             raise TypeError(f"update_weights: {name!r} is {tensor.dtype}, the parameter "
                             f"{p.dtype}")
-        pairs.append((p, tensor))
-    with torch.no_grad():
-        for p, tensor in pairs:
-            p.copy_(tensor)           # moves the version counter; the engine repacks anyway
-    return len(pairs)
+        pairs.append((name, p, tensor))
+    return pairs
 
 
 @contextlib.contextmanager

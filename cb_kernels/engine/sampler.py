@@ -354,7 +354,17 @@ class Sampler:
         guided = [i for i, s in enumerate(items) if s.grammar is not None]
         if guided:      # after change_logits: `undo` restores no token the mask blocked
             self.grammars.mask(rows, guided, [items[i].grammar for i in guided])
-        if processed:     # the distribution each row is drawn from (or its argmax taken over)
+        filtered = None
+        if processed and all(p.sampling for p in params) and len(processed) == len(items) and \
+                not any(0 < p.top_k <= MAX_CANDIDATES and p.top_k < rows.shape[1]
+                        for p in params):
+            # Every row processed and drawn over the whole vocabulary (a GRPO round): one filter
+            # serves the logprobs and the draw (sample_rows would filter the same rows alike), and
+            # no copy of the rows: 3 passes over [rows, vocab] fewer a step (512 rows of SmolLM2,
+            # 1 thread: 5% of the round).
+            filtered = filter_logits(rows, params)
+            seen = filtered.log_softmax(-1)
+        elif processed:   # the distribution each row is drawn from (or its argmax taken over)
             seen = _subset(rows, processed).clone()
             sampled = [k for k, i in enumerate(processed) if params[i].sampling]
             if sampled:
@@ -368,7 +378,8 @@ class Sampler:
             positions = torch.tensor([items[i].num_generated_tokens for i in drawn],
                                      dtype=torch.int64)
             u = uniforms(seeds, positions).to(rows.device)
-            picked = sample_rows(_subset(rows, drawn), [params[i] for i in drawn], u)
+            picked = draw(filtered, u) if filtered is not None else \
+                sample_rows(_subset(rows, drawn), [params[i] for i in drawn], u)
             tokens = picked if tokens is None else \
                 tokens.index_copy(0, torch.tensor(drawn, device=rows.device), picked)
         if asks:

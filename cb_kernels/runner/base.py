@@ -101,15 +101,27 @@ class TensorParallelRunner(ModelRunner, Protocol):
 
     rank (0 drives: its engine schedules and samples) of world_size ranks; channel (the
     StepChannel to the other ranks: `collective(fn, ...)` on its `control` group).
+    release_memory / restore_memory / refresh_weights act on this rank's shard alone; the engine
+    sends its RL calls to the other ranks (engine/distributed.everywhere): rank 0's runner has
+    `send_control(op, args)` and `weight_version` (rank 0's engine's, sent with each step); the
+    others' serve() hands each call to `on_control(op, args)` and, before each step, rank 0's
+    weight_version to `before_step(version)` (both set by the engine on those ranks).
     """
 
     rank: int
     world_size: int
     channel: object
+    weight_version: int
+    on_control: object
+    before_step: object
 
-    def serve(self):
-        """Ranks other than 0: run rank 0's steps until rank 0 ends the session; returns what
-        rank 0 passed to release()."""
+    def send_control(self, op: str, args: dict) -> None:
+        """Rank 0: send one of the engine's calls to the other ranks (their serve() runs it)."""
+
+    def serve(self, until: Optional[str] = None):
+        """Ranks other than 0: run rank 0's steps (and RL calls) until rank 0 ends the session;
+        returns what rank 0 passed to release(). `until`: return the result of rank 0's call of
+        that name once it ran here (raise the error rank 0 refused it with)."""
 
     def release(self, outputs=None, error: Optional[str] = None) -> None:
         """Rank 0: end the session (the others' serve() returns `outputs`, or raises with

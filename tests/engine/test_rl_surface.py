@@ -251,3 +251,34 @@ def test_sleep_with_requests_refuses_waits_or_aborts():
     assert engine.step() == [] and engine.sequence(late).num_generated_tokens == 0   # queued
     engine.wake_up()
     assert drain(engine)[late].token_ids == reference_tokens(model, prompts[:1], 6)[0]
+
+
+# -- a GRPO round's sampling: every row sampled with processed logprobs -------------------------
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_grpo_rows_processed_logprobs_over_the_whole_vocabulary(top_p):
+    """Every row of the batch drawn at temperature 1.3 over the whole vocabulary with processed
+    logprobs (the sampler's one-filter path, n=2 forks too): the same tokens as raw mode (each
+    batch all one mode), and each logprob the log-softmax of the logits / temperature (top_p
+    1) or -inf / finite as top_p keeps the token."""
+    import math
+
+    model = make_model(seed=11)
+    prompts = random_prompts([7, 12], seed=3)
+    common = dict(max_new_tokens=6, temperature=1.3, top_p=top_p, seed=5, logprobs=2, n=2)
+    engine = make_engine(model)
+    raw = engine.generate(prompts, SamplingParams(**common))
+    proc = engine.generate(prompts, SamplingParams(**common, logprobs_mode="processed"))
+    for prompt, r, p in zip(prompts, raw, proc):
+        assert [c.token_ids for c in r.outputs] == [c.token_ids for c in p.outputs]
+        for c in p.outputs:
+            tokens = c.token_ids
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + tokens[:-1]])).logits[0].float()
+            want = (logits[len(prompt) - 1:] / 1.3).log_softmax(-1)
+            for t, (token, entry) in enumerate(zip(tokens, c.logprobs)):
+                assert token in entry and len(entry) in (2, 3)
+                if top_p == 1.0:
+                    assert all(abs(lp - want[t, tid].item()) < 1e-4 for tid, lp in entry.items())
+                else:     # renormalized over the kept tokens: at least the chosen one's mass
+                    assert math.isfinite(entry[token])
+                    assert entry[token] >= want[t, token].item() - 1e-4

@@ -3,8 +3,8 @@ runners that keep the ranks in step.
 
     sharding.py   the split of a Llama-style model in place (heads, MLP columns, vocabulary), the
                   collectives as marked hooks, ShardedHead, local_only()
-    channel.py    StepChannel: rank 0's messages (a packed step, the session's end) and their
-                  wire format; TensorParallelError
+    channel.py    StepChannel: rank 0's messages (a packed step, an RL call, the session's
+                  end) and their wire format; TensorParallelError
     runners.py    DriverRunner (rank 0) and FollowerRunner (the others) around each rank's own
                   runner; make_runner picks one (runner/base.TensorParallelRunner: their contract)
 
@@ -15,9 +15,11 @@ from cb_kernels.runner.tensor_parallel.channel import StepChannel, TensorParalle
 from cb_kernels.runner.tensor_parallel.runners import DriverRunner, FollowerRunner, make_runner
 from cb_kernels.runner.tensor_parallel.sharding import (GATHER_SUM_MAX, ShardedHead, TPInfo,
                                                         all_reduce_, check_shardable,
-                                                        gather_last, info_of, is_tp_hook,
-                                                        local_only, shard_model, size_of)
+                                                        full_shape, gather_last, info_of,
+                                                        is_tp_hook, local_only, shard_model,
+                                                        shard_of, size_of)
 
 __all__ = ["StepChannel", "TensorParallelError", "DriverRunner", "FollowerRunner", "make_runner",
            "ShardedHead", "TPInfo", "GATHER_SUM_MAX", "all_reduce_", "check_shardable",
-           "gather_last", "info_of", "is_tp_hook", "local_only", "shard_model", "size_of"]
+           "full_shape", "gather_last", "info_of", "is_tp_hook", "local_only", "shard_model",
+           "shard_of", "size_of"]

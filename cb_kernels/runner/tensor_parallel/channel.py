@@ -3,11 +3,14 @@ wire format of a packed step.
 
 A message is one small int64 header broadcast on the control group (kind, payload size, sizes;
 on CPU it also carries the first `_INLINE` payload ints) and, when the payload does not fit
-there, the rest of it on the model's group (a device tensor on CUDA). Two kinds:
+there, the rest of it on the model's group (a device tensor on CUDA). Three kinds:
   STEP  the packed step (runner/step_inputs.StepInputs: input ids after the overlap loop filled
         them, positions, logits rows, slot mapping, block tables, lengths, the chunked view) and
-        the step's copy-on-write block pairs; a follower rebuilds the StepInputs around its own
-        KV shard (its LayerLayout) and runs the same forward;
+        the step's copy-on-write block pairs, and rank 0's weight_version; a follower rebuilds the
+        StepInputs around its own KV shard (its LayerLayout) and runs the same forward;
+  CONTROL one of the engine's RL calls (sleep, wake_up, update_weights, ...): pickled (op, args)
+        that every rank runs on its own shard; update_weights' tensors follow it, one broadcast
+        each (`broadcast_tensor`, as bytes on the control group);
   DONE  the end of a session: pickled (outputs, error) that the followers' serve() returns.
 
 Failure: any error inside a collective (a rank died: the connection drops; a rank hangs: the
@@ -26,7 +29,7 @@ from cb_kernels.runner.step_inputs import AttentionMetadata, ChunkedView, LayerL
 
 logger = logging.getLogger("cb_kernels.engine")
 
-STEP, DONE = 1, 2
+STEP, DONE, CONTROL = 1, 2, 3
 _HEADER = 16
 # On CPU a step's first _INLINE payload ints travel in the header's broadcast: a decode step of
 # 16 sequences is one broadcast, not two (each ~80 us on gloo over loopback, 2-core bench host).
@@ -84,7 +87,8 @@ class StepChannel:
             self.collective(torch.distributed.broadcast, payload[k:].contiguous(), 0,
                             group=group)
 
-    def send_step(self, inputs: StepInputs, copies: list, greedy: bool) -> None:
+    def send_step(self, inputs: StepInputs, copies: list, greedy: bool,
+                  weight_version: int = 0) -> None:
         a = inputs.attn
         parts = [inputs.input_ids, inputs.positions, inputs.logits_indices, a.slot_mapping,
                  a.block_tables.reshape(-1).long(), a.seq_lens.long(), a.cu_seqlens_q.long()]
@@ -99,29 +103,53 @@ class StepChannel:
         payload = torch.cat([p.to(torch.int64) for p in parts])
         sizes = [inputs.input_ids.numel(), inputs.logits_indices.numel(), inputs.num_seqs,
                  a.block_tables.shape[1], len(inputs.sampled), int(greedy), len(copies)] + chunk
-        self._send(STEP, sizes, payload, self.group)
+        self._send(STEP, sizes + [weight_version], payload, self.group)
 
     def release(self, outputs=None, error: Optional[str] = None) -> None:
         """End the session; the other ranks' receive() gives `outputs` (or raises
         TensorParallelError(error)). Nothing is sent on a broken channel."""
         if self.broken is not None:
             return
-        data = pickle.dumps((outputs, error))
-        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        self._send(DONE, [], payload, self.control)
+        self._send_pickled(DONE, (outputs, error))
+
+    def send_control(self, op: str, args: dict) -> None:
+        """One RL call for every rank to run: the other ranks' receive() gives (CONTROL,
+        (op, args))."""
+        self._send_pickled(CONTROL, (op, args))
+
+    def _send_pickled(self, kind: int, obj) -> None:
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        self._send(kind, [], payload, self.control)
+
+    def broadcast_tensor(self, tensor: Optional[torch.Tensor], dtype: torch.dtype,
+                         shape: tuple) -> torch.Tensor:
+        """Rank 0's `tensor` (any device) on every rank, as a CPU tensor of `dtype` and `shape`
+        (the other ranks pass None). Sent as its bytes on the gloo control group, so every dtype
+        travels (gloo lacks some, e.g. bool and float8)."""
+        nbytes = int(torch.Size(shape).numel()) * torch.empty(0, dtype=dtype).element_size()
+        if self.rank == 0:
+            data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        else:
+            data = torch.empty(nbytes, dtype=torch.uint8)
+        if nbytes:
+            self.collective(torch.distributed.broadcast, data, 0, group=self.control)
+        return data.view(dtype).view(shape)
 
     # -- the other ranks ------------------------------------------------------------------------
     def receive(self, layout: LayerLayout):
-        """The next message: (STEP, (inputs, greedy, copies)) with the step's inputs over this
-        rank's `layout`, or (DONE, outputs)."""
+        """The next message: (STEP, (inputs, greedy, copies, weight_version)) with the step's
+        inputs over this rank's `layout`, (CONTROL, (op, args)), or (DONE, outputs)."""
         inline = self._inline()
         header = torch.zeros(_HEADER + inline, dtype=torch.int64)
         self.collective(torch.distributed.broadcast, header, 0, group=self.control)
         kind, n = int(header[0]), int(header[1])
-        if kind == DONE:
+        if kind in (DONE, CONTROL):
             payload = torch.empty(n, dtype=torch.uint8)
             self.collective(torch.distributed.broadcast, payload, 0, group=self.control)
-            outputs, error = pickle.loads(payload.numpy().tobytes())
+            message = pickle.loads(payload.numpy().tobytes())
+            if kind == CONTROL:
+                return CONTROL, message
+            outputs, error = message
             if error is not None:
                 raise TensorParallelError(f"rank 0 failed: {error}")
             return DONE, outputs
@@ -137,9 +165,10 @@ class StepChannel:
 
 
 def unpack_step(sizes: list, payload: torch.Tensor, layout: LayerLayout):
-    """(inputs, greedy, copies) of a STEP message (send_step's layout of the payload)."""
+    """(inputs, greedy, copies, weight_version) of a STEP message (send_step's layout of the
+    payload)."""
     num_tokens, num_logits, num_seqs, width, num_sampled, greedy, num_copies, pieces, \
-        piece_width = sizes[:9]
+        piece_width, weight_version = sizes[:10]
     lengths = [num_tokens, num_tokens, num_logits, num_tokens, num_seqs * width, num_seqs,
                num_seqs + 1]
     if pieces:
@@ -157,4 +186,4 @@ def unpack_step(sizes: list, payload: torch.Tensor, layout: LayerLayout):
         slot_mapping=slots, block_tables=tables.int().view(num_seqs, width),
         seq_lens=lens.int(), cu_seqlens_q=cu.int(), layout=layout, chunked=chunked)
     return StepInputs(ids, pos, logits_idx, attn, [None] * num_sampled, num_seqs), \
-        bool(greedy), copies
+        bool(greedy), copies, weight_version

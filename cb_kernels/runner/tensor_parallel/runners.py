@@ -11,8 +11,11 @@ ends a session: the followers' serve() returns what it sends.
 FollowerRunner (the other ranks): serve() runs rank 0's steps until rank 0 ends the session; a
 step of the rank's own would break the lockstep, so copy_blocks/execute refuse.
 
-Both read every ModelRunner fact off the local runner (explicitly, one property each). Sleeping
-is refused (the engine refuses it first): the other ranks' pools are not reached by one call.
+Both read every ModelRunner fact off the local runner (explicitly, one property each);
+release_memory / restore_memory / refresh_weights act on this rank's shard alone. The engine's RL
+calls reach every rank as CONTROL messages: rank 0's engine sends them (send_control), a
+follower's serve() hands each to `on_control(op, args)` (set by the engine: it runs the same
+call on this rank) and, before each step, hands rank 0's weight_version to `before_step`.
 """
 from __future__ import annotations
 
@@ -20,7 +23,14 @@ from typing import Optional
 
 from cb_kernels.runner.base import StepOutput
 from cb_kernels.runner.step_inputs import StepInputs
-from cb_kernels.runner.tensor_parallel.channel import DONE, StepChannel, TensorParallelError
+from cb_kernels.runner.tensor_parallel.channel import (CONTROL, DONE, StepChannel,
+                                                        TensorParallelError)
+
+# The CONTROL op by which rank 0 says it refused a call (args: op, error type name, message):
+# a follower waiting in that call raises the same error; one serving steps ignores it.
+REFUSED = "refused"
+_ERRORS = {e.__name__: e for e in (ValueError, TypeError, RuntimeError, NotImplementedError,
+                                   KeyError)}
 
 
 def _of_local(name: str) -> property:
@@ -56,6 +66,9 @@ class _RankRunner:
                              f"{channel.size}: rank 0 drives (DriverRunner), the others follow "
                              f"(FollowerRunner); this rank needs a {want} (make_runner picks it)")
         self.local, self.channel = local, channel
+        self.on_control = None     # (op, args) -> result: the engine's call, run on this rank
+        self.before_step = None    # (weight_version) -> None: the engine's weight check
+        self.weight_version = 0    # rank 0's engine's (sent with every step)
 
     @property
     def rank(self) -> int:
@@ -77,11 +90,11 @@ class _RankRunner:
         self.local.refresh_weights()
 
     def release_memory(self, kv: bool, weights: bool) -> int:
-        raise NotImplementedError("sleep under tensor parallelism: one call does not reach the "
-                                  "other ranks' pools and weight copies")
+        """This rank's pool and weight copies (the engine sends the call to the others)."""
+        return self.local.release_memory(kv, weights)
 
     def restore_memory(self, kv: bool, weights: bool) -> None:
-        raise NotImplementedError("wake_up under tensor parallelism (sleep is refused)")
+        self.local.restore_memory(kv, weights)
 
 
 class DriverRunner(_RankRunner):
@@ -91,13 +104,17 @@ class DriverRunner(_RankRunner):
         super().__init__(local, channel)
         self._copies: list = []
 
+    def send_control(self, op: str, args: dict) -> None:
+        """Send one of the engine's calls to the other ranks (their serve() runs it)."""
+        self.channel.send_control(op, args)
+
     def copy_blocks(self, pairs: list) -> None:
         self.local.copy_blocks(pairs)
         self._copies = list(pairs)
 
     def execute(self, inputs: StepInputs, greedy: bool = False) -> StepOutput:
         copies, self._copies = self._copies, []
-        self.channel.send_step(inputs, copies, greedy)
+        self.channel.send_step(inputs, copies, greedy, self.weight_version)
         try:
             return self.local.execute(inputs, greedy)
         except TensorParallelError:
@@ -122,21 +139,54 @@ class DriverRunner(_RankRunner):
 class FollowerRunner(_RankRunner):
     """The runner of a rank other than 0: its steps come from rank 0 (serve)."""
 
-    def serve(self):
-        """Run rank 0's steps until it ends the session; returns what it sent then (rank 0's
-        release(outputs)). Raises TensorParallelError when rank 0 failed or the ranks fell out
-        of step."""
+    def serve(self, until: Optional[str] = None):
+        """Run rank 0's steps and calls until it ends the session; returns what it sent then
+        (rank 0's release(outputs)). `until`: return once rank 0's call of that name ran here,
+        with its result (a follower's own sleep(), update_weights(), ...); rank 0 refusing it
+        raises its error here. Raises TensorParallelError when rank 0 failed or the ranks fell
+        out of step."""
         while True:
             kind, message = self.channel.receive(self.local.layout)
             if kind == DONE:
+                if until is not None:
+                    raise TensorParallelError(
+                        f"rank 0 ended its session while rank {self.rank} waited in {until}(): "
+                        "call the same methods in the same order on every rank")
                 return message
-            inputs, greedy, copies = message
+            if kind == CONTROL:
+                op, args = message
+                if op == REFUSED:
+                    if args["op"] == until:
+                        raise _ERRORS.get(args["type"], RuntimeError)(args["message"])
+                    continue
+                result = self._run_control(op, args)
+                if op == until:
+                    return result
+                continue
+            inputs, greedy, copies, version = message
             try:
+                if self.before_step is not None:
+                    self.before_step(version)
                 if copies:
                     self.local.copy_blocks(copies)
                 self.local.execute(inputs, greedy)
             except Exception as e:        # noqa: BLE001
                 self.channel.fail(e)
+
+    def _run_control(self, op: str, args: dict):
+        if self.on_control is None:
+            self.channel.fail(RuntimeError(f"rank 0 sent {op}(), and rank {self.rank}'s runner "
+                                           "serves no engine (Engine(model, config, "
+                                           "runner=runner) on every rank)"))
+        try:
+            return self.on_control(op, args)
+        except TensorParallelError:
+            raise
+        except Exception as e:            # noqa: BLE001 (rank 0 waits in a collective now)
+            self.channel.fail(e)
+
+    def send_control(self, op: str, args: dict) -> None:
+        raise RuntimeError(f"rank {self.rank} runs rank 0's {op}(); rank 0 sends it")
 
     def release(self, outputs=None, error: Optional[str] = None) -> None:
         raise RuntimeError(f"release() ends rank 0's session; rank {self.rank} follows it "

@@ -193,7 +193,16 @@ def check_shardable(model, size: int) -> None:
                          f"{type(head).__name__}, not an nn.Linear to split by vocabulary")
 
 
+def _record(module, attr: str, split: tuple) -> None:
+    """What `shard_of` needs to cut a full tensor of `module.attr`: (dim, start, stop, full
+    size), or ("rank0",) for a bias kept whole on rank 0 and zero on the others."""
+    module.__dict__.setdefault("_cbk_split", {})[attr] = split
+
+
 def _keep_rows(linear: torch.nn.Linear, start: int, stop: int) -> None:
+    _record(linear, "weight", (0, start, stop, linear.out_features))
+    if linear.bias is not None:
+        _record(linear, "bias", (0, start, stop, linear.out_features))
     linear.weight = torch.nn.Parameter(linear.weight.detach()[start:stop].clone(),
                                        requires_grad=False)
     if linear.bias is not None:
@@ -203,6 +212,9 @@ def _keep_rows(linear: torch.nn.Linear, start: int, stop: int) -> None:
 
 
 def _keep_cols(linear: torch.nn.Linear, start: int, stop: int, rank: int) -> None:
+    _record(linear, "weight", (1, start, stop, linear.in_features))
+    if linear.bias is not None:
+        _record(linear, "bias", ("rank0",))
     linear.weight = torch.nn.Parameter(linear.weight.detach()[:, start:stop].clone(),
                                        requires_grad=False)
     if linear.bias is not None and rank != 0:      # summed over the ranks: counted once
@@ -276,6 +288,7 @@ def _split_embedding(embed, info: TPInfo, tied_weight) -> None:
     if vocab % size or embed.max_norm is not None:
         return
     start, stop = rank * vocab // size, (rank + 1) * vocab // size
+    _record(embed, "weight", (0, start, stop, vocab))
     if tied_weight is not None and tied_weight.shape[0] == stop - start:
         embed.weight = tied_weight
     else:
@@ -286,6 +299,38 @@ def _split_embedding(embed, info: TPInfo, tied_weight) -> None:
     embed._cbk_tp = info
     embed.register_forward_pre_hook(_embed_pre_hook)
     embed.register_forward_hook(_embed_hook)
+
+
+def _split_of(model, name: str) -> Optional[tuple]:
+    path, _, attr = name.rpartition(".")
+    try:
+        module = model.get_submodule(path) if path else model
+    except AttributeError:
+        return None
+    return module.__dict__.get("_cbk_split", {}).get(attr)
+
+
+def full_shape(model, name: str, shape: tuple) -> tuple:
+    """The unsplit shape of parameter `name` (a transformers name of the split model) whose
+    local shape is `shape`: a split dimension times the ranks, the rest as they are."""
+    split = _split_of(model, name)
+    if split is None or split[0] == "rank0":
+        return tuple(shape)
+    dim, _, _, full = split
+    return tuple(full if d == dim else n for d, n in enumerate(shape))
+
+
+def shard_of(model, name: str, full: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `full`, the unsplit value of parameter `name`: its rows or columns
+    (a view), the whole tensor for an unsplit parameter, and for the bias of a summed output
+    (o_proj, down_proj) the whole bias on rank 0 and zeros on the others."""
+    split = _split_of(model, name)
+    if split is None:
+        return full
+    if split[0] == "rank0":
+        return full if info_of(model).rank == 0 else torch.zeros_like(full)
+    dim, start, stop, _ = split
+    return full.narrow(dim, start, stop - start)
 
 
 class ShardedHead:
