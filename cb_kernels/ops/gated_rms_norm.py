@@ -20,7 +20,8 @@ from cb_kernels.ops._rows import as_rows, row_stride
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, *,
-                   group_size: int, norm_before_gate: bool = True) -> torch.Tensor:
+                   group_size: int, norm_before_gate: bool = True,
+                   isa: str = "auto") -> torch.Tensor:
     """The gated RMSNorm of every ``group_size`` elements of each row of x.
 
     Parameters
@@ -34,6 +35,8 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     group_size : elements normalised together (Qwen3-Next: head_v_dim; Mamba-2:
         intermediate_size // n_groups).
     norm_before_gate : True: Qwen3-Next's order; False: Mamba-2's (gate first).
+    isa : caps the CPU body ("auto", or one of ``_C.cpu_isas()``, for tests): "avx512" or
+        "portable" run (``_C.gated_delta_rule_isa`` names the one chosen, the same two bodies).
 
     Returns a new contiguous tensor shaped like x, of x's dtype.
     """
@@ -53,14 +56,14 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
                          f"{tuple(weight.shape)}")
     out = torch.empty(rx.shape, dtype=x.dtype)
     gated_rms_norm_unchecked(rx, rg, weight, eps, out, group_size, bool(norm_before_gate),
-                             gate_token_stride=row_stride(rg), x_stride=row_stride(rx))
+                             gate_token_stride=row_stride(rg), x_stride=row_stride(rx), isa=isa)
     return out.view(x.shape)
 
 
 def gated_rms_norm_unchecked(x, gate, weight, eps: float, out, group_size: int,
                              norm_before_gate: bool, *, gate_token_stride: int,
                              gate_block_stride: int = 0, groups_per_block: int | None = None,
-                             x_stride: int | None = None) -> torch.Tensor:
+                             x_stride: int | None = None, isa: str = "auto") -> torch.Tensor:
     """The engine's hot path (runner/hybrid_kernels.py): no checks. x ``[tokens, dim]`` (rows
     x_stride apart, default dim), out contiguous ``[tokens, dim]``. Group j of token t reads its
     gate at ``gate + t * gate_token_stride + (j // groups_per_block) * gate_block_stride +
@@ -74,7 +77,7 @@ def gated_rms_norm_unchecked(x, gate, weight, eps: float, out, group_size: int,
                       dim if x_stride is None else x_stride, gate_token_stride,
                       gate_block_stride,
                       dim // group_size if groups_per_block is None else groups_per_block, float(eps), norm_before_gate,
-                      DTYPE_CODES[out.dtype])
+                      isa, DTYPE_CODES[out.dtype])
     return out
 
 

@@ -4,13 +4,14 @@ awkward sizes, strided rows, the runner's in-place z addressing, the registered 
 import pytest
 import torch
 
-from cb_kernels import ops
+from cb_kernels import _C, ops
 from cb_kernels.ops.gated_rms_norm import gated_rms_norm_unchecked
 from cb_kernels.ops.reference import ref_gated_rms_norm
 
 # fp32: another summation order than torch's mean; bf16: the same roundings, so equal up to a
 # tie the fp32 difference tips (one bf16 ulp).
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=8e-3, atol=8e-3)}
+_BODIES = [isa for isa in _C.cpu_isas() if isa in ("portable", "avx512")]
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 
 # id: (rows, dim, group_size, weight_len)
@@ -26,13 +27,15 @@ def _r(*shape, seed=0, dtype=torch.float32):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
+@pytest.mark.parametrize("isa", _BODIES)
 @DTYPES
 @pytest.mark.parametrize("norm_before_gate", [True, False], ids=["norm-first", "gate-first"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_matches_reference(case, norm_before_gate, dtype):
+def test_matches_reference(case, norm_before_gate, dtype, isa):
     rows, dim, gs, wl = CASES[case]
     x, g, w = _r(rows, dim, dtype=dtype), _r(rows, dim, seed=1, dtype=dtype), _r(wl, seed=2, dtype=dtype)
-    got = ops.gated_rms_norm(x, g, w, 1e-6, group_size=gs, norm_before_gate=norm_before_gate)
+    got = ops.gated_rms_norm(x, g, w, 1e-6, group_size=gs, norm_before_gate=norm_before_gate,
+                             isa=isa)
     want = ref_gated_rms_norm(x, g, w, 1e-6, group_size=gs, norm_before_gate=norm_before_gate)
     assert got.dtype == dtype and got.shape == x.shape
     torch.testing.assert_close(got, want, **TOL[dtype])
@@ -72,6 +75,18 @@ def test_z_read_in_place_from_the_fused_projection():
                              gate_block_stride=width, groups_per_block=r)
     want = ref_gated_rms_norm(x, z_view.reshape(n, -1), w, 1e-6, group_size=hv)
     torch.testing.assert_close(out, want, **TOL[torch.float32])
+
+
+def test_nan_and_inf_pass_through_as_torch():
+    """The branch-free bf16 rounding keeps a NaN a NaN and an overflow an inf."""
+    x = torch.randn(2, 16).to(torch.bfloat16)
+    g = torch.randn(2, 16).to(torch.bfloat16)
+    x[0, 3] = float("nan")
+    w = torch.full((16,), 3e38).to(torch.bfloat16)
+    for isa in _BODIES:
+        got = ops.gated_rms_norm(x, g, w, 1e-6, group_size=16, norm_before_gate=False, isa=isa)
+        want = ref_gated_rms_norm(x, g, w, 1e-6, group_size=16, norm_before_gate=False)
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
 
 
 def test_strided_rows_and_the_registered_op():

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "cb_kernels/common.h"
+#include "cb_kernels/isa.h"
 
 namespace cbk {
 
@@ -33,7 +34,8 @@ struct GatedRmsNormParams {
 };
 
 namespace cpu {
-Status gated_rms_norm(const GatedRmsNormParams& p);
+// Bodies: portable, avx512 (gated_delta_rule_isa picks; `isa` caps it, for tests).
+Status gated_rms_norm(const GatedRmsNormParams& p, Isa isa = Isa::kAuto);
 }  // namespace cpu
 
 }  // namespace cbk
