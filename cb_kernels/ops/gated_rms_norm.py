@@ -12,6 +12,8 @@ summation order), not bit for bit. CPU, float32 or bfloat16.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from cb_kernels import _C
@@ -58,6 +60,14 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     gated_rms_norm_unchecked(rx, rg, weight, eps, out, group_size, bool(norm_before_gate),
                              gate_token_stride=row_stride(rg), x_stride=row_stride(rx), isa=isa)
     return out.view(x.shape)
+
+
+@functools.lru_cache(maxsize=None)
+def gated_rms_norm_fast() -> bool:
+    """Whether the AVX-512 body runs on this CPU: 13.6 us against transformers' 46 us for 16
+    rows x 4 heads x 128 (bf16, 1 thread, Zen 4); the portable body took 84 us, so callers
+    keep transformers' norm without it."""
+    return _C.gated_delta_rule_isa("auto") == "avx512"
 
 
 def gated_rms_norm_unchecked(x, gate, weight, eps: float, out, group_size: int,

@@ -17,14 +17,13 @@ runner logs which path each class takes (`describe`).
 """
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from cb_kernels import _C, ops
-from cb_kernels.ops.gated_rms_norm import gated_rms_norm_unchecked
+from cb_kernels import ops
+from cb_kernels.ops.gated_rms_norm import gated_rms_norm_fast, gated_rms_norm_unchecked
 
 def _project_fused(module, x):
     """Qwen3-Next: in_proj_qkvz and in_proj_ba, grouped by key head (the layer's own split).
@@ -53,21 +52,14 @@ def _project_split(module, x):
             module.in_proj_a(x)[0])
 
 
-@functools.lru_cache(maxsize=None)
-def _norm_body_pays() -> bool:
-    """The fused norm's AVX-512 body runs here: 13.6 us against transformers' 46 us for 16 rows
-    x 4 heads x 128 (bf16, 1 thread, Zen 4); its portable body took 84 us, so without AVX-512
-    the layer keeps its own norm."""
-    return _C.gated_delta_rule_isa("auto") == "avx512"
-
-
 def _fused_norm(norm, dtype, weight_len: int, grouped: bool) -> bool:
     """Whether `norm` is transformers' RMSNormGated that ops.gated_rms_norm computes: Qwen3-Next's
     (grouped False: per value head, SiLU gate after the norm) or the Mamba-2 mixers' (grouped:
     `group_size`, the gate first), its weight [weight_len] of the layer's dtype. Else the layer
-    keeps calling it (the construction probe checks the result either way)."""
+    keeps calling it (the construction probe checks the result either way), as it does where
+    the op's fast body does not run (`gated_rms_norm_fast`)."""
     weight = getattr(norm, "weight", None)
-    return (_norm_body_pays()
+    return (gated_rms_norm_fast()
             and type(norm).__name__.endswith("RMSNormGated")
             and hasattr(norm, "group_size") == grouped
             and getattr(norm, "activation", "silu") == "silu"
