@@ -94,8 +94,9 @@ class GatedDeltaNetKernels:
         q = conv[:, :m.key_dim].view(n, m.num_k_heads, m.head_k_dim)
         k = conv[:, m.key_dim:2 * m.key_dim].view(n, m.num_k_heads, m.head_k_dim)
         v = conv[:, 2 * m.key_dim:].view(n, m.num_v_heads, m.head_v_dim)
-        beta = b.sigmoid().float().view(n, m.num_v_heads)   # sigmoid in the model's dtype, as m
-        g = F.softplus(a.float().view(n, m.num_v_heads) + m.dt_bias)
+        # b, a: [n, num_k_heads, ratio] views (strided in fp32, where .float() copies nothing)
+        beta = b.sigmoid().float().reshape(n, m.num_v_heads)   # sigmoid in the model's dtype
+        g = F.softplus(a.float().reshape(n, m.num_v_heads) + m.dt_bias)
         g.mul_(-m.A_log.float().exp())
         core = torch.empty((n, m.num_v_heads, m.head_v_dim), dtype=v.dtype)
         ops.gated_delta_rule_unchecked(q, k, v, g, beta, self.state, rows.slots,
