@@ -78,6 +78,16 @@ def kv_bytes_per_block(shape: ModelShape, block_size: int, dtype: torch.dtype) -
     return shape.num_layers * 2 * block_size * shape.num_kv_heads * shape.head_dim * elem
 
 
+def _memory_budget(shape: ModelShape, on_cuda: bool) -> tuple:
+    """(bytes the KV pool may take, where that figure came from): a fraction of the free device
+    memory (CUDA) or of the available host memory."""
+    if on_cuda:
+        free, _ = torch.cuda.mem_get_info(shape.device)
+        return int(free * CUDA_KV_FRACTION), f"{free / GiB:.2f} GiB free on {shape.device}"
+    avail = host_available_bytes()
+    return int(avail * CPU_KV_FRACTION), f"{avail / GiB:.2f} GiB available host memory"
+
+
 def resolve(config: EngineConfig, shape: ModelShape) -> ResolvedConfig:
     on_cuda = shape.device.type == "cuda"
     chosen = {}
@@ -111,16 +121,16 @@ def resolve(config: EngineConfig, shape: ModelShape) -> ResolvedConfig:
                          f"({max_batch_tokens})")
     num_blocks = config.num_blocks
     # Prefix caching of a stateful model keeps the state at block boundaries of cached prefixes:
-    # one checkpoint per running request, at most a quarter of an auto-sized KV budget.
+    # one checkpoint per running request, at most a quarter of the KV budget (auto-sized, or
+    # with an explicit num_blocks what the auto path would have had left beside that pool).
     checkpoints = max_num_seqs if shape.state_bytes_per_seq and config.prefix_caching else 0
+    per_block = kv_bytes_per_block(shape, block_size, dtype)
+    if num_blocks is not None and checkpoints:
+        budget, _ = _memory_budget(shape, on_cuda)
+        budget -= max_num_seqs * shape.state_bytes_per_seq + num_blocks * per_block
+        checkpoints = max(1, min(checkpoints, budget // 4 // shape.state_bytes_per_seq))
     if num_blocks is None:
-        per_block = kv_bytes_per_block(shape, block_size, dtype)
-        if on_cuda:
-            free, _ = torch.cuda.mem_get_info(shape.device)
-            budget, source = int(free * CUDA_KV_FRACTION), f"{free / GiB:.2f} GiB free on {shape.device}"
-        else:
-            avail = host_available_bytes()
-            budget, source = int(avail * CPU_KV_FRACTION), f"{avail / GiB:.2f} GiB available host memory"
+        budget, source = _memory_budget(shape, on_cuda)
         if shape.state_bytes_per_seq:
             state = max_num_seqs * shape.state_bytes_per_seq
             budget = max(per_block, budget - state)

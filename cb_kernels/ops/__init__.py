@@ -9,6 +9,7 @@ from cb_kernels.ops.causal_conv1d import causal_conv1d, causal_conv1d_unchecked
 from cb_kernels.ops.copy_blocks import copy_blocks
 from cb_kernels.ops.fused_decoder import FusedDecoder
 from cb_kernels.ops.gated_delta_rule import gated_delta_rule, gated_delta_rule_unchecked
+from cb_kernels.ops.gated_rms_norm import gated_rms_norm
 from cb_kernels.ops.greedy_head import GreedyHead
 from cb_kernels.ops.greedy_tokens import greedy_tokens
 from cb_kernels.ops.host_pool import HostPool
@@ -28,4 +29,4 @@ __all__ = ["available_backends", "paged_attention", "paged_attention_unchecked",
            "GreedyHead", "PackedLinear", "rms_norm", "rms_norm_unchecked", "silu_mul", "rope_",
            "rope_write_kv_", "rope_write_kv_unchecked", "FusedDecoder", "gated_delta_rule",
            "gated_delta_rule_unchecked", "causal_conv1d", "causal_conv1d_unchecked", "selective_scan",
-           "PackedExperts", "moe_experts"]
+           "PackedExperts", "moe_experts", "gated_rms_norm"]

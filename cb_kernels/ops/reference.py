@@ -108,6 +108,21 @@ def ref_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+def ref_gated_rms_norm(x, gate, weight, eps: float, *, group_size: int,
+                       norm_before_gate: bool = True) -> torch.Tensor:
+    """x, gate: [..., dim]; weight: [group_size] or [dim]. transformers' Qwen3NextRMSNormGated
+    (norm_before_gate) or MambaRMSNormGated (the gate first) per group of group_size, op for op."""
+    dt, shape = x.dtype, x.shape
+    w = weight if weight.shape[0] == shape[-1] else weight.repeat(shape[-1] // group_size)
+    silu_gate = torch.nn.functional.silu(gate.float())
+    h = x.float() if norm_before_gate else x.float() * silu_gate
+    g = h.reshape(*shape[:-1], -1, group_size)
+    h = (g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)).reshape(shape)
+    if norm_before_gate:
+        return ((w * h.to(dt)) * silu_gate).to(dt)
+    return w * h.to(dt)
+
+
 def ref_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up: [..., 2 * dim], gate then up. Returns [..., dim] = silu(gate) * up."""
     gate, up = gate_up.chunk(2, dim=-1)

@@ -23,20 +23,49 @@ import torch
 import torch.nn.functional as F
 
 from cb_kernels import ops
+from cb_kernels.ops.gated_rms_norm import gated_rms_norm_fast, gated_rms_norm_unchecked
 
 def _project_fused(module, x):
-    """Qwen3-Next: in_proj_qkvz and in_proj_ba, grouped by key head (the layer's own split)."""
-    q, k, v, z, b, a = module.fix_query_key_value_ordering(module.in_proj_qkvz(x),
-                                                           module.in_proj_ba(x))
-    n = x.shape[1]
-    mixed = torch.cat((q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)), dim=-1)
-    return mixed, z.reshape(n, -1), b.reshape(n, -1), a.reshape(n, -1)
+    """Qwen3-Next: in_proj_qkvz and in_proj_ba, grouped by key head (the layer's own split).
+    Returns the conv input [n, conv_dim] (q, k, v of every head, the conv's channel order: three
+    copies into one buffer, where fix_query_key_value_ordering + cat made seven), z as (its
+    tensor, token stride, block stride, value heads per block) for ops.gated_rms_norm to read
+    in place, and b, a as [n, num_k_heads, ratio] views."""
+    n, nk = x.shape[1], module.num_k_heads
+    hk, hv, r = module.head_k_dim, module.head_v_dim, module.num_v_heads // module.num_k_heads
+    width = 2 * hk + 2 * r * hv
+    qkvz = module.in_proj_qkvz(x)[0].view(n, nk, width)
+    ba = module.in_proj_ba(x)[0].view(n, nk, 2 * r)
+    mixed = qkvz.new_empty((n, module.conv_dim))
+    kd = module.key_dim
+    mixed[:, :kd].view(n, nk, hk).copy_(qkvz[..., :hk])
+    mixed[:, kd:2 * kd].view(n, nk, hk).copy_(qkvz[..., hk:2 * hk])
+    mixed[:, 2 * kd:].view(n, nk, r * hv).copy_(qkvz[..., 2 * hk:2 * hk + r * hv])
+    z = (qkvz[..., 2 * hk + r * hv:], nk * width, width, r)
+    return mixed, z, ba[..., :r], ba[..., r:]
 
 
 def _project_split(module, x):
     """Qwen3.5: in_proj_qkv already in conv order; z, b, a projected apart."""
-    return (module.in_proj_qkv(x)[0], module.in_proj_z(x)[0], module.in_proj_b(x)[0],
+    z = module.in_proj_z(x)[0]
+    return (module.in_proj_qkv(x)[0], (z, z.shape[1], 0, None), module.in_proj_b(x)[0],
             module.in_proj_a(x)[0])
+
+
+def _fused_norm(norm, dtype, weight_len: int, grouped: bool) -> bool:
+    """Whether `norm` is transformers' RMSNormGated that ops.gated_rms_norm computes: Qwen3-Next's
+    (grouped False: per value head, SiLU gate after the norm) or the Mamba-2 mixers' (grouped:
+    `group_size`, the gate first), its weight [weight_len] of the layer's dtype. Else the layer
+    keeps calling it (the construction probe checks the result either way), as it does where
+    the op's fast body does not run (`gated_rms_norm_fast`)."""
+    weight = getattr(norm, "weight", None)
+    return (gated_rms_norm_fast()
+            and type(norm).__name__.endswith("RMSNormGated")
+            and hasattr(norm, "group_size") == grouped
+            and getattr(norm, "activation", "silu") == "silu"
+            and isinstance(getattr(norm, "variance_epsilon", None), float)
+            and isinstance(weight, torch.Tensor) and weight.dtype == dtype
+            and tuple(weight.shape) == (weight_len,))
 
 
 class GatedDeltaNetKernels:
@@ -59,20 +88,29 @@ class GatedDeltaNetKernels:
         m = self.module
         n = hidden_states.shape[1]
         mixed, z, b, a = self.project(m, hidden_states)
-        conv = ops.causal_conv1d_unchecked(mixed.contiguous(), m.conv1d.weight.squeeze(1),
-                                           m.conv1d.bias, self.conv_state, rows.slots,
-                                           rows.cu_seqlens, rows.has_state, "silu")
+        conv = ops.causal_conv1d_unchecked(mixed, m.conv1d.weight.squeeze(1), m.conv1d.bias,
+                                           self.conv_state, rows.slots, rows.cu_seqlens,
+                                           rows.has_state, "silu")
         q = conv[:, :m.key_dim].view(n, m.num_k_heads, m.head_k_dim)
         k = conv[:, m.key_dim:2 * m.key_dim].view(n, m.num_k_heads, m.head_k_dim)
         v = conv[:, 2 * m.key_dim:].view(n, m.num_v_heads, m.head_v_dim)
-        beta = b.sigmoid().float().contiguous()          # sigmoid in the model's dtype, as m
-        g = (-m.A_log.float().exp() * F.softplus(a.float() + m.dt_bias)).contiguous()
+        # b, a: [n, num_k_heads, ratio] views (strided in fp32, where .float() copies nothing)
+        beta = b.sigmoid().float().reshape(n, m.num_v_heads)   # sigmoid in the model's dtype
+        g = F.softplus(a.float().reshape(n, m.num_v_heads) + m.dt_bias)
+        g.mul_(-m.A_log.float().exp())
         core = torch.empty((n, m.num_v_heads, m.head_v_dim), dtype=v.dtype)
         ops.gated_delta_rule_unchecked(q, k, v, g, beta, self.state, rows.slots,
                                        rows.cu_seqlens, rows.has_state, core, self.scale)
-        core = m.norm(core.reshape(-1, m.head_v_dim), z.reshape(-1, m.head_v_dim))
-        return m.out_proj(core.reshape(1, n, -1))
-
+        zt, token_stride, block_stride, per_block = z
+        if _fused_norm(m.norm, core.dtype, m.head_v_dim, grouped=False):
+            normed = gated_rms_norm_unchecked(
+                core.view(n, -1), zt, m.norm.weight, m.norm.variance_epsilon,
+                torch.empty((n, m.value_dim), dtype=core.dtype), m.head_v_dim, True,
+                gate_token_stride=token_stride, gate_block_stride=block_stride,
+                groups_per_block=per_block)
+        else:
+            normed = m.norm(core.reshape(-1, m.head_v_dim), zt.reshape(-1, m.head_v_dim))
+        return m.out_proj(normed.reshape(1, n, -1))
 
     @staticmethod
     def state_shape(module) -> tuple:
@@ -140,8 +178,14 @@ class Mamba2Kernels:
         y = ops.selective_scan(x, dt.float().contiguous(), -torch.exp(m.A_log.float()), B, C,
                                self.state, rows.slots, rows.cu_seqlens, rows.has_state,
                                D=m.D.float(), dt_bias=m.dt_bias.float())
-        y = m.norm(y.view(1, n, -1), gate[None])
-        return m.out_proj(y.to(hidden_states.dtype))
+        y = y.view(n, -1)
+        if _fused_norm(m.norm, y.dtype, m.intermediate_size, grouped=True):
+            y = gated_rms_norm_unchecked(y, gate, m.norm.weight, m.norm.variance_epsilon,
+                                         torch.empty_like(y), m.norm.group_size, False,
+                                         gate_token_stride=gate.stride(0))
+        else:
+            y = m.norm(y[None], gate[None])[0]
+        return m.out_proj(y.to(hidden_states.dtype)[None])
 
     @staticmethod
     def state_shape(module) -> tuple:

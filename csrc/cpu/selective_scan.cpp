@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "cb_kernels/gated_delta.h"  // gated_delta_rule_isa: the same two bodies
+#include "attention_vec.h"  // v8f, load8, hsum
 #include "cb_kernels/selective_scan.h"
 #include "varlen_items.h"
 
@@ -50,11 +51,28 @@ void run_item(const SelectiveScanParams& p, int64_t s, int64_t h) {
     }
     const T* xt = x + t * p.x_stride + h * P;
     T* ot = out + (t * H + h) * P;
+    const int64_t N16 = N / 16 * 16;
+    const v8f vdecay = splat(decay);
     for (int64_t i = 0; i < P; ++i) {
       const float xv = load(xt, i), dx = dt * xv;
+      const v8f vdx = splat(dx);
       float* row = S + i * N;
-      float y = 0.0f;
-      for (int64_t n = 0; n < N; ++n) {
+      // y over d_state in 16 lanes of partial sums, added pairwise at the end: one serial
+      // chain of N fused multiply-adds (4 cycles each) was the decode's whole cost, 0.70 ms
+      // a layer for 16 rows x 8 heads x 64 x 128 bf16 (1 thread, Zen 4). The order depends on
+      // d_state only, never on the batch.
+      v8f y0 = splat(0.0f), y1 = splat(0.0f);
+      int64_t n = 0;
+      for (; n < N16; n += 16) {
+        const v8f r0 = load8(row + n) * vdecay + vdx * load8(b + n);
+        const v8f r1 = load8(row + n + 8) * vdecay + vdx * load8(b + n + 8);
+        store8(row + n, r0);
+        store8(row + n + 8, r1);
+        y0 += r0 * load8(c + n);
+        y1 += r1 * load8(c + n + 8);
+      }
+      float y = hsum(y0 + y1);
+      for (; n < N; ++n) {
         row[n] = row[n] * decay + dx * b[n];
         y += row[n] * c[n];
       }

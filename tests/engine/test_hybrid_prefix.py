@@ -70,6 +70,8 @@ def test_shared_prefix_batch_and_second_round(family):
     assert [tokens(r) for r in on] == [tokens(r) for r in off]
     s = engine.stats()
     assert s["state_checkpoint_hits"] >= 6 + 2, s
+    # 4: one per seat (max_num_seqs), far under the cap (a quarter of the memory beside the
+    # explicit KV pool; test_explicit_num_blocks_caps_the_checkpoints).
     assert s["state_checkpoints_total"] == 4 and s["state_checkpoint_saves"] > 0, s
     # Round 2 restores either the prompt's own last-full-block checkpoint or, where the LRU of
     # the 4 checkpoints dropped that one, the shared prefix's (12 tokens: 3 blocks of 13).
@@ -152,3 +154,28 @@ def test_more_families_shared_prefix(family):
                                max_batch_tokens=8, max_num_seqs=3)
     assert [tokens(r) for r in on] == [tokens(r) for r in off]
     assert engine.stats()["state_checkpoint_hits"] >= 4
+
+
+def test_explicit_num_blocks_caps_the_checkpoints(monkeypatch):
+    """An explicit num_blocks does not lift the checkpoints' cap: as on the auto path, they take
+    at most a quarter of the memory budget (here 40% of 10 MiB of host memory, less the state
+    slots and the given KV pool), at least one; before, they were max_num_seqs-many whatever
+    the memory (256 checkpoints of an 80B model's state on a GPU)."""
+    import dataclasses
+
+    from cb_kernels.engine import sizing
+
+    shape = sizing.ModelShape(num_layers=4, num_kv_heads=2, head_dim=32, max_positions=2048,
+                              dtype=torch.float32, device=torch.device("cpu"))
+    shape = dataclasses.replace(shape, state_bytes_per_seq=64 << 10)
+    monkeypatch.setattr(sizing, "host_available_bytes", lambda: 10 << 20)
+    budget = int((10 << 20) * sizing.CPU_KV_FRACTION)
+    per_block = sizing.kv_bytes_per_block(shape, 16, torch.float32)
+    config = dict(block_size=16, max_num_seqs=32, max_batch_tokens=64, prefix_caching=True)
+    explicit = sizing.resolve(EngineConfig(num_blocks=8, **config), shape)
+    left = budget - 32 * (64 << 10) - 8 * per_block
+    assert explicit.num_state_checkpoints == left // 4 // (64 << 10) < 32
+    auto = sizing.resolve(EngineConfig(**config), shape)
+    assert 1 <= auto.num_state_checkpoints < 32
+    tight = sizing.resolve(EngineConfig(num_blocks=80, **config), shape)   # nothing left
+    assert tight.num_state_checkpoints == 1

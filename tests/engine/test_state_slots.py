@@ -71,8 +71,10 @@ def test_bad_pool_is_refused():
 
 
 # -- checkpoints (prefix caching of stateful models) ---------------------------------------------
-def cached_manager(num_checkpoints=2, num_blocks=16):
-    bm = BlockManager(num_blocks, 4, enable_prefix_caching=True)
+def cached_manager(num_checkpoints=2, num_blocks=16, min_tail_blocks=1):
+    """min_tail_blocks=1: every prompt's last full block is a target (the tests below pin that
+    placement); the default rule (2) has its own test."""
+    bm = BlockManager(num_blocks, 4, enable_prefix_caching=True, min_tail_blocks=min_tail_blocks)
     tensors = [torch.zeros(3, 3, 2), torch.zeros(3, 5)]
     bm.state_slots = StateSlots(3, tensors, 3 * 2 * 4 + 5 * 4, num_checkpoints)
     return bm
@@ -145,6 +147,30 @@ def test_shared_prefix_is_checkpointed_by_the_second_request():
     assert len(hits) == 2 and chunks == [4, 2]
     assert bm.state_slots.stats()["state_checkpoint_hits"] == 1
     bm.check_invariants([a, b, c])
+
+
+def test_a_short_tail_past_the_last_target_is_not_checkpointed():
+    """The default rule: a prompt's last full block is a target only 2 blocks or more past the
+    target before it. A shared 8-token prefix plus a 6-token tail: the second request cuts at
+    the shared end (8) and then runs its 6 tokens as one chunk (not 4 + 2); the third hits the
+    shared end and prefills its tail in one step. A long tail (3 blocks past) still saves."""
+    bm = cached_manager(num_checkpoints=4, min_tail_blocks=2)
+    shared = list(range(1, 9))
+    a, b, c = (seq_of(i, shared + [50 + i] * 6) for i in range(3))
+    assert run_prefill(bm, a, 0.0) == ([], [12, 2])          # 3 blocks past token 0: saved
+    hits, chunks = run_prefill(bm, b, 0.0)
+    assert hits == [] and chunks == [8, 6]
+    hits, chunks = run_prefill(bm, c, 0.0)
+    assert len(hits) == 2 and chunks == [6]
+    bm.free(a)                                               # three state slots
+    d = seq_of(3, shared + [60] * 13)                        # last full block 3 past the hit
+    hits, chunks = run_prefill(bm, d, 0.0)
+    assert len(hits) == 2 and chunks == [12, 1]
+    s = bm.state_slots.stats()
+    assert s["state_checkpoint_hits"] == 2 and s["state_checkpoint_saves"] == 3, s
+    bm.check_invariants([b, c, d])
+    with pytest.raises(ValueError, match="min_tail_blocks"):
+        BlockManager(4, 4, min_tail_blocks=0)
 
 
 def test_a_failed_step_saves_no_checkpoint():

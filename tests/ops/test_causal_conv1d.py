@@ -19,6 +19,7 @@ CASES = {
     "mixed-rows": (130, 4, 4, False, [(1, True), (9, False), (1, True), (0, True), (3, True),
                                       (0, False), (5, False)]),
     "width-2-long-state": (64, 2, 5, True, [(3, True), (1, True), (6, False)]),
+    "decodes-width-4-state-3": (100, 4, 3, True, [(1, True), (1, True), (2, True)]),
 }
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
 _BODIES = [isa for isa in _C.cpu_isas() if isa in ("portable", "avx512")]
@@ -50,6 +51,30 @@ def test_cpu_matches_reference(case, dtype, activation, isa):
     got = ops.causal_conv1d(x, w, b, state, slots, cu, has, activation=activation, isa=isa)
     torch.testing.assert_close(got, want, **TOL[dtype])
     assert torch.equal(state, want_state)        # the window is a copy of inputs: same bits
+
+
+@pytest.mark.parametrize("isa", _BODIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("width, state_len", [(4, 4), (4, 3), (3, 6)])
+def test_decode_path_same_bits_as_chunk(width, state_len, dtype, isa):
+    """One-token continuing rows take their own path (no transposed copies); two of them in a
+    row give the bits of the same two tokens as one continued chunk (the general path)."""
+    gen = torch.Generator().manual_seed(3)
+    channels = 150
+    x = torch.randn(2, channels, generator=gen).to(dtype)
+    w = torch.randn(channels, width, generator=gen).to(dtype)
+    b = torch.randn(channels, generator=gen).to(dtype)
+    state = torch.randn(2, channels, state_len, generator=gen).to(dtype)
+    slot = torch.tensor([1])
+    has = torch.tensor([True])
+    chunk_state = state.clone()
+    chunk = ops.causal_conv1d(x, w, b, chunk_state, slot, torch.tensor([0, 2], dtype=torch.int32),
+                              has, isa=isa)
+    one = torch.tensor([0, 1], dtype=torch.int32)
+    steps = torch.cat([ops.causal_conv1d(x[t:t + 1], w, b, state, slot, one, has, isa=isa)
+                       for t in range(2)])
+    assert torch.equal(steps, chunk)
+    assert torch.equal(state, chunk_state)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

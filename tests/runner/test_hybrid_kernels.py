@@ -16,6 +16,10 @@ from tests.model_sweep import VOCAB, generate_tokens, tiny_model
 
 FAMILIES = {
     "qwen3_next": dict(layer_types=["linear_attention", "full_attention"]),
+    # Two value heads per key head: b, a and z are strided views of the fused projections
+    # (fp32, where .float() copies nothing).
+    "qwen3_next:2v-per-k": dict(layer_types=["linear_attention", "full_attention"],
+                                linear_num_key_heads=2, linear_num_value_heads=4),
     "qwen3_5_text": dict(layer_types=["linear_attention", "full_attention"]),
     "mamba2": {},
     "bamba": dict(attn_layer_indices=[1]),
@@ -24,7 +28,7 @@ FAMILIES = {
 
 
 def layer_and_entry(family, dtype, num_slots=4):
-    model = tiny_model(family, seed=5, **FAMILIES[family]).to(dtype)
+    model = tiny_model(family.split(":")[0], seed=5, **FAMILIES[family]).to(dtype)
     modules = state_modules(model)
     specs = probe_specs(model, modules)
     pool = StatePool(specs, num_slots, torch.device("cpu"))
@@ -101,7 +105,7 @@ def test_a_kernel_that_differs_is_refused_and_generate_tokens_kept(monkeypatch, 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_engine_runs_the_kernels_and_logs_it(family, caplog):
-    model = tiny_model(family, seed=3, **FAMILIES[family])
+    model = tiny_model(family.split(":")[0], seed=3, **FAMILIES[family])
     with caplog.at_level("INFO", logger="cb_kernels"):
         engine = Engine(model, EngineConfig(block_size=4, num_blocks=32, max_num_seqs=2))
     wrapped = [w for _, w in engine.runner._states._wrapped]
