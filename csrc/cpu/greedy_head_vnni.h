@@ -112,8 +112,10 @@ void tiles_vnni(const Work& w, int64_t t0, int64_t t1, Slice& s) {
     int64_t row = 0;
     for (; row + kRowBlock <= p.num_rows; row += kRowBlock)
       tile_rows_vnni<kRowBlock>(w, tile, row, t * kTile, &s);
-    static_assert(kRowBlock == 4, "the remainder cases below assume blocks of 4 rows");
+    static_assert(kRowBlock == 6, "the remainder cases below assume blocks of 6 rows");
     switch (p.num_rows - row) {
+      case 5: tile_rows_vnni<5>(w, tile, row, t * kTile, &s); break;
+      case 4: tile_rows_vnni<4>(w, tile, row, t * kTile, &s); break;
       case 3: tile_rows_vnni<3>(w, tile, row, t * kTile, &s); break;
       case 2: tile_rows_vnni<2>(w, tile, row, t * kTile, &s); break;
       case 1: tile_rows_vnni<1>(w, tile, row, t * kTile, &s); break;
