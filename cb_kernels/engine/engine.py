@@ -355,7 +355,8 @@ class Engine:
     def sleep(self, level: int = 1, mode: Optional[str] = None) -> int:
         """Free memory for a trainer in the same process; returns the bytes freed. Level 1: the
         KV pool (and state slots) and the prefix cache; level 2 also the runner's private
-        weight copies (packed linears, the greedy head's copy) and scratch buffers. The model's
+        weight copies (packed linears and MoE experts, the greedy head's copy) and the runner's
+        scratch tensors (the C++ kernels' small per-thread work buffers stay). The model's
         own weights stay (they are the trainer's). Requests waiting or running: RuntimeError,
         unless mode="wait" (they finish first) or "abort" (they end now); their outputs come
         with the next step().

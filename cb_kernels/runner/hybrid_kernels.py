@@ -48,7 +48,9 @@ def _project_fused(module, x):
 def _project_split(module, x):
     """Qwen3.5: in_proj_qkv already in conv order; z, b, a projected apart."""
     z = module.in_proj_z(x)[0]
-    return (module.in_proj_qkv(x)[0], (z, z.shape[1], 0, None), module.in_proj_b(x)[0],
+    if z.stride(-1) != 1:           # the gated norm reads a gate row as contiguous channels
+        z = z.contiguous()
+    return (module.in_proj_qkv(x)[0], (z, z.stride(0), 0, None), module.in_proj_b(x)[0],
             module.in_proj_a(x)[0])
 
 
@@ -179,7 +181,8 @@ class Mamba2Kernels:
                                self.state, rows.slots, rows.cu_seqlens, rows.has_state,
                                D=m.D.float(), dt_bias=m.dt_bias.float())
         y = y.view(n, -1)
-        if _fused_norm(m.norm, y.dtype, m.intermediate_size, grouped=True):
+        if gate.dtype == y.dtype and _fused_norm(m.norm, y.dtype, m.intermediate_size,
+                                                 grouped=True):
             y = gated_rms_norm_unchecked(y, gate, m.norm.weight, m.norm.variance_epsilon,
                                          torch.empty_like(y), m.norm.group_size, False,
                                          gate_token_stride=gate.stride(0))

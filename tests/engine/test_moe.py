@@ -169,11 +169,14 @@ def test_sleep_level_2_frees_the_packed_experts_and_wake_up_repacks(moe_on):
     experts = [m for m in model.modules() if type(m).__name__ == "MixtralExperts"]
     packed_bytes = sum(t.numel() * t.element_size() for m in experts
                        for t in (m.gate_up_proj, m.down_proj))
+    groups = engine.runner.packed.experts
+    assert groups and all(g.experts is not None for g in groups)
     freed = engine.sleep(level=2)
     assert freed >= packed_bytes
-    with torch.no_grad():                  # a trainer's step while asleep
-        for m in experts:
-            m.down_proj.mul_(-2.0)
+    assert all(g.experts is None for g in groups)      # the packed copies are gone
+    with torch.no_grad():                  # a trainer's step while asleep, through `.data`:
+        for m in experts:                  # no version bump, so only wake_up's repack sees it
+            m.down_proj.data.mul_(-2.0)
     engine.wake_up()
     assert run(engine, ps) == generate_tokens(model, ps, 10) != want
 
