@@ -14,6 +14,7 @@ void bind_runtime(pybind11::module_& m);         // threads, CUDA device checks
 void bind_paged_attention(pybind11::module_& m);
 void bind_cache_ops(pybind11::module_& m);
 void bind_greedy_tokens(pybind11::module_& m);     // the greedy token of each logits row
+void bind_sample_tokens(pybind11::module_& m);     // a drawn token per logits row, its logprob
 void bind_elementwise(pybind11::module_& m);       // fused RMSNorm, SiLU*mul, rotary (CPU)
 void bind_greedy_head(pybind11::module_& m);       // argmax of hidden @ W^T (CPU, int8 + exact rescoring)
 void bind_linear(pybind11::module_& m);            // fp32 linear on a packed weight (CPU)

@@ -44,6 +44,7 @@ PYBIND11_MODULE(_C, m) {
   bind_paged_attention(m);
   bind_cache_ops(m);
   bind_greedy_tokens(m);
+  bind_sample_tokens(m);
   bind_elementwise(m);
   bind_greedy_head(m);
   bind_linear(m);

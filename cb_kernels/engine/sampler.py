@@ -33,6 +33,7 @@ import torch
 
 from cb_kernels.engine import structured
 from cb_kernels.engine.sequence import Sequence
+from cb_kernels.ops.sample_tokens import sample_tokens_unchecked
 
 _MASK64 = (1 << 64) - 1
 _FP32_MAX = torch.finfo(torch.float32).max
@@ -219,20 +220,33 @@ def filter_logits(y: torch.Tensor, params: list, ids: Optional[torch.Tensor] = N
 
 
 def draw(y: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """One column per row of filtered logits y [num_rows, num_candidates] (row maximum 0; y is
-    consumed: it becomes the masses) from uniforms u [num_rows]: int64 [num_rows]. Inverse CDF
-    over the unnormalized masses: columns of zero mass after the last one that has some change
-    nothing, so a row drawn among its top-k candidates or among the whole vocabulary (in the
-    same column order) gets the same token."""
-    mass = y.exp_()
-    cum = mass.cumsum(-1)
-    target = (u[:, None] * cum[:, -1:])
-    tokens = torch.searchsorted(cum, target, right=True).clamp_(max=y.shape[1] - 1)
-    # fp32 rounding can land the target past the last token of mass; the argmax is then right.
-    empty = mass.gather(1, tokens) <= 0
-    if bool(empty.any()):
-        tokens = torch.where(empty, mass.argmax(-1, keepdim=True), tokens)
-    return tokens[:, 0]
+    """One column per row of filtered logits y [num_rows, num_candidates] (row maximum 0) from
+    uniforms u [num_rows]: int64 [num_rows]. The inverse CDF over the masses exp(y) of
+    ops.sample_tokens, whose sums are exact: columns of zero mass change nothing, so a row drawn
+    among its top-k candidates or among the whole vocabulary (in the same column order) gets
+    the same token, and so does a row that sample_tokens draws from its raw logits and
+    temperature (_sample's plain path: the same y bit for bit)."""
+    return sample_tokens_unchecked(y, u)[0]
+
+
+def _plain(p, vocab: int) -> bool:
+    """Whether a sampled row's filters are its temperature alone (no min_p, top_k, top_p)."""
+    return not p.min_p and not 0 < p.top_k < vocab and p.top_p >= 1
+
+
+def _temperatures(params: list, device) -> Optional[torch.Tensor]:
+    """fp32 [num_rows] temperatures (as filter_logits divides by them), or None when all are 1."""
+    temperature = [p.temperature for p in params]
+    if all(t == 1 for t in temperature):
+        return None
+    return torch.tensor(temperature, dtype=torch.float32, device=device)
+
+
+class _Top:
+    """torch.topk's result shape (values, indices) for top_logprobs."""
+
+    def __init__(self, values: torch.Tensor, indices: torch.Tensor):
+        self.values, self.indices = values, indices
 
 
 # Rows with a top_k of at most this are sampled among their top_k candidates only (a
@@ -354,32 +368,24 @@ class Sampler:
         guided = [i for i, s in enumerate(items) if s.grammar is not None]
         if guided:      # after change_logits: `undo` restores no token the mask blocked
             self.grammars.mask(rows, guided, [items[i].grammar for i in guided])
-        filtered = None
-        if processed and all(p.sampling for p in params) and len(processed) == len(items) and \
-                not any(0 < p.top_k <= MAX_CANDIDATES and p.top_k < rows.shape[1]
-                        for p in params):
-            # Every row processed and drawn over the whole vocabulary (a GRPO round): one filter
-            # serves the logprobs and the draw (sample_rows would filter the same rows alike), and
-            # no copy of the rows: 3 passes over [rows, vocab] fewer a step (512 rows of SmolLM2,
-            # 1 thread: 5% of the round).
-            filtered = filter_logits(rows, params)
-            seen = filtered.log_softmax(-1)
-        elif processed:   # the distribution each row is drawn from (or its argmax taken over)
-            seen = _subset(rows, processed).clone()
-            sampled = [k for k, i in enumerate(processed) if params[i].sampling]
-            if sampled:
-                index = torch.tensor(sampled, device=rows.device)
-                seen[index] = filter_logits(seen[index], [params[processed[k]] for k in sampled])
-            seen = seen.log_softmax(-1)
         drawn = [i for i, p in enumerate(params) if p.sampling]
         tokens = rows.argmax(-1) if len(drawn) < len(items) else None
+        plain = None     # (logprobs, lse) of the drawn rows, when one sample_tokens drew them all
         if drawn:
             seeds = torch.tensor([self.seed_of(items[i]) for i in drawn], dtype=torch.int64)
             positions = torch.tensor([items[i].num_generated_tokens for i in drawn],
                                      dtype=torch.int64)
             u = uniforms(seeds, positions).to(rows.device)
-            picked = draw(filtered, u) if filtered is not None else \
-                sample_rows(_subset(rows, drawn), [params[i] for i in drawn], u)
+            pd = [params[i] for i in drawn]
+            if all(_plain(p, rows.shape[1]) for p in pd):
+                # Temperature alone (a GRPO round): one pass per row draws the token and gives
+                # its processed logprob, no [rows, vocab] temporary (ops/sample_tokens.py); the
+                # same bits as filter_logits then draw.
+                picked, lps, lses = sample_tokens_unchecked(_subset(rows, drawn), u,
+                                                            _temperatures(pd, rows.device))
+                plain = dict(zip(drawn, zip(lps.tolist(), lses.tolist())))
+            else:
+                picked = sample_rows(_subset(rows, drawn), pd, u)
             tokens = picked if tokens is None else \
                 tokens.index_copy(0, torch.tensor(drawn, device=rows.device), picked)
         if asks:
@@ -391,17 +397,49 @@ class Sampler:
             for i, (entry, lp) in zip(asks, entries):
                 items[i].record_logprob(entry, lp)
         if processed:
-            ks = [params[i].logprobs for i in processed]
-            chosen = _subset(tokens[:, None], processed)
-            top = torch.topk(seen, max(ks), dim=-1) if max(ks) else None
-            entries = top_logprobs(chosen[:, 0], seen.gather(1, chosen)[:, 0], top,
-                                   torch.zeros(len(processed), 1, device=seen.device), ks)
+            entries = self._processed_logprobs(rows, params, processed, tokens, plain)
             for i, (entry, lp) in zip(processed, entries):
                 items[i].record_logprob(entry, lp)
         tokens = tokens.tolist()
         if guided:
             structured.consume([items[i].grammar for i in guided], [tokens[i] for i in guided])
         return tokens
+
+    @staticmethod
+    def _processed_logprobs(rows: torch.Tensor, params: list, processed: list,
+                            tokens: torch.Tensor, plain: Optional[dict]) -> list:
+        """(entry, logprob) per row of `processed`: of the distribution the row was drawn from
+        (or its argmax taken over), y = its filtered logits (row maximum 0), with the logsumexp
+        of ops.sample_tokens whichever path drew the row, so the logprob is the same bits for
+        the same row in any batch. `plain`: row -> (logprob, lse) when sample_tokens drew the
+        rows from the raw ones."""
+        ks = [params[i].logprobs for i in processed]
+        chosen = _subset(tokens[:, None], processed)
+        if plain is not None and all(i in plain for i in processed):
+            lp = torch.tensor([plain[i][0] for i in processed])
+            lse = torch.tensor([plain[i][1] for i in processed])[:, None]
+            top = None
+            if max(ks):       # y = (x - max) / temperature of the top k, as the kernel's
+                t = torch.topk(_subset(rows, processed), max(ks), dim=-1)
+                y = t.values - t.values[:, :1]
+                temps = _temperatures([params[i] for i in processed], rows.device)
+                top = _Top(y / temps[:, None] if temps is not None else y, t.indices)
+            return top_logprobs(chosen[:, 0], lp, top, lse.to(rows.device), ks)
+        seen = _subset(rows, processed).clone()
+        sampled = [k for k, i in enumerate(processed) if params[i].sampling]
+        greedy = [k for k, i in enumerate(processed) if not params[i].sampling]
+        if sampled:
+            index = torch.tensor(sampled, device=rows.device)
+            seen[index] = filter_logits(seen[index], [params[processed[k]] for k in sampled])
+        if greedy:
+            index = torch.tensor(greedy, device=rows.device)
+            g = seen[index]
+            seen[index] = g - g.amax(-1, keepdim=True)
+        half = torch.full((len(processed),), 0.5, device=rows.device)
+        lse = sample_tokens_unchecked(seen, half)[2][:, None]
+        lp = (seen.gather(1, chosen) - lse)[:, 0]
+        top = torch.topk(seen, max(ks), dim=-1) if max(ks) else None
+        return top_logprobs(chosen[:, 0], lp, top, lse, ks)
 
     # -- prompt logprobs ------------------------------------------------------------------------
     @staticmethod

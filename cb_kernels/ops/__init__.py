@@ -19,6 +19,7 @@ from cb_kernels.ops.paged_attention import paged_attention, paged_attention_unch
 from cb_kernels.ops.rms_norm import rms_norm, rms_norm_unchecked
 from cb_kernels.ops.rope import rope_
 from cb_kernels.ops.rope_write_kv import rope_write_kv_, rope_write_kv_unchecked
+from cb_kernels.ops.sample_tokens import sample_tokens
 from cb_kernels.ops.selective_scan import selective_scan
 from cb_kernels.ops.silu_mul import silu_mul
 from cb_kernels.ops.swap_blocks import swap_blocks
@@ -29,4 +30,4 @@ __all__ = ["available_backends", "paged_attention", "paged_attention_unchecked",
            "GreedyHead", "PackedLinear", "rms_norm", "rms_norm_unchecked", "silu_mul", "rope_",
            "rope_write_kv_", "rope_write_kv_unchecked", "FusedDecoder", "gated_delta_rule",
            "gated_delta_rule_unchecked", "causal_conv1d", "causal_conv1d_unchecked", "selective_scan",
-           "PackedExperts", "moe_experts", "gated_rms_norm"]
+           "PackedExperts", "moe_experts", "gated_rms_norm", "sample_tokens"]

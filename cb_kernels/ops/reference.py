@@ -97,6 +97,32 @@ def ref_greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
+
+def ref_sample_tokens(logits: torch.Tensor, u: torch.Tensor, temperature=None) -> tuple:
+    """logits: fp32 [num_rows, num_cols]; u: fp32 [num_rows] in (0, 1); temperature: fp32
+    [num_rows] or None. Returns (int64 tokens, fp32 logprobs, fp32 lse) [num_rows] each: with
+    y = (logits - row max) / temperature, the first column whose running fp32 sum of exp(y)
+    passes u * the row's sum (the argmax if rounding lands past the last column of mass),
+    y[token] - logsumexp(y), logsumexp(y). A row holding NaN or +inf (or only -inf): its argmax
+    (torch's rule: the first NaN, else the first maximum), NaN logprob and lse."""
+    top = logits.amax(-1, keepdim=True)
+    y = logits - top
+    if temperature is not None:
+        y = y / temperature[:, None]
+    bad = logits.isnan().any(-1) | top[:, 0].isinf()
+    logp = y.log_softmax(-1)
+    mass = y.exp()
+    cum = mass.cumsum(-1)
+    tokens = torch.searchsorted(cum, u[:, None] * cum[:, -1:], right=True)
+    tokens = tokens.clamp_(max=y.shape[1] - 1)
+    empty = mass.gather(1, tokens) <= 0
+    tokens = torch.where(empty, mass.argmax(-1, keepdim=True), tokens)[:, 0]
+    tokens = torch.where(bad, logits.argmax(-1), tokens)
+    nan = torch.full_like(u, float("nan"))
+    logprobs = torch.where(bad, nan, logp.gather(1, tokens[:, None])[:, 0])
+    lse = torch.where(bad, nan, (y[:, :1] - logp[:, :1])[:, 0])
+    return tokens, logprobs, lse
+
 def ref_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> torch.Tensor:
     """x: [..., dim] (x += residual in place first when residual, like x, is given); weight: [dim].

@@ -13,17 +13,18 @@ from tests.helpers import make_model, random_prompts
 def test_forked_samples_never_outnumber_the_step_rows(monkeypatch):
     seen = []              # (rows sampled from, sequences of the step) per call
     step_rows = []
-    real_sample, real_call = sampler.sample_rows, sampler.Sampler.__call__
+    # Every draw goes through ops.sample_tokens (sample_rows' filtered rows and the plain ones).
+    real_sample, real_call = sampler.sample_tokens_unchecked, sampler.Sampler.__call__
 
-    def sample_rows(x, params, u):
+    def sample_tokens(x, u, temperature=None):
         seen.append((x.shape[0], step_rows[-1]))
-        return real_sample(x, params, u)
+        return real_sample(x, u, temperature)
 
     def call(self, logits, seqs, prompt_rows=None):
         step_rows.append(len(seqs))
         return real_call(self, logits, seqs, prompt_rows)
 
-    monkeypatch.setattr(sampler, "sample_rows", sample_rows)
+    monkeypatch.setattr(sampler, "sample_tokens_unchecked", sample_tokens)
     monkeypatch.setattr(sampler.Sampler, "__call__", call)
     torch.manual_seed(0)
     engine = Engine(make_model("llama"), EngineConfig(num_blocks=64, block_size=8,
