@@ -388,6 +388,10 @@ class Sampler:
                 picked = sample_rows(_subset(rows, drawn), pd, u)
             tokens = picked if tokens is None else \
                 tokens.index_copy(0, torch.tensor(drawn, device=rows.device), picked)
+        if processed:     # before `undo` gives the asking rows back their raw values
+            entries = self._processed_logprobs(rows, params, processed, tokens, plain)
+            for i, (entry, lp) in zip(processed, entries):
+                items[i].record_logprob(entry, lp)
         if asks:
             for row, col, value in reversed(undo):
                 rows[row, col] = value
@@ -395,10 +399,6 @@ class Sampler:
             chosen_lp = (_subset(rows, asks).gather(1, chosen) - lse)[:, 0]
             entries = top_logprobs(chosen[:, 0], chosen_lp, top, lse, ks)
             for i, (entry, lp) in zip(asks, entries):
-                items[i].record_logprob(entry, lp)
-        if processed:
-            entries = self._processed_logprobs(rows, params, processed, tokens, plain)
-            for i, (entry, lp) in zip(processed, entries):
                 items[i].record_logprob(entry, lp)
         tokens = tokens.tolist()
         if guided:

@@ -120,7 +120,7 @@ def ref_sample_tokens(logits: torch.Tensor, u: torch.Tensor, temperature=None) -
     tokens = torch.where(bad, logits.argmax(-1), tokens)
     nan = torch.full_like(u, float("nan"))
     logprobs = torch.where(bad, nan, logp.gather(1, tokens[:, None])[:, 0])
-    lse = torch.where(bad, nan, (y[:, :1] - logp[:, :1])[:, 0])
+    lse = torch.where(bad, nan, torch.logsumexp(y, -1))
     return tokens, logprobs, lse
 
 def ref_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
