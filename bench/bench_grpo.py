@@ -40,6 +40,8 @@ optimizer step (it repacks the weight copies: paid once per round).
     python bench/bench_grpo.py --threads 2 --contenders generate_batch --baseline-rounds 1 \
         --json /tmp/b.json
     python bench/bench_grpo.py --merge /tmp/a.json /tmp/b.json --json /tmp/grpo.json
+    # where the engine's step goes (one round after a warm-up call, wall time per part):
+    python bench/bench_grpo.py --threads 2 --profile --max-new-tokens 16
 """
 from __future__ import annotations
 
@@ -219,6 +221,52 @@ def run_rounds(name: str, model, initial: dict, prompts: list, args, rounds: int
     return summarize(row, len(prompts) * args.n * args.max_new_tokens)
 
 
+def profile_round(model, prompts: list, args, pool_tokens: int) -> dict:
+    """One engine round with wall-clock timers around the parts of a step: the runner (the
+    decoder and the LM head), the LM head alone, the sampler and its draws (ops.sample_tokens),
+    the logprob recording. Returns {part: (seconds, calls)}; prints ms per step."""
+    from collections import defaultdict
+
+    from cb_kernels.engine import engine as engine_mod, sampler, sequence
+    from cb_kernels.runner import lm_head, transformers_runner
+
+    spent, calls = defaultdict(float), defaultdict(int)
+    timed = [(engine_mod.Engine, "step", "step"),
+             (transformers_runner.TransformersRunner, "execute", "runner (decoder + LM head)"),
+             (lm_head.LogitsHead, "logits", "LM head"),
+             (sampler.Sampler, "__call__", "sampler"),
+             (sampler, "sample_tokens_unchecked", "sampler: sample_tokens"),
+             (sequence.Sequence, "record_logprob", "sampler: record_logprob")]
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in timed]
+
+    def timer(fn, key):
+        def call(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent[key] += time.perf_counter() - t0
+                calls[key] += 1
+        return call
+
+    runner = EngineRounds(model, args, pool_tokens)
+    runner.generate(prompts[:2])                           # one-time costs, untimed
+    for obj, name, key in timed:
+        setattr(obj, name, timer(getattr(obj, name), key))
+    try:
+        t0 = time.perf_counter()
+        runner.generate(prompts)
+        total = time.perf_counter() - t0
+    finally:
+        for obj, name, fn in saved:
+            setattr(obj, name, fn)
+    steps = calls["step"]
+    print(f"one round: {total:.2f} s, {steps} steps, load {os.getloadavg()[0]:.1f}")
+    for key in spent:
+        print(f"  {key:28s} {1000 * spent[key] / steps:8.1f} ms a step ({calls[key]} calls)")
+    return {key: (spent[key], calls[key]) for key in spent} | {"round_s": (total, steps)}
+
+
 def summarize(row: dict, tokens: int) -> dict:
     gen, step = row["generate_s"], row["step_s"]
     later = gen[1:] or gen
@@ -303,6 +351,8 @@ def main(argv=None) -> int:
     p.add_argument("--decode-steps", type=int, default=10)
     p.add_argument("--no-weight-follow", action="store_true",
                    help="skip the weight-follow measurement (a run that only adds a baseline)")
+    p.add_argument("--profile", action="store_true",
+                   help="time the engine's step by part over one round (no contenders)")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
     if args.merge:
@@ -337,6 +387,14 @@ def main(argv=None) -> int:
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     # The KV budget of the engine and of generate_batch: every completion of the round at once.
     pool_tokens = args.prompts * args.n * (max(map(len, prompts)) + args.max_new_tokens + 16)
+    if args.profile:
+        res = {"meta": {"bench": "grpo_profile", "model": args.model, "prompts": args.prompts,
+                        "n": args.n, "max_new_tokens": args.max_new_tokens,
+                        "threads": torch.get_num_threads(), "load_before": os.getloadavg()},
+               "parts": profile_round(model, prompts, args, pool_tokens)}
+        res["meta"]["load_after"] = os.getloadavg()
+        write_json(res, args.json)
+        return 0
     res = {"meta": {"bench": "grpo", "model": args.model, "dtype": args.dtype,
                     "prompts": args.prompts, "n": args.n, "max_new_tokens": args.max_new_tokens,
                     "prompt_tokens": sum(map(len, prompts)), "trl_batch": args.trl_batch,

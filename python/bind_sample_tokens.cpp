@@ -1,4 +1,4 @@
-// cb_kernels._C.sample_tokens: the CPU kernel behind cb_kernels.ops.sample_tokens, which owns the checks.
+// cb_kernels._C.sample_tokens: the CPU kernel behind cb_kernels.ops.sample_tokens (which checks).
 #include <pybind11/pybind11.h>
 
 #include "bindings.h"
@@ -10,7 +10,8 @@ void bind_sample_tokens(py::module_& m) {
   m.def(
       "sample_tokens",
       [](uintptr_t logits, uintptr_t temperature, uintptr_t u, uintptr_t out, uintptr_t logprobs,
-         uintptr_t lse, int64_t num_rows, int64_t num_cols, int64_t row_stride, const std::string& isa) {
+         uintptr_t lse, int64_t num_rows, int64_t num_cols, int64_t row_stride,
+         const std::string& isa) {
         cbk::SampleTokensParams p;
         p.logits = cbk::as_ptr<const float>(logits);
         p.temperature = cbk::as_ptr<const float>(temperature);

@@ -6,10 +6,14 @@ feature get its neutral value, so one tensor op serves the batch):
   (transformers' rule over prompt and output tokens) -> frequency / presence penalty (OpenAI's,
   over output tokens) -> greedy rows: argmax; sampled rows: temperature -> min_p -> top_k ->
   top_p -> one draw.
-The draw is an inverse-CDF lookup with one uniform per row. That uniform is a counter-based hash
-(splitmix64) of the sample's seed and the token's position, computed on the device for all rows
-together: a sample's tokens depend only on its seed and position, never on its batch neighbours,
-on preemption or on how many draws came before, and no per-request generator call is needed.
+The draw is an inverse-CDF lookup with one uniform per row, made by ops.sample_tokens over the
+integer masses trunc(exp(y) * 2^40) of the filtered logits y, summed exactly: a row gets the same
+token among its top-k candidates as over the whole vocabulary, and a temperature-only row (no
+min_p, top_k, top_p) is drawn in one pass from its raw logits with the same bits as filter_logits
+then the draw. The uniform is a counter-based hash (splitmix64) of the sample's seed and the
+token's position, computed on the device for all rows together: a sample's tokens depend only
+on its seed and position, never on its batch neighbours, on preemption or on how many draws came
+before, and no per-request generator call is needed.
 Every filter keeps the most likely token and the temperature is applied after subtracting the
 row's maximum, so any accepted value gives a valid distribution (never inf or NaN).
 
@@ -21,8 +25,10 @@ Logprobs (logprobs=k, prompt_logprobs=k) are the log-softmax of the raw fp32 log
 for the rows of requests that asked; with SamplingParams.logprobs_mode="processed" a generated
 token's logprobs are those of the distribution it was drawn from instead (vLLM's
 processed_logprobs): after bias, min_new_tokens and the penalties, and for sampled rows after
-temperature, min_p, top_k and top_p (a token they removed has logprob -inf). A request with n > 1 samples draws its n first tokens from
-the one logits row of its prompt's last position (engine.py then forks the other samples).
+temperature, min_p, top_k and top_p (a token they removed has logprob -inf); y minus
+sample_tokens' logsumexp, whichever path drew the row (the same bits next to any neighbours).
+A request with n > 1 samples draws its n first tokens from the one logits row of its prompt's
+last position (engine.py then forks the other samples).
 """
 from __future__ import annotations
 

@@ -22,8 +22,8 @@ from cb_kernels.ops.reference import ref_sample_tokens
 MAX_COLS = 1 << 22      # the kernel's integer sums stay below 2^62
 
 
-def sample_tokens(logits: torch.Tensor, u: torch.Tensor, temperature: Optional[torch.Tensor] = None,
-                  *, isa: str = "auto") -> tuple:
+def sample_tokens(logits: torch.Tensor, u: torch.Tensor,
+                  temperature: Optional[torch.Tensor] = None, *, isa: str = "auto") -> tuple:
     """One token per row of logits.
 
     Parameters
@@ -47,7 +47,8 @@ def _check(logits, u, temperature) -> None:
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
     if logits.dim() != 2:
-        raise ValueError(f"logits must be 2-D [num_rows, num_cols], got shape {tuple(logits.shape)}")
+        raise ValueError(f"logits must be 2-D [num_rows, num_cols], got shape "
+                         f"{tuple(logits.shape)}")
     if not 1 <= logits.shape[1] <= MAX_COLS:
         raise ValueError(f"logits must have 1 to 2^22 columns, got {logits.shape[1]}")
     if not logits.is_floating_point():

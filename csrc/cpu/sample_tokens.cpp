@@ -197,7 +197,8 @@ void sample_row(const SampleTokensParams& p, int64_t r, std::vector<int64_t>& bl
 
 Status sample_tokens(const SampleTokensParams& p) {
   if (p.num_rows < 0 || p.num_cols <= 0 || p.num_cols > kSampleMaxCols || p.row_stride < p.num_cols)
-    return Status::Error("sample_tokens: need num_rows >= 0, 0 < num_cols <= 2^22, row_stride >= num_cols");
+    return Status::Error(
+        "sample_tokens: need num_rows >= 0, 0 < num_cols <= 2^22, row_stride >= num_cols");
   if (p.num_rows == 0) return Status::Ok();
   if (!p.logits || !p.u || !p.out) return Status::Error("sample_tokens: null pointer");
   // A thread per row pays off from about 64k values (as greedy_tokens).

@@ -55,7 +55,8 @@ def test_each_body_against_the_reference(name, x, temperature):
         assert torch.equal(tokens, want[0]), f"{isa}: {tokens.tolist()} vs {want[0].tolist()}"
         assert torch.allclose(logprobs, want[1], atol=TOL, rtol=1e-6), \
             f"{isa}: {(logprobs - want[1]).abs().max()}"
-        assert torch.allclose(lse, want[2], atol=TOL, rtol=1e-6), f"{isa}: {(lse - want[2]).abs().max()}"
+        assert torch.allclose(lse, want[2], atol=TOL, rtol=1e-6), \
+            f"{isa}: {(lse - want[2]).abs().max()}"
         for a, b in zip((tokens, logprobs, lse), outs[BODIES[0]]):
             assert torch.equal(a, b), f"{isa} differs from {BODIES[0]}"
 
@@ -169,7 +170,7 @@ def test_registered_op():
     torch.library.opcheck(torch.ops.cb_kernels.sample_tokens.default, (x, u, t))
     torch.library.opcheck(torch.ops.cb_kernels.sample_tokens.default, (x, u, None))
     with FakeTensorMode():
-        tokens, logprobs, lse = torch.ops.cb_kernels.sample_tokens(torch.empty(5, 70), torch.empty(5),
-                                                                   None)
+        tokens, logprobs, lse = torch.ops.cb_kernels.sample_tokens(torch.empty(5, 70),
+                                                                   torch.empty(5), None)
     assert tokens.dtype == torch.int64 and tuple(tokens.shape) == (5,)
     assert logprobs.dtype == lse.dtype == torch.float32
