@@ -155,3 +155,21 @@ def test_grpo_bench_one_contender_per_run_then_merge(tmp_path):
     assert r.returncode != 0 and "the runs differ in their settings" in r.stderr
     r = run("--quick", "--contenders", "cb_kernels,vllm")
     assert r.returncode != 0 and "--contenders takes names of" in r.stderr
+
+
+def test_grpo_bench_profile_times_the_parts_of_a_step(tmp_path):
+    """bench_grpo.py --profile: one engine round with timers around the step's parts; each part
+    was called, the parts nest (LM head <= runner <= step; sample_tokens <= sampler) and the
+    timers are taken off again (the JSON is written after the round)."""
+    out = tmp_path / "profile.json"
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_grpo.py"), "--quick",
+                        "--threads", "1", "--profile", "--json", str(out)], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    parts = json.loads(out.read_text())["parts"]
+    seconds = {k: v[0] for k, v in parts.items()}
+    assert all(v[1] > 0 for v in parts.values()), parts
+    assert seconds["LM head"] <= seconds["runner (decoder + LM head)"] <= seconds["step"]
+    assert seconds["sampler: sample_tokens"] <= seconds["sampler"] <= seconds["step"]
+    assert parts["sampler: record_logprob"][1] == 8 * 4 * 16        # one per generated token
+    assert seconds["step"] <= parts["round_s"][0] and "ms a step" in r.stdout
