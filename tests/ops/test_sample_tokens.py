@@ -174,3 +174,27 @@ def test_registered_op():
                                                                    torch.empty(5), None)
     assert tokens.dtype == torch.int64 and tuple(tokens.shape) == (5,)
     assert logprobs.dtype == lse.dtype == torch.float32
+
+
+@pytest.mark.parametrize("isa", BODIES)
+def test_tokens_match_float64_arithmetic(isa):
+    """Against the inverse CDF in float64 (exp and running sum), 256 rows of a wide vocabulary:
+    the same token wherever the target is farther than 2e-7 of the row's mass from a column
+    boundary (fp32 exp's error; the fp32-cumsum reference misses some of these: it gave another
+    token for 1 of 512 SmolLM2-wide rows whose target sat 2.5e-8 from a boundary)."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(256, 20000, generator=g) * 3
+    u = torch.rand(256, generator=g).clamp(1e-7, 1 - 1e-7)
+    t = torch.rand(256, generator=g) + 0.5
+    tokens = sample_tokens(x, u, t, isa=isa)[0]
+    y = ((x - x.amax(-1, keepdim=True)) / t[:, None]).double()
+    cum = y.exp().cumsum(-1)
+    target = u.double()[:, None] * cum[:, -1:]
+    exact = torch.searchsorted(cum, target, right=True)[:, 0]
+    lo = torch.where(exact > 0, cum.gather(1, (exact - 1).clamp(min=0)[:, None])[:, 0],
+                     torch.zeros(256, dtype=torch.float64))
+    hi = cum.gather(1, exact[:, None])[:, 0]
+    margin = torch.minimum(target[:, 0] - lo, hi - target[:, 0]) / cum[:, -1]
+    clear = margin > 2e-7
+    assert clear.sum() > 240
+    assert torch.equal(tokens[clear], exact[clear])
