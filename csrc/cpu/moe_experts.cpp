@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <mutex>
 #include <vector>
 
 #include "attention_vec.h"
@@ -39,6 +40,50 @@
 #endif
 
 namespace cbk {
+namespace cpu {
+namespace moe_ws {
+// Every thread's MoE buffers (the caller's routing lists and its [num_pairs, hidden] fp32
+// contributions, each worker's GEMM scratch) sit in one registry, so that
+// moe_release_workspaces() can free them: Engine.sleep(level=2) does, since the contributions
+// of one long prefill (8192 tokens x top 10 x hidden 2048) reach 640 MiB. A call holds its
+// buffers' mutex; release only try_locks (a buffer in use stays, and no lock order can cycle).
+// Inline, so the portable, avx512 and avx512_bf16 builds of this file share one registry.
+struct Buffers;
+inline std::mutex& registry_mutex() {
+  static std::mutex* m = new std::mutex;   // never destroyed: thread exits may outlive statics
+  return *m;
+}
+inline std::vector<Buffers*>& registry() {
+  static std::vector<Buffers*>* r = new std::vector<Buffers*>;
+  return *r;
+}
+struct Buffers {
+  std::mutex mu;
+  Buffers() {
+    std::lock_guard<std::mutex> lock(registry_mutex());
+    registry().push_back(this);
+  }
+  virtual ~Buffers() {
+    std::lock_guard<std::mutex> lock(registry_mutex());
+    auto& r = registry();
+    r.erase(std::remove(r.begin(), r.end(), this), r.end());
+  }
+  Buffers(const Buffers&) = delete;
+  Buffers& operator=(const Buffers&) = delete;
+  virtual int64_t bytes() const = 0;
+  virtual void clear() = 0;
+};
+template <typename V>
+int64_t capacity_bytes(const V& v) {
+  return static_cast<int64_t>(v.capacity() * sizeof(typename V::value_type));
+}
+template <typename V>
+void free_vector(V& v) {
+  V().swap(v);
+}
+}  // namespace moe_ws
+}  // namespace cpu
+
 namespace CBK_CPU_NS {
 using cpu::max_threads;
 namespace {
@@ -259,19 +304,45 @@ struct Item {
   int64_t expert, start, rows;   // pairs sorted[start .. start + rows) of `expert`
 };
 
-// What one thread reuses from call to call.
+// What one thread reuses from item to item.
 template <typename E>
-struct Scratch {
+struct Scratch : cpu::moe_ws::Buffers {
   std::vector<typename E::Unit> xp;
   std::vector<float> g, d;
   std::vector<typename E::T> h;
   std::vector<const typename E::T*> src;
+  int64_t bytes() const override {
+    using cpu::moe_ws::capacity_bytes;
+    return capacity_bytes(xp) + capacity_bytes(g) + capacity_bytes(d) + capacity_bytes(h) +
+           capacity_bytes(src);
+  }
+  void clear() override {
+    using cpu::moe_ws::free_vector;
+    free_vector(xp), free_vector(g), free_vector(d), free_vector(h), free_vector(src);
+  }
+};
+
+// What the calling thread reuses from call to call: the routing sort and the contributions.
+struct CallBuffers : cpu::moe_ws::Buffers {
+  std::vector<int64_t> counts, sorted;
+  std::vector<Item> items;
+  std::vector<float> contrib;
+  int64_t bytes() const override {
+    using cpu::moe_ws::capacity_bytes;
+    return capacity_bytes(counts) + capacity_bytes(sorted) + capacity_bytes(items) +
+           capacity_bytes(contrib);
+  }
+  void clear() override {
+    using cpu::moe_ws::free_vector;
+    free_vector(counts), free_vector(sorted), free_vector(items), free_vector(contrib);
+  }
 };
 
 template <typename E>
 void run_item(const MoeExpertsParams& p, const Item& it, const int64_t* sorted, float* contrib) {
   using T = typename E::T;
   thread_local Scratch<E> s;
+  std::lock_guard<std::mutex> lock(s.mu);
   const int64_t rows = it.rows, H = p.hidden, I = p.inter;
   const int64_t units = std::max((H + E::kPerUnit - 1) / E::kPerUnit, (I + E::kPerUnit - 1) / E::kPerUnit);
   const int64_t padded = (rows + kMR - 1) / kMR * kMR;
@@ -319,9 +390,12 @@ template <typename E>
 Status run(const MoeExpertsParams& p) {
   const int64_t num_pairs = p.num_tokens * p.top_k;
   // The pairs by expert (a counting sort, stable: token order inside an expert).
-  thread_local std::vector<int64_t> counts, sorted;
-  thread_local std::vector<Item> items;
-  thread_local std::vector<float> contrib;
+  thread_local CallBuffers w;
+  std::lock_guard<std::mutex> lock(w.mu);
+  std::vector<int64_t>& counts = w.counts;
+  std::vector<int64_t>& sorted = w.sorted;
+  std::vector<Item>& items = w.items;
+  std::vector<float>& contrib = w.contrib;
   counts.assign(static_cast<size_t>(p.num_experts + 1), 0);
   for (int64_t i = 0; i < num_pairs; ++i) {
     const int64_t e = p.topk_ids[i];
@@ -387,6 +461,28 @@ Status moe_experts(const MoeExpertsParams& p);
 #endif
 
 namespace cpu {
+int64_t moe_workspace_bytes() {
+  std::lock_guard<std::mutex> lock(moe_ws::registry_mutex());
+  int64_t n = 0;
+  for (moe_ws::Buffers* b : moe_ws::registry()) {
+    std::unique_lock<std::mutex> held(b->mu, std::try_to_lock);
+    if (held.owns_lock()) n += b->bytes();
+  }
+  return n;
+}
+
+int64_t moe_release_workspaces() {
+  std::lock_guard<std::mutex> lock(moe_ws::registry_mutex());
+  int64_t freed = 0;
+  for (moe_ws::Buffers* b : moe_ws::registry()) {
+    std::unique_lock<std::mutex> held(b->mu, std::try_to_lock);
+    if (!held.owns_lock()) continue;       // a call is using it now
+    freed += b->bytes();
+    b->clear();
+  }
+  return freed;
+}
+
 Isa moe_experts_isa(DType dtype, Isa isa) {
   if (!CBK_X86_BODIES) return Isa::kPortable;
   return dtype == DType::kBFloat16 ? pick(isa, {Isa::kPortable, Isa::kAvx512Bf16})

@@ -52,7 +52,12 @@ void for_each_row_part(const int32_t* cu_seqlens, int64_t num_seqs, int64_t num_
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
     return cu_seqlens[a + 1] - cu_seqlens[a] > cu_seqlens[b + 1] - cu_seqlens[b];
   });
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  // Chunks of items, ~16 per thread: one item a grab made the threads fight over the loop
+  // counter's cache line when items are tiny (a decode's conv: 1088 items of ~150 ns for 16 rows
+  // x 4352 channels, 164 us on one thread and 186-242 us on two, Zen 4); 16 chunks a thread
+  // still let the short items fill in behind the long ones.
+  const int64_t chunk = std::max<int64_t>(1, items / (int64_t{16} * threads));
+#pragma omp parallel for schedule(dynamic, chunk) num_threads(threads)
   for (int64_t it = 0; it < items; ++it) fn(order[it / num_parts], it % num_parts);
 }
 

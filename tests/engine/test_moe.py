@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from cb_kernels import Engine, EngineConfig, SamplingParams
+from cb_kernels.ops import moe as moe_ops
 from cb_kernels.ops.moe import PackedExperts
 from cb_kernels.runner import moe_layers
 from tests.model_sweep import VOCAB, generate_tokens, tiny_model
@@ -162,18 +163,25 @@ def test_router_logits_packed_and_following_the_weight(moe_on):
 
 
 def test_sleep_level_2_frees_the_packed_experts_and_wake_up_repacks(moe_on):
+    """The packed experts and the op's per-thread work buffers (its [num_tokens * top_k,
+    hidden] fp32 contributions) are freed; wake_up repacks from the weights as they are then."""
     model = tiny_model("mixtral", seed=7)
     ps = prompts(seed=5)
     engine = Engine(model, EngineConfig())
     want = run(engine, ps)
+    held = moe_ops.workspace_bytes()
+    # the prefill's contributions alone: 52 prompt tokens x top_k x hidden fp32
+    assert held >= sum(map(len, ps)) * model.config.num_experts_per_tok * \
+        model.config.hidden_size * 4
     experts = [m for m in model.modules() if type(m).__name__ == "MixtralExperts"]
     packed_bytes = sum(t.numel() * t.element_size() for m in experts
                        for t in (m.gate_up_proj, m.down_proj))
     groups = engine.runner.packed.experts
     assert groups and all(g.experts is not None for g in groups)
     freed = engine.sleep(level=2)
-    assert freed >= packed_bytes
+    assert freed >= packed_bytes + held
     assert all(g.experts is None for g in groups)      # the packed copies are gone
+    assert moe_ops.workspace_bytes() == 0              # and the op's buffers
     with torch.no_grad():                  # a trainer's step while asleep, through `.data`:
         for m in experts:                  # no version bump, so only wake_up's repack sees it
             m.down_proj.data.mul_(-2.0)

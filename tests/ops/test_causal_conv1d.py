@@ -158,16 +158,19 @@ def test_bad_input_raises_naming_it(call, error, match):
         call()
 
 
-def test_thread_split_does_not_change_bits():
+@pytest.mark.parametrize("lengths", [[1, 300, 1, 1, 40, 1], [1] * 20 + [300] + [1] * 20],
+                         ids=["few_rows", "many_rows_chunked"])
+def test_thread_split_does_not_change_bits(lengths):
     """A call big enough for two threads (one long prefill row, decodes around it: the rows are
-    split longest first) gives the bits of the one-thread call, state included."""
+    split longest first) gives the bits of the one-thread call, state included; with many rows
+    the threads take the items in chunks of several (varlen_items.h), across rows."""
     gen = torch.Generator().manual_seed(5)
-    channels, width, lengths = 256, 4, [1, 300, 1, 1, 40, 1]
+    channels, width = 256, 4
     n = sum(lengths)
     x = torch.randn(n, channels, generator=gen)
     w = torch.randn(channels, width, generator=gen)
     state = torch.randn(len(lengths), channels, width, generator=gen)
     slots = torch.arange(len(lengths))
     cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
-    has = torch.tensor([True, False, True, True, True, True])
+    has = torch.tensor([n != 300 for n in lengths])
     assert_same_at_threads(lambda s: ops.causal_conv1d(x, w, None, s, slots, cu, has), state)

@@ -123,11 +123,14 @@ def test_bad_input_raises_naming_it(call, error, match):
         call()
 
 
-def test_thread_split_does_not_change_bits():
+@pytest.mark.parametrize("lengths", [[1, 48, 1, 1, 9], [1] * 20 + [48] + [1] * 20 + [9]],
+                         ids=["few_rows", "many_rows_chunked"])
+def test_thread_split_does_not_change_bits(lengths):
     """A call big enough for two threads (a long prefill row among decodes, split longest first
-    over (row, head) items) gives the bits of the one-thread call, state included."""
+    over (row, head) items) gives the bits of the one-thread call, state included; with many
+    rows the threads take the items in chunks of several (varlen_items.h), across rows."""
     gen = torch.Generator().manual_seed(6)
-    lengths, h, p, n_state = [1, 48, 1, 1, 9], 4, 32, 64
+    h, p, n_state = 4, 32, 64
     n = sum(lengths)
     x = torch.randn(n, h, p, generator=gen)
     B, C = torch.randn(2, n, 1, n_state, generator=gen)
@@ -136,5 +139,5 @@ def test_thread_split_does_not_change_bits():
     state = torch.randn(len(lengths), h, p, n_state, generator=gen)
     slots = torch.arange(len(lengths))
     cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
-    has = torch.tensor([True, False, True, True, False])
+    has = torch.tensor([i % 3 != 1 for i in range(len(lengths))])
     assert_same_at_threads(lambda s: ops.selective_scan(x, dt, A, B, C, s, slots, cu, has), state)

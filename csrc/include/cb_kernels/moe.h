@@ -48,6 +48,10 @@ namespace cpu {
 // avx512_bf16 (vdpbf16ps pair products).
 Status moe_experts(const MoeExpertsParams& p, Isa isa = Isa::kAuto);
 Isa moe_experts_isa(DType dtype, Isa isa = Isa::kAuto);  // the body moe_experts(p, isa) runs here
+// Bytes of the work buffers moe_experts keeps between calls (every thread's; not those of a
+// call running now), and freeing them (returns the bytes freed): Engine.sleep(level=2).
+int64_t moe_workspace_bytes();
+int64_t moe_release_workspaces();
 }  // namespace cpu
 
 }  // namespace cbk

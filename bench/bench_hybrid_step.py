@@ -1,0 +1,256 @@
+"""Where one engine step of a hybrid bench model goes, at each thread count: per-step Python
+outside the model, the model's torch glue, each kernel / packed linear / MoE call, and the
+OpenMP parallel regions a step opens (each a fork/join of the thread team).
+
+    python bench/bench_hybrid_step.py [--threads 1,2] [--dtype bfloat16]
+        [--shapes qwen3-next-hd128,mamba2-ds128] [--repeats 3] [--json out.json]
+
+Same models and workload as bench_hybrid.py (16 requests, 16..128-token prompts, 32 new tokens,
+greedy, EOS off). One Engine per shape and thread count, a warm-up generate, then `--repeats`
+timed generates; each call below is timed by a wrapper (~0.3 us each) and the numbers are the
+best run's, split into its decode steps (every row one token) and the rest. Parts:
+  step, Python outside the model   Engine.step minus runner.prepare and runner.execute
+                                   (scheduling, placeholders, token hand-off, stop checks, output)
+  inputs (runner.prepare)          the step's tensors: positions, slots, block tables, state plan
+  forward, torch glue              runner.execute minus every call below (embeddings, norms,
+                                   residuals, transformers' module code, router softmax/top-k)
+  the calls                        ops.causal_conv1d / gated_delta_rule / selective_scan /
+                                   gated_rms_norm, packed linears (ops.PackedLinear: the layers'
+                                   projections, the router's logits), ops.moe_experts, paged
+                                   attention, the greedy head
+OpenMP regions are counted by a libgomp shim (LD_PRELOAD, compiled here from the C below with the
+system's cc: GOMP_parallel is what every `#pragma omp parallel` of torch, MKL and cb_kernels._C
+calls); the script re-executes itself with it. Without a C compiler the counts are left out.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(_HERE)
+if os.path.isdir(os.path.join(_ROOT, "cb_kernels")) and _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+sys.path.insert(0, _HERE)
+
+_SHIM_C = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <time.h>
+typedef void (*parallel_fn)(void (*)(void *), void *, unsigned, unsigned);
+static unsigned long long regions;
+static double seconds;
+static double now(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+void GOMP_parallel(void (*fn)(void *), void *data, unsigned num_threads, unsigned flags) {
+  static parallel_fn real;
+  if (!real) real = (parallel_fn)dlsym(RTLD_NEXT, "GOMP_parallel");
+  regions++;
+  double t0 = now();
+  real(fn, data, num_threads, flags);
+  seconds += now() - t0;
+}
+unsigned long long cbk_omp_regions(void) { return regions; }
+double cbk_omp_seconds(void) { return seconds; }
+"""
+_SHIM_ENV = "CBK_OMP_COUNT_SHIM"
+
+
+def _reexec_with_shim() -> None:
+    """Compile the shim and run this script again under LD_PRELOAD (once)."""
+    if os.environ.get(_SHIM_ENV):
+        return
+    out = os.path.join(tempfile.gettempdir(), f"cbk_omp_count_{os.getuid()}.so")
+    with tempfile.NamedTemporaryFile("w", suffix=".c", delete=False) as f:
+        f.write(_SHIM_C)
+    try:
+        subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", out, f.name, "-ldl"], check=True)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        print(f"no OpenMP region counts (shim not built: {exc})", flush=True)
+        os.environ[_SHIM_ENV] = "none"
+        return
+    finally:
+        os.unlink(f.name)
+    env = dict(os.environ, LD_PRELOAD=out, **{_SHIM_ENV: out})
+    os.execve(sys.executable, [sys.executable] + sys.argv, env)
+
+
+class Omp:
+    def __init__(self):
+        path = os.environ.get(_SHIM_ENV, "none")
+        self.lib = None if path == "none" else ctypes.CDLL(path)
+        if self.lib is not None:
+            self.lib.cbk_omp_regions.restype = ctypes.c_ulonglong
+
+    def regions(self) -> int:
+        return self.lib.cbk_omp_regions() if self.lib is not None else 0
+
+
+class Meter:
+    """Seconds and OpenMP regions per named part, accumulated over the current step."""
+
+    def __init__(self, omp: Omp):
+        self.omp = omp
+        self.step: dict = {}
+        self.steps: list = []     # (is_decode, {part: [seconds, regions, calls]})
+
+    def wrap(self, owner, name: str, part: str) -> None:
+        original = getattr(owner, name)
+
+        def timed(*a, **k):
+            r0, t0 = self.omp.regions(), time.perf_counter()
+            try:
+                return original(*a, **k)
+            finally:
+                cell = self.step.setdefault(part, [0.0, 0, 0])
+                cell[0] += time.perf_counter() - t0
+                cell[1] += self.omp.regions() - r0
+                cell[2] += 1
+        setattr(owner, name, timed)
+
+
+CALLS = ("causal_conv1d", "gated_delta_rule", "selective_scan", "gated_rms_norm",
+         "packed linears", "moe_experts", "paged attention", "greedy head")
+
+
+def instrument(meter: Meter) -> None:
+    from cb_kernels import ops
+    from cb_kernels.engine import step_loop
+    from cb_kernels.ops import linear, moe
+    from cb_kernels.runner import attention, hybrid_kernels, lm_head, transformers_runner
+
+    meter.wrap(ops, "causal_conv1d_unchecked", "causal_conv1d")
+    meter.wrap(ops, "gated_delta_rule_unchecked", "gated_delta_rule")
+    meter.wrap(ops, "selective_scan", "selective_scan")
+    meter.wrap(hybrid_kernels, "gated_rms_norm_unchecked", "gated_rms_norm")
+    meter.wrap(linear.PackedLinear, "run_unchecked", "packed linears")
+    meter.wrap(moe.PackedExperts, "run_unchecked", "moe_experts")
+    meter.wrap(attention.ops, "paged_attention", "paged attention")
+    meter.wrap(lm_head.GreedyTokensHead, "tokens", "greedy head")
+    meter.wrap(transformers_runner.TransformersRunner, "prepare", "inputs (runner.prepare)")
+    meter.wrap(transformers_runner.TransformersRunner, "execute", "execute")
+    original = step_loop.StepLoop.step
+
+    def step(self):
+        meter.step = {}
+        r0, t0 = meter.omp.regions(), time.perf_counter()
+        batch = []
+        launch = self.launch
+
+        def launch_seen(b, prev=None):
+            batch.append(b)
+            return launch(b, prev)
+        self.launch = launch_seen
+        try:
+            return original(self)
+        finally:
+            del self.launch
+            meter.step["step"] = [time.perf_counter() - t0, meter.omp.regions() - r0, 1]
+            if batch:
+                meter.steps.append((all(n == 1 for n in batch[0].num_new_tokens), meter.step))
+    step_loop.StepLoop.step = step
+
+
+def split(steps: list) -> dict:
+    """{kind: {part: (ms per step, OpenMP regions per step)}} for decode steps and the rest."""
+    out = {}
+    for kind, keep in (("decode", True), ("prefill or mixed", False)):
+        chosen = [s for d, s in steps if d == keep]
+        if not chosen:
+            continue
+        total = {}
+        for s in chosen:
+            for part, (sec, reg, calls) in s.items():
+                cell = total.setdefault(part, [0.0, 0, 0])
+                cell[0] += sec
+                cell[1] += reg
+                cell[2] += calls
+        n = len(chosen)
+        get = lambda p: total.get(p, [0.0, 0, 0])  # noqa: E731
+        calls = {p: get(p) for p in CALLS if p in total}
+        ex, step, prep = get("execute"), get("step"), get("inputs (runner.prepare)")
+        rows = {"step, Python outside the model": [step[0] - ex[0] - prep[0],
+                                                   step[1] - ex[1] - prep[1]],
+                "inputs (runner.prepare)": prep[:2],
+                "forward, torch glue": [ex[0] - sum(c[0] for c in calls.values()),
+                                        ex[1] - sum(c[1] for c in calls.values())]}
+        rows.update({p: c[:2] for p, c in calls.items()})
+        rows["whole step"] = step[:2]
+        out[kind] = {"steps": n, "parts": {p: {"ms": 1e3 * v[0] / n, "omp_regions": v[1] / n}
+                                           for p, v in rows.items()},
+                     "calls_per_step": {p: c[2] / n for p, c in calls.items()}}
+    return out
+
+
+def measure(shape: str, dtype, threads: int, repeats: int, meter: Meter) -> dict:
+    import torch
+    from bench_hybrid import build, workload
+    from cb_kernels import Engine, SamplingParams
+
+    torch.set_num_threads(threads)
+    model = build(shape).to(dtype)
+    prompts = workload(16, 16, 128)
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    engine = Engine(model)
+    engine.generate(prompts, params)
+    best = None
+    for _ in range(repeats):
+        meter.steps = []
+        t0 = time.perf_counter()
+        engine.generate(prompts, params)
+        seconds = time.perf_counter() - t0
+        if best is None or seconds < best[0]:
+            best = (seconds, meter.steps)
+    return {"seconds": best[0], "tok_s": 16 * 32 / best[0], **split(best[1])}
+
+
+def show(shape: str, threads: int, row: dict) -> None:
+    print(f"{shape}, {threads} thread(s): {row['tok_s']:.1f} tok/s", flush=True)
+    for kind in ("decode", "prefill or mixed"):
+        if kind not in row:
+            continue
+        print(f"  {kind} steps ({row[kind]['steps']}): ms per step / OpenMP regions per step")
+        for part, v in row[kind]["parts"].items():
+            print(f"    {part:34s} {v['ms']:8.3f} {v['omp_regions']:8.1f}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", default="1,2")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    p.add_argument("--shapes", default="qwen3-next-hd128,mamba2-ds128")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", metavar="PATH")
+    args = p.parse_args(argv)
+    counts = [int(t) for t in args.threads.split(",")]
+    if any(t < 1 for t in counts) or args.repeats < 1:
+        p.error("--threads must be positive counts and --repeats >= 1")
+    _reexec_with_shim()
+    import torch
+
+    meter = Meter(Omp())
+    instrument(meter)
+    results = {"dtype": args.dtype, "omp_counted": meter.omp.lib is not None}
+    for shape in args.shapes.split(","):
+        for t in counts:
+            row = results[f"{shape}/{t}"] = measure(shape, getattr(torch, args.dtype), t,
+                                                    args.repeats, meter)
+            show(shape, t, row)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
