@@ -18,10 +18,14 @@ Python and framework overhead = step - execute (scheduling, input packing, token
 and loop sum - decoder (what one C++ call saves).
 
 Floors: a decode op's bytes (weights; K/V for attention) over the copy bandwidth measured in
-this run (a 512 MiB tensor copy, read + write bytes); a prefill op's FLOPs over the best bf16
-(or fp32) GEMM rate measured in this run (oneDNN and ours at 512 x 2048 x 2048, weight in
-cache), and over the nominal AVX512-BF16 peak (one 512-bit vdpbf16ps, 64 FLOP, per cycle per
-core at /proc/cpuinfo's clock; an assumption, labelled so).
+this run (a 512 MiB tensor copy, read + write bytes), and a decode linear's FLOPs over the GEMM
+rate below (its multiply floor: at 16 rows of the 1B shape the two are close, so a step cannot
+reach its read floor unless reads and multiplies overlap fully); a prefill op's FLOPs over the
+best bf16 (or fp32) GEMM rate measured in this run (oneDNN and ours at 512 x 2048 x 2048, weight
+in cache). Also printed: the nominal AVX512-BF16 peak, one 512-bit vdpbf16ps (64 FLOP) per cycle
+per core at /proc/cpuinfo's clock, an assumption labelled so; on the Zen 4 VM /proc gives the
+base clock (2596 MHz) while a register-only vdpbf16ps loop runs 3.6 G a second a core, so the
+measured GEMM rate is the floor used.
 """
 from __future__ import annotations
 
@@ -132,11 +136,14 @@ def profile_inputs(engine, inner, inputs, repeats: int, bw: float, peak: float, 
         lambda: torch.multinomial(torch.softmax(logits, -1), 1, generator=gen), repeats)
     res["ops_ms"] = ops_ms
     res["floors_ms"] = floors(fused, head, inputs, bw, peak, kind)
+    if kind == "decode":    # a decode linear's FLOPs at the GEMM peak: the multiply floor
+        res["multiply_floors_ms"] = floors(fused, head, inputs, bw, peak, "multiply")
     return res
 
 
 def floors(fused, head, inputs, bw: float, peak: float, kind: str) -> dict:
-    """Each op's floor in ms: decode, its bytes over `bw`; prefill, its FLOPs over `peak`."""
+    """Each op's floor in ms: decode, its bytes over `bw`; prefill, its FLOPs over `peak`;
+    "multiply", the four linears' FLOPs over `peak` (a decode step's other floor)."""
     t = int(inputs.input_ids.shape[0])
     layers = fused.layers
     es = layers[0].qkv.lin.packed.element_size() if layers[0].qkv.lin is not None else 2
@@ -144,6 +151,8 @@ def floors(fused, head, inputs, bw: float, peak: float, kind: str) -> dict:
     for name in ("qkv", "o", "gate_up", "down"):
         n_k = sum(getattr(layer, name).lin.n * getattr(layer, name).lin.k for layer in layers)
         out[name] = 1e3 * (n_k * es / bw if kind == "decode" else 2 * t * n_k / peak)
+    if kind == "multiply":
+        return out
     l0 = layers[0]
     seq_lens = inputs.attn.seq_lens.tolist()
     q_lens = torch.diff(inputs.attn.cu_seqlens_q).tolist()
@@ -203,10 +212,19 @@ def report(name: str, r: dict) -> None:
           f" = decoder {r['decoder_ms']:.2f} ({'one call' if r['native'] else 'loop'}) + head; "
           f"op loop {r['loop_ms']:.2f} ms" + (f"; engine step {r['step_ms']:.2f} ms (runner "
                                                f"{r['step_execute_ms']:.2f})" if "step_ms" in r else ""))
+    mul = r.get("multiply_floors_ms", {})
     for op, ms in ops_ms.items():
         floor = fl.get(op)
         print(f"    {op:>14}: {ms:8.3f} ms" + (f"   floor {floor:8.3f} ms   x{ms / floor:5.2f}"
-                                                 if floor else ""))
+                                                 if floor else "")
+              + (f"   multiply {mul[op]:8.3f} ms   x{ms / mul[op]:5.2f}" if op in mul else ""))
+    if mul:
+        read = sum(fl[k] for k in ("qkv", "o", "gate_up", "down", "attention", "greedy_head"))
+        both = sum(max(fl[k], mul.get(k, 0.0))
+                   for k in ("qkv", "o", "gate_up", "down", "attention", "greedy_head"))
+        print(f"    step floors: read {read:.2f} ms (execute x{r['execute_ms'] / read:.2f}); "
+              f"the larger of read and multiply per op {both:.2f} ms "
+              f"(x{r['execute_ms'] / both:.2f}); linears' multiply {sum(mul.values()):.2f} ms")
 
 
 def main(argv=None) -> int:
