@@ -16,9 +16,9 @@ namespace {
 // The same items, tiles, partitions and online softmax as the fp32 runner (so the same batch
 // invariance: a row's arithmetic depends on its sequence and position only), with both products on
 // vdpbf16ps, which multiplies bf16 pairs and accumulates in fp32, reading K/V in place:
-// - QK: each (row, key) pair accumulates 16 lanes over head_dim, 32 bf16 per instruction;
-//   the lanes fold to 8 and go through the fp32 kernel's transposing add tree; the scale
-//   multiplies the fp32 score (q stays the model's bf16 values).
+// - QK: each (row, key) pair accumulates 16 lanes over head_dim, 32 bf16 per instruction, and
+//   the lanes fold in a fixed tree (the score order below); the scale multiplies the fp32
+//   score (q stays the model's bf16 values).
 // - P.V: the tile's probabilities are rounded to bf16 (as flash attention's P.V does on GPUs;
 //   the running sums stay fp32) and taken in key pairs: one vpermt2w interleaves two V rows'
 //   dims, one vdpbf16ps adds p_j v_j + p_(j+1) v_(j+1) for 16 dims.
@@ -26,44 +26,22 @@ namespace {
 // the bytes. Measured in bench/RESULTS.md (paged-attention bf16 row).
 using bf16_t = uint16_t;
 
-// Scores of R rows (q_stride bf16 apart) against T = 8 / R keys, times scale, into
-// s[r * s_stride + t]. k: [T] key rows, each [d] (d % 32 == 0).
-template <int R>
-CBK_ALWAYS_INLINE void dot_block_bf16(const bf16_t* q, int64_t q_stride, const bf16_t* const* k,
-                                      int64_t d, float scale, float* s, int64_t s_stride) {
-  constexpr int T = 8 / R;
-  __m512 acc[8];
-  for (int i = 0; i < 8; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < d; c += 32) {
-    __m512bh qv[R];
-    for (int r = 0; r < R; ++r) qv[r] = (__m512bh)_mm512_loadu_si512(q + r * q_stride + c);
-    for (int t = 0; t < T; ++t) {
-      const __m512bh kv = (__m512bh)_mm512_loadu_si512(k[t] + c);
-      for (int r = 0; r < R; ++r) acc[r * T + t] = _mm512_dpbf16_ps(acc[r * T + t], qv[r], kv);
-    }
-  }
-  __m256 h[8];
-  for (int i = 0; i < 8; ++i)
-    h[i] = _mm256_add_ps(_mm512_castps512_ps256(acc[i]), _mm512_extractf32x8_ps(acc[i], 1));
-  __m256 x[4];
-  for (int i = 0; i < 4; ++i) x[i] = _mm256_hadd_ps(h[2 * i], h[2 * i + 1]);
-  const __m256 y0 = _mm256_hadd_ps(x[0], x[1]), y1 = _mm256_hadd_ps(x[2], x[3]);
-  const __m256 z = _mm256_mul_ps(_mm256_add_ps(_mm256_permute2f128_ps(y0, y1, 0x20),
-                                               _mm256_permute2f128_ps(y0, y1, 0x31)),
-                                 _mm256_set1_ps(scale));
-  for (int r = 0; r < R; ++r)
-    __builtin_memcpy(s + r * s_stride, reinterpret_cast<const float*>(&z) + r * T, T * 4);
-}
+// The bf16 score order (every body below gives a score these bits): a (row, key) score
+// accumulates 16 fp32 lanes over head_dim, lane l taking bf16 pairs l, l + 16, l + 32, ... with
+// vdpbf16ps, in chunk order; the lanes fold as h_l = a_l + a_(l+8), then ((h0 + h1) + (h2 + h3))
+// + ((h4 + h5) + (h6 + h7)); then times the scale. (The first body held the 16 lanes of one
+// score in a zmm and folded them with the fp32 kernel's transposing add tree; scores_keys16 and
+// scores_rows4 keep keys in lanes instead.)
 
 // The same scores for the R <= 4 rows of one kv head (decode at a group of up to 4: one q token
 // times the group), keys in lanes instead of reduced out of them. qp: the rows packed by
 // pack_rows4 ([d / 32][4 sets] zmm: lane 4r + i of set t, chunk m holds row r's bf16 pair
-// 16m + 4t + i). Per key, set t accumulates the pairs dot_block_bf16 sums in its lanes 4t..4t+3,
-// in the same order (one 16-byte broadcast of the key per set and chunk), and the sums of the
-// 16 lanes fold in dot_block_bf16's tree: ((h0 + h1) + (h2 + h3)) + ((h4 + h5) + (h6 + h7)) with
-// h_l = a_l + a_(l+8). So every score is dot_block_bf16's bits (a row gets the same result in a
-// decode as in a chunk of several tokens, which takes dot_block_bf16); 4 keys take 32 vdpbf16ps
-// and 20 shuffles and adds, where dot_block_bf16 needs 2 calls of ~30 reduction ops each for 8.
+// 16m + 4t + i). Per key, set t accumulates the pairs of the score order's lanes 4t..4t+3, in
+// the same order (one 16-byte broadcast of the key per set and chunk), and the sums of the 16
+// lanes fold in its tree: ((h0 + h1) + (h2 + h3)) + ((h4 + h5) + (h6 + h7)) with h_l = a_l +
+// a_(l+8). So a row gets the same bits in a decode as in a chunk of several tokens (which takes
+// scores_keys16); 4 keys take 32 vdpbf16ps and 20 shuffles and adds, where the first body
+// (lanes reduced per score) needed 2 calls of ~30 reduction ops each for 8.
 // Keys [g0, g1) in groups of 4 from g0 (a multiple of 4; up to 3 past g1 are computed too).
 CBK_ALWAYS_INLINE void pack_rows4(const bf16_t* q, int64_t q_stride, int64_t rows, int64_t d,
                                   bf16_t* qp) {
@@ -107,7 +85,7 @@ CBK_ALWAYS_INLINE void scores_rows4(const bf16_t* qp, int64_t rows, const bf16_t
           acc[j][t] = _mm512_dpbf16_ps(acc[j][t], qv, kv);
         }
       }
-    // h_0..3 = sets 0 + 2, h_4..7 = sets 1 + 3 (lane l of dot_block_bf16 is set l / 4's lane l % 4)
+    // h_0..3 = sets 0 + 2, h_4..7 = sets 1 + 3 (lane l of the order is set l / 4's lane l % 4)
     __m512 lo[4], hi[4];
     for (int j = 0; j < 4; ++j) {
       lo[j] = _mm512_add_ps(acc[j][0], acc[j][2]);
@@ -118,6 +96,60 @@ CBK_ALWAYS_INLINE void scores_rows4(const bf16_t* qp, int64_t rows, const bf16_t
     alignas(64) float out[16];
     _mm512_store_ps(out, z);
     for (int64_t r = 0; r < rows; ++r) std::memcpy(s + r * s_stride + g, out + 4 * r, 16);
+  }
+}
+
+// Prefill's scores (more than 4 rows a head): keys in lanes, in the score order above.
+// transpose_tile_bf16 writes one head's tile of K as bf16 pairs, pair-major: kt[w * kTile + j] =
+// pair w of key j, so that one zmm holds pair w of 16 keys. scores_keys16 then keeps, per row, the
+// order's 16 lanes l as 16 vectors a_l over 16 keys: a_l accumulates pairs l, l + 16, ... in chunk
+// order with the same vdpbf16ps (each lane pairs the same q and k words), and folds them in the
+// order's tree before the scale. So a score has the same bits as in a decode (scores_rows4),
+// while the products run without a horizontal reduction per score: 16 x 16 scores of d 64 take
+// 32 vdpbf16ps and 15 adds per row, where the first body spent ~25 shuffles and adds per 8
+// scores besides its 16 vdpbf16ps.
+template <int kTile>
+CBK_ALWAYS_INLINE void transpose_tile_bf16(const bf16_t* const* k, int64_t d, uint32_t* kt) {
+  const int64_t pairs = d / 2;
+  for (int j = 0; j < kTile; ++j) {
+    const bf16_t* kr = k[j];
+    for (int64_t w = 0; w < pairs; ++w) {
+      uint32_t x;
+      std::memcpy(&x, kr + 2 * w, 4);
+      kt[w * kTile + j] = x;
+    }
+  }
+}
+
+// Scores of R rows (q_stride bf16 apart) against the 16 keys whose pairs start at kt (pair w of
+// key j at kt[w * kt_stride + j]), times scale, into s[r * s_stride + j].
+template <int R>
+CBK_ALWAYS_INLINE void scores_keys16(const bf16_t* q, int64_t q_stride, const uint32_t* kt,
+                                     int64_t kt_stride, int64_t d, float scale, float* s,
+                                     int64_t s_stride) {
+  const int64_t chunks = d / 32;
+  __m512 h[8][R];
+  for (int l = 0; l < 8; ++l) {
+    __m512 a[R], b[R];
+    for (int r = 0; r < R; ++r) a[r] = b[r] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m512bh ka = (__m512bh)_mm512_loadu_si512(kt + (c * 16 + l) * kt_stride);
+      const __m512bh kb = (__m512bh)_mm512_loadu_si512(kt + (c * 16 + l + 8) * kt_stride);
+      for (int r = 0; r < R; ++r) {
+        uint32_t qa, qb;
+        std::memcpy(&qa, q + r * q_stride + 32 * c + 2 * l, 4);
+        std::memcpy(&qb, q + r * q_stride + 32 * c + 2 * (l + 8), 4);
+        a[r] = _mm512_dpbf16_ps(a[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(qa)), ka);
+        b[r] = _mm512_dpbf16_ps(b[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(qb)), kb);
+      }
+    }
+    for (int r = 0; r < R; ++r) h[l][r] = _mm512_add_ps(a[r], b[r]);
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int r = 0; r < R; ++r) {
+    const __m512 lo = _mm512_add_ps(_mm512_add_ps(h[0][r], h[1][r]), _mm512_add_ps(h[2][r], h[3][r]));
+    const __m512 hi = _mm512_add_ps(_mm512_add_ps(h[4][r], h[5][r]), _mm512_add_ps(h[6][r], h[7][r]));
+    _mm512_storeu_ps(s + r * s_stride, _mm512_mul_ps(_mm512_add_ps(lo, hi), sc));
   }
 }
 
@@ -154,6 +186,89 @@ CBK_ALWAYS_INLINE void pv_rows_bf16(float* o, int64_t o_stride, const float* alp
     for (int r = 0; r < R; ++r) {
       _mm512_storeu_ps(o + r * o_stride + c, acc[r][0]);
       _mm512_storeu_ps(o + r * o_stride + c + 16, acc[r][1]);
+    }
+  }
+}
+
+// Prefill's P.V (more than 4 rows a head): one head's V tile interleaved once for all its rows,
+// instead of once per block of 4 rows (63 rows a head at a group of 3 and 21-token chunks:
+// 16 times). vt[(m * kTile / 2 + i) * 64 + {0, 32}]: pv_rows_bf16's lo and hi words of key pair i
+// (keys 2i, 2i + 1), dims [32m, 32m + 32).
+template <int kTile>
+CBK_ALWAYS_INLINE void interleave_tile_bf16(const bf16_t* const* v, int64_t d, bf16_t* vt) {
+  alignas(64) static const uint16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                               8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t kHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                               24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i lo_idx = _mm512_load_si512(kLo), hi_idx = _mm512_load_si512(kHi);
+  for (int64_t m = 0; m < d / 32; ++m)
+    for (int i = 0; i < kTile / 2; ++i) {
+      const __m512i a = _mm512_loadu_si512(v[2 * i] + 32 * m);
+      const __m512i b = _mm512_loadu_si512(v[2 * i + 1] + 32 * m);
+      bf16_t* dst = vt + (m * kTile / 2 + i) * 64;
+      _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(a, lo_idx, b));
+      _mm512_storeu_si512(dst + 32, _mm512_permutex2var_epi16(a, hi_idx, b));
+    }
+}
+
+// pv_rows_bf16 from an interleaved tile (same operations in the same order: the same bits).
+template <int R, int kTile>
+CBK_ALWAYS_INLINE void pv_rows_tile_bf16(float* o, int64_t o_stride, const float* alpha,
+                                         const uint32_t* pp, int64_t pp_stride, const bf16_t* vt,
+                                         int j0, int j1, int64_t d) {
+  for (int64_t c = 0; c < d; c += 32) {
+    __m512 acc[R][2];
+    for (int r = 0; r < R; ++r) {
+      const __m512 a = _mm512_set1_ps(alpha[r]);
+      acc[r][0] = _mm512_mul_ps(_mm512_loadu_ps(o + r * o_stride + c), a);
+      acc[r][1] = _mm512_mul_ps(_mm512_loadu_ps(o + r * o_stride + c + 16), a);
+    }
+    const bf16_t* vc = vt + (c / 32) * (kTile / 2) * 64;
+    for (int j = j0; j < j1; j += 2) {
+      const __m512bh lo = (__m512bh)_mm512_loadu_si512(vc + (j / 2) * 64);
+      const __m512bh hi = (__m512bh)_mm512_loadu_si512(vc + (j / 2) * 64 + 32);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[r * pp_stride + j / 2]));
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], lo, pb);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], hi, pb);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm512_storeu_ps(o + r * o_stride + c, acc[r][0]);
+      _mm512_storeu_ps(o + r * o_stride + c + 16, acc[r][1]);
+    }
+  }
+}
+
+// write_item for bf16 outputs of head_dim % 32 == 0: the normalising multiply and the rounding
+// per 16 lanes, vcvtneps2bf16 where it rounds as float_to_bf16 does (every value but fp32
+// denormals, which it flushes, and NaNs; a vector holding either takes float_to_bf16), so the
+// bits are write_item's. The scalar loop of float_to_bf16 was ~13% of a prefill call (16 x 128
+// tokens, 9 / 3 heads, d 64, one thread on the Zen 4).
+CBK_ALWAYS_INLINE void write_item_bf16(const Ctx& c, const Item& it, int64_t rows,
+                                       const ItemScratch& s, float* partials) {
+  const PagedAttentionParams& p = c.p;
+  if (it.partial >= 0 || p.dtype != DType::kBFloat16) return write_item(c, it, rows, s, partials);
+  const int64_t d = p.head_dim;
+  bf16_t* ob = static_cast<bf16_t*>(p.out);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* o = s.os + r * d;
+    const __m512 inv = _mm512_set1_ps(1.0f / denominator(c, it, r, s.ms[r], s.ls[r]));
+    bf16_t* dst = ob + row_offset(c, it, r, p.out_stride_token, p.out_stride_head);
+    for (int64_t i = 0; i < d; i += 16) {
+      const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(o + i), inv);
+      const __m512i a = _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7fffffff));
+      const __mmask16 odd =
+          _mm512_cmplt_epu32_mask(_mm512_sub_epi32(a, _mm512_set1_epi32(1)),
+                                  _mm512_set1_epi32(0x007fffff)) |
+          _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x7f800000));
+      if (__builtin_expect(odd != 0, 0)) {
+        alignas(64) float tmp[16];
+        _mm512_store_ps(tmp, v);
+        for (int k = 0; k < 16; ++k) dst[i + k] = float_to_bf16(tmp[k]);
+      } else {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), (__m256i)_mm512_cvtneps_pbh(v));
+      }
     }
   }
 }
@@ -204,9 +319,11 @@ void run_item_bf16(const Ctx& c, const Item& it, const Item* next, float* partia
   const int32_t pos0 = g.pos0;
   ItemScratchBf16 s = take_scratch_bf16<kTile>(rows, heads, d);
   const bf16_t* qb = static_cast<const bf16_t*>(p.q);
-  for (int64_t r = 0; r < rows; ++r)
-    std::memcpy(s.qs + r * d, qb + row_offset(c, it, r, p.q_stride_token, p.q_stride_head),
-                d * sizeof(bf16_t));
+  for (int64_t r = 0; r < rows; ++r) {     // d % 32 == 0: whole zmm (a memcpy call a row was
+    const bf16_t* src = qb + row_offset(c, it, r, p.q_stride_token, p.q_stride_head);  // ~5%)
+    for (int64_t i = 0; i < d; i += 32)
+      _mm512_storeu_si512(s.qs + r * d + i, _mm512_loadu_si512(src + i));
+  }
   std::fill(s.f.os, s.f.os + rows * d, 0.0f);
   std::fill(s.f.ms, s.f.ms + rows, kNegInf);
   std::fill(s.f.ls, s.f.ls + rows, 0.0f);
@@ -219,6 +336,12 @@ void run_item_bf16(const Ctx& c, const Item& it, const Item* next, float* partia
     if (static_cast<int64_t>(qpack.size()) < heads * 4 * d) qpack.resize(heads * 4 * d);
     for (int64_t h = 0; h < heads; ++h)
       pack_rows4(s.qs + h * per_head * d, d, per_head, d, qpack.data() + h * 4 * d);
+  }
+  thread_local std::vector<uint32_t> kt;    // one head's K tile, pair-major (prefill)
+  thread_local std::vector<bf16_t> vt;      // one head's V tile, interleaved (prefill)
+  if (!rows4 && static_cast<int64_t>(kt.size()) < d / 2 * kTile) {
+    kt.resize(d / 2 * kTile);
+    vt.resize(d * kTile);
   }
   const int64_t pf_calls = prefetch_calls<kTile>(g);
   walk_tiles<kTile>(c, it, next, pf_calls, [&](int32_t t0, int32_t lo, int32_t hi,
@@ -236,16 +359,21 @@ void run_item_bf16(const Ctx& c, const Item& it, const Item* next, float* partia
       const int64_t r0 = h * per_head, r1 = r0 + per_head;
       const bf16_t* q = s.qs + r0 * d;
       float* ss = s.f.ss + r0 * kTile;
-      int64_t r = rows4 ? per_head : 0;
-      if (rows4)    // as many prefetch steps as the dot blocks of 2 rows it replaces
+      if (rows4) {    // as many prefetch steps as the dot blocks of 2 rows it replaces
         scores_rows4(qpack.data() + h * 4 * d, per_head, kp, jl / 4 * 4, jh, d, p.scale, ss,
                      kTile, pf, pf_quota * ((per_head + 1) / 2));
-      for (; r + 2 <= per_head; r += 2)
-        for (int g = jl / 4 * 4; g < jh; g += 4, pf.step(pf_quota))
-          dot_block_bf16<2>(q + r * d, d, kp + g, d, p.scale, ss + r * kTile + g, kTile);
-      if (r < per_head)
-        for (int g = jl / 8 * 8; g < jh; g += 8, pf.step(pf_quota))
-          dot_block_bf16<1>(q + r * d, d, kp + g, d, p.scale, ss + r * kTile + g, kTile);
+      } else {        // and here as the dot blocks of 2 rows x 4 keys
+        transpose_tile_bf16<kTile>(kp, d, kt.data());
+        for (int g = jl / 16 * 16; g < jh; g += 16) {
+          int64_t r = 0;
+          for (; r + 2 <= per_head; r += 2, pf.step(4 * pf_quota))
+            scores_keys16<2>(q + r * d, d, kt.data() + g, kTile, d, p.scale, ss + r * kTile + g,
+                             kTile);
+          if (r < per_head)
+            scores_keys16<1>(q + r * d, d, kt.data() + g, kTile, d, p.scale, ss + r * kTile + g,
+                             kTile);
+        }
+      }
       softmax_tile<kTile>(p, r0, r1, per_head, group, pos0, t0, lo, hi, s.f.ss, s.f.ms, s.f.ls,
                           s.f.alphas);
       for (int64_t rr = r0; rr < r1; ++rr) {
@@ -257,6 +385,15 @@ void run_item_bf16(const Ctx& c, const Item& it, const Item* next, float* partia
       }
       const int pj0 = jl / 2 * 2, pj1 = (jh + 1) / 2 * 2;
       int64_t rb = r0;
+      if (!rows4) {
+        interleave_tile_bf16<kTile>(vp, d, vt.data());
+        for (; rb + 4 <= r1; rb += 4, pf.step(pf_quota))
+          pv_rows_tile_bf16<4, kTile>(s.f.os + rb * d, d, s.f.alphas + rb, s.pp + rb * (kTile / 2),
+                                      kTile / 2, vt.data(), pj0, pj1, d);
+        for (; rb < r1; ++rb, pf.step(pf_quota))
+          pv_rows_tile_bf16<1, kTile>(s.f.os + rb * d, d, s.f.alphas + rb, s.pp + rb * (kTile / 2),
+                                      kTile / 2, vt.data(), pj0, pj1, d);
+      }
       for (; rb + 4 <= r1; rb += 4, pf.step(pf_quota))
         pv_rows_bf16<4>(s.f.os + rb * d, d, s.f.alphas + rb, s.pp + rb * (kTile / 2), kTile / 2,
                         vp, pj0, pj1, d);
@@ -265,7 +402,7 @@ void run_item_bf16(const Ctx& c, const Item& it, const Item* next, float* partia
                         vp, pj0, pj1, d);
     }
   });
-  write_item(c, it, rows, s.f, partials);
+  write_item_bf16(c, it, rows, s.f, partials);
 }
 
 }  // namespace

@@ -169,6 +169,41 @@ def test_a_row_gets_the_same_bits_in_a_decode_and_in_a_chunk(dtype, group, head_
         assert torch.equal(one[0], chunk[i]), f"token {i} changed with its chunk"
 
 
+@pytest.mark.parametrize("backend", ["cpu", "cpu-avx2", "cpu-portable"])
+@pytest.mark.parametrize("q_len", [1, 4], ids=["decode", "prefill"])
+def test_bf16_output_rounds_fp32_denormals_and_nans_like_float_to_bf16(backend, q_len):
+    """A bf16 output row that is an fp32 denormal keeps its value (vcvtneps2bf16, which the
+    avx512_bf16 body rounds with, would flush it to zero: such vectors take float_to_bf16), and a
+    NaN V row gives NaN outputs, on every body, in decode and prefill items alike. q = 0 makes
+    every probability 1, so the last token's output is the mean of V over 4 positions whose
+    partial sums all stay normal: (2^-124 - 2^-125 + 2^-126 - 2^-126) / 4 = 2^-127."""
+    require(backend)
+    case = Case(f"denormal-{q_len}", seq_lens=(4,), q_lens=(q_len,), num_heads=6,
+                num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
+    q, k_cache, v_cache, block_tables, seq_lens, cu = build(case)
+    q.zero_()
+    block = int(block_tables[0, 0])
+    for pos, value in enumerate((2.0 ** -124, -2.0 ** -125, 2.0 ** -126, -2.0 ** -126)):
+        v_cache[block, pos] = value
+
+    def attend():
+        if backend == "cpu":
+            return ops.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu,
+                                       backend="cpu")
+        out = torch.empty_like(q)
+        scale, window, cap = check_args(q, k_cache, v_cache, block_tables, seq_lens, cu,
+                                        None, None, None, None)
+        _run_cpu(q, k_cache, v_cache, block_tables, seq_lens, cu, out, scale, window, cap,
+                 isa=backend[4:])
+        return out
+
+    out = attend()
+    assert torch.equal(out[-1], torch.full_like(out[-1], 2.0 ** -127)), "denormal output lost"
+    v_cache[block, 2, 1] = float("nan")        # position 2, kv head 1: its 3 query heads
+    out = attend()
+    assert out[-1, 3:].isnan().all() and not out[-1, :3].isnan().any()
+
+
 def test_bf16_body_choice_follows_the_cpu_and_head_dim():
     """bf16 K/V with head_dim % 32 == 0 run the vdpbf16ps body exactly where the CPU has
     AVX512-BF16; other head dims, and forced lower bodies, run the fp32-math bodies."""
