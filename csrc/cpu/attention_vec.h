@@ -91,13 +91,18 @@ inline V exp_poly(V x) {
 inline v8f exp8(v8f x) { return exp_poly<v8f, v8i>(x); }
 
 // c * tanh(x / c) with tanh(y) = sign(y) (1 - e) / (1 + e), e = exp(-2|y|) (never overflows).
-inline v8f softcap8(v8f x, float cap) {
-  const v8f y = x * splat(1.0f / cap);
-  const v8f a = y < splat(0.0f) ? -y : y;
-  const v8f e = exp8(splat(-2.0f) * a);
-  const v8f t = (splat(1.0f) - e) / (splat(1.0f) + e);
-  return splat(cap) * (y < splat(0.0f) ? -t : t);
+// V/VI as exp_poly (softcap8 here; the bf16 decode tile takes 16 lanes: same steps, same bits).
+template <typename V, typename VI>
+inline V softcap_poly(V x, float cap) {
+  const V zero = V{}, one = V{} + 1.0f;
+  const V y = x * (V{} + 1.0f / cap);
+  const V a = y < zero ? -y : y;
+  const V e = exp_poly<V, VI>((V{} + -2.0f) * a);
+  const V t = (one - e) / (one + e);
+  return (V{} + cap) * (y < zero ? -t : t);
 }
+
+inline v8f softcap8(v8f x, float cap) { return softcap_poly<v8f, v8i>(x, cap); }
 
 // Scores of R query rows (q_stride floats apart) against T = 8 / R key rows, written to
 // s[r * s_stride + t]; a transposing add tree turns the 8 (row, key) accumulators into one vector

@@ -153,32 +153,36 @@ CBK_ALWAYS_INLINE void scores_keys16(const bf16_t* q, int64_t q_stride, const ui
   }
 }
 
-// o_r (fp32, [d]) = o_r * alpha_r + sum over key pairs of p_r,j v_j + p_r,j+1 v_j+1, keys
-// [j0, j1) (both even), for R rows. pp: per row the tile's probabilities as bf16 pairs
-// (pp_stride pairs apart); v: key rows [d] bf16.
-template <int R>
-CBK_ALWAYS_INLINE void pv_rows_bf16(float* o, int64_t o_stride, const float* alpha,
-                                    const uint32_t* pp, int64_t pp_stride,
-                                    const bf16_t* const* v, int j0, int j1, int64_t d) {
-  // Word 2i of the result is a's word i (+ 16 for the upper half), word 2i + 1 is b's.
-  alignas(64) static const uint16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-                                               8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-  alignas(64) static const uint16_t kHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
-                                               24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
-  const __m512i lo_idx = _mm512_load_si512(kLo), hi_idx = _mm512_load_si512(kHi);
+// Word 2i of a pair's interleaved chunk is key 2k's dim i (+ 16 for the upper half), word 2i + 1
+// key 2k + 1's: what vdpbf16ps pairs with a bf16 pair (p_2k, p_2k+1).
+alignas(64) static const uint16_t kPairLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38,
+                                                 7, 39, 8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13,
+                                                 45, 14, 46, 15, 47};
+alignas(64) static const uint16_t kPairHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53,
+                                                 22, 54, 23, 55, 24, 56, 25, 57, 26, 58, 27, 59,
+                                                 28, 60, 29, 61, 30, 62, 31, 63};
+
+// P.V of R rows: o_r (fp32, [d], o_stride apart) = o_r * alpha[r * alpha_stride] + the sum over
+// key pairs k in [k0, k1), in k order, of p_r,2k v_2k + p_r,2k+1 v_2k+1. vpair(c, k, lo, hi)
+// sets the interleaved words of pair k for dims [c, c + 32) (from two V rows, or from a tile
+// interleaved once); prob(r, k) is row r's bf16 pair k. Whatever the sources, each output takes
+// the same vdpbf16ps in the same order: the same bits for any R and either V source.
+template <int R, class VPair, class Prob>
+CBK_ALWAYS_INLINE void pv_pairs_bf16(float* o, int64_t o_stride, const float* alpha,
+                                     int64_t alpha_stride, int k0, int k1, int64_t d,
+                                     VPair vpair, Prob prob) {
   for (int64_t c = 0; c < d; c += 32) {
     __m512 acc[R][2];
     for (int r = 0; r < R; ++r) {
-      const __m512 a = _mm512_set1_ps(alpha[r]);
+      const __m512 a = _mm512_set1_ps(alpha[r * alpha_stride]);
       acc[r][0] = _mm512_mul_ps(_mm512_loadu_ps(o + r * o_stride + c), a);
       acc[r][1] = _mm512_mul_ps(_mm512_loadu_ps(o + r * o_stride + c + 16), a);
     }
-    for (int j = j0; j < j1; j += 2) {
-      const __m512i a = _mm512_loadu_si512(v[j] + c), b = _mm512_loadu_si512(v[j + 1] + c);
-      const __m512bh lo = (__m512bh)_mm512_permutex2var_epi16(a, lo_idx, b);
-      const __m512bh hi = (__m512bh)_mm512_permutex2var_epi16(a, hi_idx, b);
+    for (int k = k0; k < k1; ++k) {
+      __m512bh lo, hi;
+      vpair(c, k, lo, hi);
       for (int r = 0; r < R; ++r) {
-        const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[r * pp_stride + j / 2]));
+        const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(prob(r, k)));
         acc[r][0] = _mm512_dpbf16_ps(acc[r][0], lo, pb);
         acc[r][1] = _mm512_dpbf16_ps(acc[r][1], hi, pb);
       }
@@ -190,17 +194,29 @@ CBK_ALWAYS_INLINE void pv_rows_bf16(float* o, int64_t o_stride, const float* alp
   }
 }
 
+// The pair source reading two V rows (bf16, [d], `off` bytes past v[j]) and interleaving them.
+template <class T>
+struct PairsFromRows {
+  const T* const* v;
+  int64_t off;
+  __m512i lo_idx = _mm512_load_si512(kPairLo), hi_idx = _mm512_load_si512(kPairHi);
+  CBK_ALWAYS_INLINE void operator()(int64_t c, int k, __m512bh& lo, __m512bh& hi) const {
+    const char* va = reinterpret_cast<const char*>(v[2 * k]) + off;
+    const char* vb = reinterpret_cast<const char*>(v[2 * k + 1]) + off;
+    const __m512i a = _mm512_loadu_si512(va + 2 * c);
+    const __m512i b = _mm512_loadu_si512(vb + 2 * c);
+    lo = (__m512bh)_mm512_permutex2var_epi16(a, lo_idx, b);
+    hi = (__m512bh)_mm512_permutex2var_epi16(a, hi_idx, b);
+  }
+};
+
 // Prefill's P.V (more than 4 rows a head): one head's V tile interleaved once for all its rows,
 // instead of once per block of 4 rows (63 rows a head at a group of 3 and 21-token chunks:
-// 16 times). vt[(m * kTile / 2 + i) * 64 + {0, 32}]: pv_rows_bf16's lo and hi words of key pair i
+// 16 times). vt[(m * kTile / 2 + i) * 64 + {0, 32}]: the lo and hi words of key pair i
 // (keys 2i, 2i + 1), dims [32m, 32m + 32).
 template <int kTile>
 CBK_ALWAYS_INLINE void interleave_tile_bf16(const bf16_t* const* v, int64_t d, bf16_t* vt) {
-  alignas(64) static const uint16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-                                               8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-  alignas(64) static const uint16_t kHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
-                                               24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
-  const __m512i lo_idx = _mm512_load_si512(kLo), hi_idx = _mm512_load_si512(kHi);
+  const __m512i lo_idx = _mm512_load_si512(kPairLo), hi_idx = _mm512_load_si512(kPairHi);
   for (int64_t m = 0; m < d / 32; ++m)
     for (int i = 0; i < kTile / 2; ++i) {
       const __m512i a = _mm512_loadu_si512(v[2 * i] + 32 * m);
@@ -209,35 +225,6 @@ CBK_ALWAYS_INLINE void interleave_tile_bf16(const bf16_t* const* v, int64_t d, b
       _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(a, lo_idx, b));
       _mm512_storeu_si512(dst + 32, _mm512_permutex2var_epi16(a, hi_idx, b));
     }
-}
-
-// pv_rows_bf16 from an interleaved tile (same operations in the same order: the same bits).
-template <int R, int kTile>
-CBK_ALWAYS_INLINE void pv_rows_tile_bf16(float* o, int64_t o_stride, const float* alpha,
-                                         const uint32_t* pp, int64_t pp_stride, const bf16_t* vt,
-                                         int j0, int j1, int64_t d) {
-  for (int64_t c = 0; c < d; c += 32) {
-    __m512 acc[R][2];
-    for (int r = 0; r < R; ++r) {
-      const __m512 a = _mm512_set1_ps(alpha[r]);
-      acc[r][0] = _mm512_mul_ps(_mm512_loadu_ps(o + r * o_stride + c), a);
-      acc[r][1] = _mm512_mul_ps(_mm512_loadu_ps(o + r * o_stride + c + 16), a);
-    }
-    const bf16_t* vc = vt + (c / 32) * (kTile / 2) * 64;
-    for (int j = j0; j < j1; j += 2) {
-      const __m512bh lo = (__m512bh)_mm512_loadu_si512(vc + (j / 2) * 64);
-      const __m512bh hi = (__m512bh)_mm512_loadu_si512(vc + (j / 2) * 64 + 32);
-      for (int r = 0; r < R; ++r) {
-        const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[r * pp_stride + j / 2]));
-        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], lo, pb);
-        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], hi, pb);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      _mm512_storeu_ps(o + r * o_stride + c, acc[r][0]);
-      _mm512_storeu_ps(o + r * o_stride + c + 16, acc[r][1]);
-    }
-  }
 }
 
 // write_item for bf16 outputs of head_dim % 32 == 0: the normalising multiply and the rounding
@@ -310,6 +297,180 @@ CBK_ALWAYS_INLINE ItemScratchBf16 take_scratch_bf16(int64_t rows, int64_t heads,
   return s;
 }
 
+// Decode rows with 16-key tiles (up to 4 rows a head: one q token times a group of up to 4):
+// one head's tile with its scores kept in registers, rows in lanes: z[g] lane 4r + i is row r's
+// score of key 4g + i, as scores_rows4 folds them. The online-softmax step runs on those four
+// zmm (16 lanes, each row's four lanes holding its max and sum) instead of storing the scores
+// and running softmax_tile's 8-lane loop over each row; the same operations per value in the
+// same order (max, exp_poly, the sum tree of softmax_tile's hsum, alpha, l * alpha + sum), so
+// the same bits as softmax_tile, and scores_rows4's, so a row keeps the bits of a chunk.
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+// A tile's per-row visible keys [j0, j1) as lanes 4r + i (rows >= R see none) and whether any
+// row of the R sees less than the whole tile.
+struct TileMask {
+  __m512i j0, j1;
+  bool masked;
+};
+
+template <int R>
+CBK_ALWAYS_INLINE TileMask tile_mask(const PagedAttentionParams& p, int64_t group, int32_t pos0,
+                                     int32_t t0, int32_t lo, int32_t hi) {
+  alignas(64) int32_t a[16], b[16];
+  bool masked = false;
+  for (int r = 0; r < 4; ++r) {
+    int32_t j0 = 0, j1 = 0;
+    if (r < R) {
+      const int32_t pos = pos0 + static_cast<int32_t>(r / group);
+      const int32_t vlo = std::max(lo, p.sliding_window > 0 ? pos - p.sliding_window + 1 : 0);
+      j0 = vlo - t0;
+      j1 = std::min(hi, pos + 1) - t0;
+      masked |= j0 > 0 || j1 < 16;
+    }
+    for (int i = 0; i < 4; ++i) {
+      a[4 * r + i] = j0;
+      b[4 * r + i] = j1;
+    }
+  }
+  return TileMask{_mm512_load_si512(a), _mm512_load_si512(b), masked};
+}
+
+// One head's R rows over one tile: scores of keys [g0, g1) (groups of 4 from g0, a multiple of
+// 4) against the rows packed at qp, kr[j] + koff addressing key j's K row (vr/voff its V row;
+// zero rows for keys outside the item's range); the online-softmax state of the 4 rows in
+// ml (lanes 4r + i: 16 running maxima, then 16 running sums); P.V into o ([R][d]).
+template <int R>
+CBK_ALWAYS_INLINE void decode_tile_bf16(const PagedAttentionParams& p, const bf16_t* qp,
+                                        const char* const* kr, int64_t koff,
+                                        const char* const* vr, int64_t voff, int g0, int g1,
+                                        int k0, int k1, const TileMask& tm, float* ml, float* o,
+                                        Prefetcher& pf, int64_t pf_quota) {
+  const int64_t d = p.head_dim;
+  const __m512 ninf = _mm512_set1_ps(kNegInf);
+  __m512 z[4];
+  for (int q4 = 0; q4 < 4; ++q4) {
+    const int g = 4 * q4;
+    if (g < g0 || g >= g1) {
+      z[q4] = ninf;
+      continue;
+    }
+    __m512 acc[4][4];    // [key][set], as scores_rows4
+    for (int j = 0; j < 4; ++j)
+      for (int t = 0; t < 4; ++t) acc[j][t] = _mm512_setzero_ps();
+    for (int64_t m = 0; m < d / 32; ++m)
+      for (int t = 0; t < 4; ++t) {
+        const __m512bh qv = (__m512bh)_mm512_loadu_si512(qp + (m * 4 + t) * 32);
+        for (int j = 0; j < 4; ++j) {
+          const __m512bh kv = (__m512bh)_mm512_broadcast_i32x4(_mm_loadu_si128(
+              reinterpret_cast<const __m128i*>(kr[g + j] + koff + 2 * (32 * m + 8 * t))));
+          acc[j][t] = _mm512_dpbf16_ps(acc[j][t], qv, kv);
+        }
+      }
+    __m512 lo[4], hi[4];
+    for (int j = 0; j < 4; ++j) {
+      lo[j] = _mm512_add_ps(acc[j][0], acc[j][2]);
+      hi[j] = _mm512_add_ps(acc[j][1], acc[j][3]);
+    }
+    z[q4] = _mm512_mul_ps(
+        _mm512_add_ps(fold4(lo[0], lo[1], lo[2], lo[3]), fold4(hi[0], hi[1], hi[2], hi[3])),
+        _mm512_set1_ps(p.scale));
+    pf.step(pf_quota * ((R + 1) / 2));
+  }
+  // softmax_tile's step on 16 lanes: softcap, then the mask, then max, exp, sum.
+  const __m512i lane = _mm512_set_epi32(3, 2, 1, 0, 3, 2, 1, 0, 3, 2, 1, 0, 3, 2, 1, 0);
+  for (int q4 = 0; q4 < 4; ++q4) {
+    if (p.softcap > 0.0f) {
+      v16f v = (v16f)z[q4];
+      z[q4] = (__m512)softcap_poly<v16f, v16i>(v, p.softcap);
+    }
+    if (tm.masked) {
+      const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(4 * q4));
+      const __mmask16 in = _mm512_cmpge_epi32_mask(key, tm.j0) & _mm512_cmplt_epi32_mask(key, tm.j1);
+      z[q4] = _mm512_mask_mov_ps(ninf, in, z[q4]);
+    }
+  }
+  __m512 mx = _mm512_max_ps(_mm512_max_ps(z[0], z[1]), _mm512_max_ps(z[2], z[3]));
+  mx = _mm512_max_ps(mx, _mm512_permute_ps(mx, _MM_SHUFFLE(2, 3, 0, 1)));
+  mx = _mm512_max_ps(mx, _mm512_permute_ps(mx, _MM_SHUFFLE(1, 0, 3, 2)));
+  const __m512 m_old = _mm512_loadu_ps(ml);
+  const __m512 m_new = _mm512_max_ps(m_old, mx);
+  // A row that has seen no key yet (max still -inf): probabilities 0, alpha 1.
+  const __mmask16 dead = _mm512_cmp_ps_mask(m_new, ninf, _CMP_EQ_OQ);
+  const v16f m_sub = (v16f)_mm512_mask_mov_ps(m_new, dead, _mm512_setzero_ps());
+  v16f e[4];
+  for (int q4 = 0; q4 < 4; ++q4) e[q4] = exp_poly<v16f, v16i>((v16f)z[q4] - m_sub);
+  // softmax_tile's hsum: (e_j + e_j+8), then + the one 4 keys on, then pairs, then the two.
+  const v16f a4 = (e[0] + e[2]) + (e[1] + e[3]);
+  const __m512 a = (__m512)a4;
+  const __m512 b = _mm512_add_ps(a, _mm512_permute_ps(a, _MM_SHUFFLE(1, 0, 3, 2)));
+  const __m512 sum = _mm512_add_ps(b, _mm512_permute_ps(b, _MM_SHUFFLE(2, 3, 0, 1)));
+  const __m512 alpha = _mm512_mask_mov_ps(
+      (__m512)exp_poly<v16f, v16i>((v16f)m_old - (v16f)m_new), dead, _mm512_set1_ps(1.0f));
+  const v16f l_new = (v16f)_mm512_loadu_ps(ml + 16) * (v16f)alpha + (v16f)sum;
+  _mm512_storeu_ps(ml, m_new);
+  _mm512_storeu_ps(ml + 16, (__m512)l_new);
+  // P as bf16: dword 2r + h of group q4 is row r's key pair 2 q4 + h.
+  alignas(64) uint32_t pp[32];
+  for (int q4 = 0; q4 < 4; ++q4)
+    _mm256_store_si256(reinterpret_cast<__m256i*>(pp + 8 * q4),
+                       (__m256i)_mm512_cvtneps_pbh((__m512)e[q4]));
+  alignas(64) float al[16];
+  _mm512_store_ps(al, alpha);
+  pv_pairs_bf16<R>(o, d, al, 4, k0, k1, d, PairsFromRows<char>{vr, voff},
+                   [&](int64_t r, int k) { return pp[(k >> 1) * 8 + 2 * r + (k & 1)]; });
+  pf.step(pf_quota);
+}
+
+// The decode item of 16-key tiles and up to 4 rows a head (decode_tile_bf16 per head and tile).
+template <int R>
+void run_item_decode_bf16(const Ctx& c, const Item& it, const Item* next, const ItemRows& g,
+                          const ItemScratchBf16& s, const bf16_t* qpack, float* partials) {
+  const PagedAttentionParams& p = c.p;
+  const int64_t d = p.head_dim, heads = g.heads;
+  thread_local std::vector<float> state;     // per head: 16 maxima, 16 sums
+  if (static_cast<int64_t>(state.size()) < heads * 32) state.resize(heads * 32);
+  float* ml = state.data();
+  for (int64_t h = 0; h < heads; ++h) {
+    std::fill(ml + h * 32, ml + h * 32 + 16, kNegInf);
+    std::fill(ml + h * 32 + 16, ml + h * 32 + 32, 0.0f);
+  }
+  const int64_t pf_calls = prefetch_calls<16>(g);
+  walk_tiles<16>(c, it, next, pf_calls, [&](int32_t t0, int32_t lo, int32_t hi,
+                                            const char* const* krow, const char* const* vrow,
+                                            Prefetcher& pf, int64_t pf_quota) {
+    const int jl = lo - t0, jh = hi - t0;
+    const TileMask tm = tile_mask<R>(p, c.group, g.pos0, t0, lo, hi);
+    const bool whole = jl == 0 && jh == 16;
+    const char* kz[16];
+    const char* vz[16];
+    for (int64_t h = 0; h < heads; ++h) {
+      const char* const* kr = krow;
+      const char* const* vr = vrow;
+      int64_t koff = h * c.k_head, voff = h * c.v_head;
+      if (!whole) {    // keys outside the item's range read a zero row
+        const char* zero = reinterpret_cast<const char*>(s.zero);
+        for (int j = 0; j < 16; ++j) {
+          const bool in = j >= jl && j < jh;
+          kz[j] = in ? krow[j] + koff : zero;
+          vz[j] = in ? vrow[j] + voff : zero;
+        }
+        kr = kz;
+        vr = vz;
+        koff = voff = 0;
+      }
+      decode_tile_bf16<R>(p, qpack + h * 4 * d, kr, koff, vr, voff, jl / 4 * 4, jh, jl / 2,
+                          (jh + 1) / 2, tm, ml + h * 32, s.f.os + h * R * d, pf, pf_quota);
+    }
+  });
+  for (int64_t h = 0; h < heads; ++h)
+    for (int r = 0; r < R; ++r) {
+      s.f.ms[h * R + r] = ml[h * 32 + 4 * r];
+      s.f.ls[h * R + r] = ml[h * 32 + 16 + 4 * r];
+    }
+  write_item_bf16(c, it, g.rows, s.f, partials);
+}
+
 template <int kTile>
 void run_item_bf16(const Ctx& c, const Item& it, const Item* next, float* partials) {
   const PagedAttentionParams& p = c.p;
@@ -336,6 +497,14 @@ void run_item_bf16(const Ctx& c, const Item& it, const Item* next, float* partia
     if (static_cast<int64_t>(qpack.size()) < heads * 4 * d) qpack.resize(heads * 4 * d);
     for (int64_t h = 0; h < heads; ++h)
       pack_rows4(s.qs + h * per_head * d, d, per_head, d, qpack.data() + h * 4 * d);
+    if (kTile == 16) {
+      switch (per_head) {
+        case 1: return run_item_decode_bf16<1>(c, it, next, g, s, qpack.data(), partials);
+        case 2: return run_item_decode_bf16<2>(c, it, next, g, s, qpack.data(), partials);
+        case 3: return run_item_decode_bf16<3>(c, it, next, g, s, qpack.data(), partials);
+        default: return run_item_decode_bf16<4>(c, it, next, g, s, qpack.data(), partials);
+      }
+    }
   }
   thread_local std::vector<uint32_t> kt;    // one head's K tile, pair-major (prefill)
   thread_local std::vector<bf16_t> vt;      // one head's V tile, interleaved (prefill)
@@ -383,23 +552,32 @@ void run_item_bf16(const Ctx& c, const Item& it, const Item* next, float* partia
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + g / 2),
                               (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(pr + g)));
       }
-      const int pj0 = jl / 2 * 2, pj1 = (jh + 1) / 2 * 2;
+      const int k0 = jl / 2, k1 = (jh + 1) / 2;   // key pairs; a pair's key outside is zero
+      const uint32_t* pp = s.pp;
+      auto prob = [pp](int64_t r, int k) { return pp[r * (kTile / 2) + k]; };
       int64_t rb = r0;
       if (!rows4) {
         interleave_tile_bf16<kTile>(vp, d, vt.data());
+        const bf16_t* vtile = vt.data();
+        auto pairs = [vtile](int64_t c, int k, __m512bh& lo, __m512bh& hi) {
+          const bf16_t* vc = vtile + ((c / 32) * (kTile / 2) + k) * 64;
+          lo = (__m512bh)_mm512_loadu_si512(vc);
+          hi = (__m512bh)_mm512_loadu_si512(vc + 32);
+        };
         for (; rb + 4 <= r1; rb += 4, pf.step(pf_quota))
-          pv_rows_tile_bf16<4, kTile>(s.f.os + rb * d, d, s.f.alphas + rb, s.pp + rb * (kTile / 2),
-                                      kTile / 2, vt.data(), pj0, pj1, d);
+          pv_pairs_bf16<4>(s.f.os + rb * d, d, s.f.alphas + rb, 1, k0, k1, d, pairs,
+                           [&](int64_t r, int k) { return prob(rb + r, k); });
         for (; rb < r1; ++rb, pf.step(pf_quota))
-          pv_rows_tile_bf16<1, kTile>(s.f.os + rb * d, d, s.f.alphas + rb, s.pp + rb * (kTile / 2),
-                                      kTile / 2, vt.data(), pj0, pj1, d);
+          pv_pairs_bf16<1>(s.f.os + rb * d, d, s.f.alphas + rb, 1, k0, k1, d, pairs,
+                           [&](int64_t, int k) { return prob(rb, k); });
       }
+      const PairsFromRows<bf16_t> rows_v{vp, 0};
       for (; rb + 4 <= r1; rb += 4, pf.step(pf_quota))
-        pv_rows_bf16<4>(s.f.os + rb * d, d, s.f.alphas + rb, s.pp + rb * (kTile / 2), kTile / 2,
-                        vp, pj0, pj1, d);
+        pv_pairs_bf16<4>(s.f.os + rb * d, d, s.f.alphas + rb, 1, k0, k1, d, rows_v,
+                         [&](int64_t r, int k) { return prob(rb + r, k); });
       for (; rb < r1; ++rb, pf.step(pf_quota))
-        pv_rows_bf16<1>(s.f.os + rb * d, d, s.f.alphas + rb, s.pp + rb * (kTile / 2), kTile / 2,
-                        vp, pj0, pj1, d);
+        pv_pairs_bf16<1>(s.f.os + rb * d, d, s.f.alphas + rb, 1, k0, k1, d, rows_v,
+                         [&](int64_t, int k) { return prob(rb, k); });
     }
   });
   write_item_bf16(c, it, rows, s.f, partials);
