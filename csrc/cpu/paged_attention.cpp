@@ -46,7 +46,7 @@
 #include <atomic>
 #include <vector>
 
-#include "paged_attention_bf16.h"
+#include "paged_attention_bf16_items.h"
 #include "paged_attention_items.h"
 #include "threads.h"
 

@@ -309,8 +309,13 @@ CBK_ALWAYS_INLINE void walk_tiles(const Ctx& c, const Item& it, const Item* next
   auto locate = [&](const Item& at, int32_t t0, const char** kr, const char** vr) {
     const int32_t lo = std::max(t0, at.kv_begin), hi = std::min(t0 + kTile, at.kv_end);
     locate_rows(c, at, t0, lo, hi, kr, vr);
-    pf = Prefetcher{kr + (lo - t0), vr + (lo - t0), c.k_head, c.v_head, hi - lo, at.h1 - at.h0,
-                    p.head_dim * c.esize};
+    // The heads' rows of a token side by side (the usual layout): one run per token, so the
+    // prefetcher's loop steps lines without per-head bookkeeping (bf16 decode at the 1B shape,
+    // one thread, K/V in cache: 0.98x the time, ~the noise).
+    const int64_t row = p.head_dim * c.esize, heads = at.h1 - at.h0;
+    const bool runs = c.k_head == row && c.v_head == row;
+    pf = Prefetcher{kr + (lo - t0), vr + (lo - t0), c.k_head, c.v_head, hi - lo,
+                    runs ? 1 : heads, runs ? heads * row : row};
     warm_pages(c, at, std::max(t0 + kTile, at.kv_begin), std::min(t0 + 2 * kTile, at.kv_end));
   };
   int cur = 0;

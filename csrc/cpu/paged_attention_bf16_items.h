@@ -1,0 +1,368 @@
+// The AVX512-BF16 item runners of the CPU paged attention (paged_attention.cpp's avx512_bf16
+// body runs them for bf16 K/V with head_dim % 32 == 0): decode items of 16-key tiles with the
+// scores and the online softmax in registers, and the general item (prefill chunks, 64-key
+// tiles). The vdpbf16ps building blocks and the bf16 score order are in paged_attention_bf16.h.
+// Internal to that file's translation unit.
+#pragma once
+
+#include "paged_attention_bf16.h"
+
+#if defined(__AVX512BF16__)
+namespace cbk {
+namespace CBK_CPU_NS {
+namespace {
+
+// write_item for bf16 outputs of head_dim % 32 == 0: the normalising multiply and the rounding
+// per 16 lanes, vcvtneps2bf16 where it rounds as float_to_bf16 does (every value but fp32
+// denormals, which it flushes, and NaNs; a vector holding either takes float_to_bf16), so the
+// bits are write_item's. The scalar loop of float_to_bf16 was ~13% of a prefill call (16 x 128
+// tokens, 9 / 3 heads, d 64, one thread on the Zen 4).
+CBK_ALWAYS_INLINE void write_item_bf16(const Ctx& c, const Item& it, int64_t rows,
+                                       const ItemScratch& s, float* partials) {
+  const PagedAttentionParams& p = c.p;
+  if (it.partial >= 0 || p.dtype != DType::kBFloat16) return write_item(c, it, rows, s, partials);
+  const int64_t d = p.head_dim;
+  bf16_t* ob = static_cast<bf16_t*>(p.out);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* o = s.os + r * d;
+    const __m512 inv = _mm512_set1_ps(1.0f / denominator(c, it, r, s.ms[r], s.ls[r]));
+    bf16_t* dst = ob + row_offset(c, it, r, p.out_stride_token, p.out_stride_head);
+    for (int64_t i = 0; i < d; i += 16) {
+      const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(o + i), inv);
+      const __m512i a = _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7fffffff));
+      const __mmask16 odd =
+          _mm512_cmplt_epu32_mask(_mm512_sub_epi32(a, _mm512_set1_epi32(1)),
+                                  _mm512_set1_epi32(0x007fffff)) |
+          _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x7f800000));
+      if (__builtin_expect(odd != 0, 0)) {
+        alignas(64) float tmp[16];
+        _mm512_store_ps(tmp, v);
+        for (int k = 0; k < 16; ++k) dst[i + k] = float_to_bf16(tmp[k]);
+      } else {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), (__m256i)_mm512_cvtneps_pbh(v));
+      }
+    }
+  }
+}
+
+// The bf16 item's scratch: q rows (bf16, [rows][d]), outputs and the softmax state as the fp32
+// path (ItemScratch's os, ss, ms, ls, alphas), the tile's probabilities as bf16 pairs, per head
+// the tile's K/V row pointers, and a zero row for keys outside the item's range.
+struct ItemScratchBf16 {
+  ItemScratch f;
+  bf16_t* qs;
+  uint32_t* pp;          // [rows][kTile / 2]
+  const bf16_t** kps;    // [heads][kTile]
+  const bf16_t** vps;
+  const bf16_t* zero;
+};
+
+template <int kTile>
+CBK_ALWAYS_INLINE ItemScratchBf16 take_scratch_bf16(int64_t rows, int64_t heads, int64_t d) {
+  thread_local Scratch scratch;
+  // floats: os rows*d, ss rows*kTile, ms/ls/alphas 3*rows, qs rows*d/2, pp rows*kTile/2, zero d/2
+  const int64_t need = rows * (d + kTile + 3) + rows * d / 2 + rows * kTile / 2 + d / 2 + 16;
+  if (static_cast<int64_t>(scratch.buf.size()) < need) scratch.buf.resize(need);
+  int64_t used = 0;
+  ItemScratchBf16 s;
+  s.f.os = scratch.take(rows * d, used);
+  s.f.ss = scratch.take(rows * kTile, used);
+  s.f.ms = scratch.take(rows, used);
+  s.f.ls = scratch.take(rows, used);
+  s.f.alphas = scratch.take(rows, used);
+  s.qs = reinterpret_cast<bf16_t*>(scratch.take(rows * d / 2, used));
+  s.pp = reinterpret_cast<uint32_t*>(scratch.take(rows * kTile / 2, used));
+  float* zero = scratch.take(d / 2, used);
+  std::fill(zero, zero + d / 2, 0.0f);
+  s.zero = reinterpret_cast<const bf16_t*>(zero);
+  thread_local std::vector<const bf16_t*> ptrs;
+  if (static_cast<int64_t>(ptrs.size()) < 2 * heads * kTile) ptrs.resize(2 * heads * kTile);
+  s.kps = ptrs.data();
+  s.vps = s.kps + heads * kTile;
+  return s;
+}
+
+// Decode rows with 16-key tiles (up to 4 rows a head: one q token times a group of up to 4):
+// one head's tile with its scores kept in registers, rows in lanes: z[g] lane 4r + i is row r's
+// score of key 4g + i, as scores_rows4 folds them. The online-softmax step runs on those four
+// zmm (16 lanes, each row's four lanes holding its max and sum) instead of storing the scores
+// and running softmax_tile's 8-lane loop over each row; the same operations per value in the
+// same order (max, exp_poly, the sum tree of softmax_tile's hsum, alpha, l * alpha + sum), so
+// the same bits as softmax_tile, and scores_rows4's, so a row keeps the bits of a chunk.
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+// A tile's per-row visible keys [j0, j1) as lanes 4r + i (rows >= R see none) and whether any
+// row of the R sees less than the whole tile.
+struct TileMask {
+  __m512i j0, j1;
+  bool masked;
+};
+
+template <int R>
+CBK_ALWAYS_INLINE TileMask tile_mask(const PagedAttentionParams& p, int64_t group, int32_t pos0,
+                                     int32_t t0, int32_t lo, int32_t hi) {
+  alignas(64) int32_t a[16], b[16];
+  bool masked = false;
+  for (int r = 0; r < 4; ++r) {
+    int32_t j0 = 0, j1 = 0;
+    if (r < R) {
+      const int32_t pos = pos0 + static_cast<int32_t>(r / group);
+      const int32_t vlo = std::max(lo, p.sliding_window > 0 ? pos - p.sliding_window + 1 : 0);
+      j0 = vlo - t0;
+      j1 = std::min(hi, pos + 1) - t0;
+      masked |= j0 > 0 || j1 < 16;
+    }
+    for (int i = 0; i < 4; ++i) {
+      a[4 * r + i] = j0;
+      b[4 * r + i] = j1;
+    }
+  }
+  return TileMask{_mm512_load_si512(a), _mm512_load_si512(b), masked};
+}
+
+// One head's R rows over one tile: scores of keys [g0, g1) (groups of 4 from g0, a multiple of
+// 4) against the rows packed at qp, kr[j] + koff addressing key j's K row (vr/voff its V row;
+// zero rows for keys outside the item's range); the online-softmax state of the 4 rows in
+// ml (lanes 4r + i: 16 running maxima, then 16 running sums); P.V into o ([R][d]).
+template <int R>
+CBK_ALWAYS_INLINE void decode_tile_bf16(const PagedAttentionParams& p, const bf16_t* qp,
+                                        const char* const* kr, int64_t koff,
+                                        const char* const* vr, int64_t voff, int g0, int g1,
+                                        int k0, int k1, const TileMask& tm, float* ml, float* o,
+                                        Prefetcher& pf, int64_t pf_quota) {
+  const int64_t d = p.head_dim;
+  const __m512 ninf = _mm512_set1_ps(kNegInf);
+  __m512 z[4];
+  for (int q4 = 0; q4 < 4; ++q4) {
+    const int g = 4 * q4;
+    if (g < g0 || g >= g1) {
+      z[q4] = ninf;
+      continue;
+    }
+    __m512 acc[4][4];    // [key][set], as scores_rows4
+    for (int j = 0; j < 4; ++j)
+      for (int t = 0; t < 4; ++t) acc[j][t] = _mm512_setzero_ps();
+    for (int64_t m = 0; m < d / 32; ++m)
+      for (int t = 0; t < 4; ++t) {
+        const __m512bh qv = (__m512bh)_mm512_loadu_si512(qp + (m * 4 + t) * 32);
+        for (int j = 0; j < 4; ++j) {
+          const __m512bh kv = (__m512bh)_mm512_broadcast_i32x4(_mm_loadu_si128(
+              reinterpret_cast<const __m128i*>(kr[g + j] + koff + 2 * (32 * m + 8 * t))));
+          acc[j][t] = _mm512_dpbf16_ps(acc[j][t], qv, kv);
+        }
+      }
+    __m512 lo[4], hi[4];
+    for (int j = 0; j < 4; ++j) {
+      lo[j] = _mm512_add_ps(acc[j][0], acc[j][2]);
+      hi[j] = _mm512_add_ps(acc[j][1], acc[j][3]);
+    }
+    z[q4] = _mm512_mul_ps(
+        _mm512_add_ps(fold4(lo[0], lo[1], lo[2], lo[3]), fold4(hi[0], hi[1], hi[2], hi[3])),
+        _mm512_set1_ps(p.scale));
+    pf.step(pf_quota * ((R + 1) / 2));
+  }
+  // softmax_tile's step on 16 lanes: softcap, then the mask, then max, exp, sum.
+  const __m512i lane = _mm512_set_epi32(3, 2, 1, 0, 3, 2, 1, 0, 3, 2, 1, 0, 3, 2, 1, 0);
+  for (int q4 = 0; q4 < 4; ++q4) {
+    if (p.softcap > 0.0f) {
+      v16f v = (v16f)z[q4];
+      z[q4] = (__m512)softcap_poly<v16f, v16i>(v, p.softcap);
+    }
+    if (tm.masked) {
+      const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(4 * q4));
+      const __mmask16 in = _mm512_cmpge_epi32_mask(key, tm.j0) & _mm512_cmplt_epi32_mask(key, tm.j1);
+      z[q4] = _mm512_mask_mov_ps(ninf, in, z[q4]);
+    }
+  }
+  __m512 mx = _mm512_max_ps(_mm512_max_ps(z[0], z[1]), _mm512_max_ps(z[2], z[3]));
+  mx = _mm512_max_ps(mx, _mm512_permute_ps(mx, _MM_SHUFFLE(2, 3, 0, 1)));
+  mx = _mm512_max_ps(mx, _mm512_permute_ps(mx, _MM_SHUFFLE(1, 0, 3, 2)));
+  const __m512 m_old = _mm512_loadu_ps(ml);
+  const __m512 m_new = _mm512_max_ps(m_old, mx);
+  // A row that has seen no key yet (max still -inf): probabilities 0, alpha 1.
+  const __mmask16 dead = _mm512_cmp_ps_mask(m_new, ninf, _CMP_EQ_OQ);
+  const v16f m_sub = (v16f)_mm512_mask_mov_ps(m_new, dead, _mm512_setzero_ps());
+  v16f e[4];
+  for (int q4 = 0; q4 < 4; ++q4) e[q4] = exp_poly<v16f, v16i>((v16f)z[q4] - m_sub);
+  // softmax_tile's hsum: (e_j + e_j+8), then + the one 4 keys on, then pairs, then the two.
+  const v16f a4 = (e[0] + e[2]) + (e[1] + e[3]);
+  const __m512 a = (__m512)a4;
+  const __m512 b = _mm512_add_ps(a, _mm512_permute_ps(a, _MM_SHUFFLE(1, 0, 3, 2)));
+  const __m512 sum = _mm512_add_ps(b, _mm512_permute_ps(b, _MM_SHUFFLE(2, 3, 0, 1)));
+  const __m512 alpha = _mm512_mask_mov_ps(
+      (__m512)exp_poly<v16f, v16i>((v16f)m_old - (v16f)m_new), dead, _mm512_set1_ps(1.0f));
+  const v16f l_new = (v16f)_mm512_loadu_ps(ml + 16) * (v16f)alpha + (v16f)sum;
+  _mm512_storeu_ps(ml, m_new);
+  _mm512_storeu_ps(ml + 16, (__m512)l_new);
+  // P as bf16: dword 2r + h of group q4 is row r's key pair 2 q4 + h.
+  alignas(64) uint32_t pp[32];
+  for (int q4 = 0; q4 < 4; ++q4)
+    _mm256_store_si256(reinterpret_cast<__m256i*>(pp + 8 * q4),
+                       (__m256i)_mm512_cvtneps_pbh((__m512)e[q4]));
+  alignas(64) float al[16];
+  _mm512_store_ps(al, alpha);
+  pv_pairs_bf16<R>(o, d, al, 4, k0, k1, d, PairsFromRows<char>{vr, voff},
+                   [&](int64_t r, int k) { return pp + (k >> 1) * 8 + 2 * r + (k & 1); });
+  pf.step(pf_quota);
+}
+
+// The decode item of 16-key tiles and up to 4 rows a head (decode_tile_bf16 per head and tile).
+template <int R>
+void run_item_decode_bf16(const Ctx& c, const Item& it, const Item* next, const ItemRows& g,
+                          const ItemScratchBf16& s, const bf16_t* qpack, float* partials) {
+  const PagedAttentionParams& p = c.p;
+  const int64_t d = p.head_dim, heads = g.heads;
+  thread_local std::vector<float> state;     // per head: 16 maxima, 16 sums
+  if (static_cast<int64_t>(state.size()) < heads * 32) state.resize(heads * 32);
+  float* ml = state.data();
+  for (int64_t h = 0; h < heads; ++h) {
+    std::fill(ml + h * 32, ml + h * 32 + 16, kNegInf);
+    std::fill(ml + h * 32 + 16, ml + h * 32 + 32, 0.0f);
+  }
+  const int64_t pf_calls = prefetch_calls<16>(g);
+  walk_tiles<16>(c, it, next, pf_calls, [&](int32_t t0, int32_t lo, int32_t hi,
+                                            const char* const* krow, const char* const* vrow,
+                                            Prefetcher& pf, int64_t pf_quota) {
+    const int jl = lo - t0, jh = hi - t0;
+    const TileMask tm = tile_mask<R>(p, c.group, g.pos0, t0, lo, hi);
+    const bool whole = jl == 0 && jh == 16;
+    const char* kz[16];
+    const char* vz[16];
+    for (int64_t h = 0; h < heads; ++h) {
+      const char* const* kr = krow;
+      const char* const* vr = vrow;
+      int64_t koff = h * c.k_head, voff = h * c.v_head;
+      if (!whole) {    // keys outside the item's range read a zero row
+        const char* zero = reinterpret_cast<const char*>(s.zero);
+        for (int j = 0; j < 16; ++j) {
+          const bool in = j >= jl && j < jh;
+          kz[j] = in ? krow[j] + koff : zero;
+          vz[j] = in ? vrow[j] + voff : zero;
+        }
+        kr = kz;
+        vr = vz;
+        koff = voff = 0;
+      }
+      decode_tile_bf16<R>(p, qpack + h * 4 * d, kr, koff, vr, voff, jl / 4 * 4, jh, jl / 2,
+                          (jh + 1) / 2, tm, ml + h * 32, s.f.os + h * R * d, pf, pf_quota);
+    }
+  });
+  for (int64_t h = 0; h < heads; ++h)
+    for (int r = 0; r < R; ++r) {
+      s.f.ms[h * R + r] = ml[h * 32 + 4 * r];
+      s.f.ls[h * R + r] = ml[h * 32 + 16 + 4 * r];
+    }
+  write_item_bf16(c, it, g.rows, s.f, partials);
+}
+
+template <int kTile>
+void run_item_bf16(const Ctx& c, const Item& it, const Item* next, float* partials) {
+  const PagedAttentionParams& p = c.p;
+  const int64_t d = p.head_dim, group = c.group;
+  const ItemRows g = item_rows(c, it);
+  const int64_t per_head = g.per_head, heads = g.heads, rows = g.rows;
+  const int32_t pos0 = g.pos0;
+  ItemScratchBf16 s = take_scratch_bf16<kTile>(rows, heads, d);
+  const bf16_t* qb = static_cast<const bf16_t*>(p.q);
+  for (int64_t r = 0; r < rows; ++r) {     // d % 32 == 0: whole zmm (a memcpy call a row was
+    const bf16_t* src = qb + row_offset(c, it, r, p.q_stride_token, p.q_stride_head);  // ~5%)
+    for (int64_t i = 0; i < d; i += 32)
+      _mm512_storeu_si512(s.qs + r * d + i, _mm512_loadu_si512(src + i));
+  }
+  std::fill(s.f.os, s.f.os + rows * d, 0.0f);
+  std::fill(s.f.ms, s.f.ms + rows, kNegInf);
+  std::fill(s.f.ls, s.f.ls + rows, 0.0f);
+
+  // Up to 4 rows a head (decode at a group of up to 4): keys-in-lanes scores (scores_rows4),
+  // from each head's rows packed once for the item.
+  const bool rows4 = per_head <= 4;
+  thread_local std::vector<bf16_t> qpack;
+  if (rows4) {
+    if (static_cast<int64_t>(qpack.size()) < heads * 4 * d) qpack.resize(heads * 4 * d);
+    for (int64_t h = 0; h < heads; ++h)
+      pack_rows4(s.qs + h * per_head * d, d, per_head, d, qpack.data() + h * 4 * d);
+    if (kTile == 16) {
+      switch (per_head) {
+        case 1: return run_item_decode_bf16<1>(c, it, next, g, s, qpack.data(), partials);
+        case 2: return run_item_decode_bf16<2>(c, it, next, g, s, qpack.data(), partials);
+        case 3: return run_item_decode_bf16<3>(c, it, next, g, s, qpack.data(), partials);
+        default: return run_item_decode_bf16<4>(c, it, next, g, s, qpack.data(), partials);
+      }
+    }
+  }
+  thread_local std::vector<uint32_t> kt;    // one head's K tile, pair-major (prefill)
+  thread_local std::vector<bf16_t> vt;      // one head's V tile, interleaved (prefill)
+  if (!rows4 && static_cast<int64_t>(kt.size()) < d / 2 * kTile) {
+    kt.resize(d / 2 * kTile);
+    vt.resize(d * kTile);
+  }
+  const int64_t pf_calls = prefetch_calls<kTile>(g);
+  walk_tiles<kTile>(c, it, next, pf_calls, [&](int32_t t0, int32_t lo, int32_t hi,
+                                               const char* const* krow, const char* const* vrow,
+                                               Prefetcher& pf, int64_t pf_quota) {
+    const int jl = lo - t0, jh = hi - t0;
+    for (int64_t h = 0; h < heads; ++h) {
+      const bf16_t** kp = s.kps + h * kTile;
+      const bf16_t** vp = s.vps + h * kTile;
+      for (int j = 0; j < kTile; ++j) {
+        const bool in = j >= jl && j < jh;
+        kp[j] = in ? reinterpret_cast<const bf16_t*>(krow[j] + h * c.k_head) : s.zero;
+        vp[j] = in ? reinterpret_cast<const bf16_t*>(vrow[j] + h * c.v_head) : s.zero;
+      }
+      const int64_t r0 = h * per_head, r1 = r0 + per_head;
+      const bf16_t* q = s.qs + r0 * d;
+      float* ss = s.f.ss + r0 * kTile;
+      if (rows4) {    // as many prefetch steps as the dot blocks of 2 rows it replaces
+        scores_rows4(qpack.data() + h * 4 * d, per_head, kp, jl / 4 * 4, jh, d, p.scale, ss,
+                     kTile, pf, pf_quota * ((per_head + 1) / 2));
+      } else {        // and here as the dot blocks of 2 rows x 4 keys
+        transpose_tile_bf16<kTile>(kp, d, kt.data());
+        for (int g = jl / 16 * 16; g < jh; g += 16) {
+          int64_t r = 0;
+          for (; r + 2 <= per_head; r += 2, pf.step(4 * pf_quota))
+            scores_keys16<2>(q + r * d, d, kt.data() + g, kTile, d, p.scale, ss + r * kTile + g,
+                             kTile);
+          if (r < per_head)
+            scores_keys16<1>(q + r * d, d, kt.data() + g, kTile, d, p.scale, ss + r * kTile + g,
+                             kTile);
+        }
+      }
+      softmax_tile<kTile>(p, r0, r1, per_head, group, pos0, t0, lo, hi, s.f.ss, s.f.ms, s.f.ls,
+                          s.f.alphas);
+      for (int64_t rr = r0; rr < r1; ++rr) {
+        const float* pr = s.f.ss + rr * kTile;
+        uint32_t* dst = s.pp + rr * (kTile / 2);
+        for (int g = 0; g < kTile; g += 16)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + g / 2),
+                              (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(pr + g)));
+      }
+      const int k0 = jl / 2, k1 = (jh + 1) / 2;   // key pairs; a pair's key outside is zero
+      const int64_t ps = kTile / 2;
+      int64_t rb = r0;
+      if (!rows4) {
+        interleave_tile_bf16<kTile>(vp, d, vt.data());
+        const PairsFromTile<kTile> tile{vt.data()};
+        for (; rb + 4 <= r1; rb += 4, pf.step(pf_quota))
+          pv_pairs_bf16<4>(s.f.os + rb * d, d, s.f.alphas + rb, 1, k0, k1, d, tile,
+                           ProbRows{s.pp + rb * ps, ps});
+        for (; rb < r1; ++rb, pf.step(pf_quota))
+          pv_pairs_bf16<1>(s.f.os + rb * d, d, s.f.alphas + rb, 1, k0, k1, d, tile,
+                           ProbRows{s.pp + rb * ps, ps});
+      }
+      const PairsFromRows<bf16_t> rows_v{vp, 0};
+      for (; rb + 4 <= r1; rb += 4, pf.step(pf_quota))
+        pv_pairs_bf16<4>(s.f.os + rb * d, d, s.f.alphas + rb, 1, k0, k1, d, rows_v,
+                         ProbRows{s.pp + rb * ps, ps});
+      for (; rb < r1; ++rb, pf.step(pf_quota))
+        pv_pairs_bf16<1>(s.f.os + rb * d, d, s.f.alphas + rb, 1, k0, k1, d, rows_v,
+                         ProbRows{s.pp + rb * ps, ps});
+    }
+  });
+  write_item_bf16(c, it, rows, s.f, partials);
+}
+
+}  // namespace
+}  // namespace CBK_CPU_NS
+}  // namespace cbk
+#endif  // __AVX512BF16__
