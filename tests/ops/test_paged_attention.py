@@ -134,7 +134,15 @@ def test_reference_softcap_by_hand():
                                        dtype=torch.bfloat16),
                                   Case("bf16-d32-32q-8kv", seq_lens=(1100, 37, 600, 300),
                                        q_lens=(1, 1, 5, 300), num_heads=32, num_kv_heads=8,
-                                       head_dim=32, dtype=torch.bfloat16)],
+                                       head_dim=32, dtype=torch.bfloat16),
+                                  # the 16-lane decode tiles (group 4 and 3) and the rows-in-lanes
+                                  # prefill blocks (16 rows, a last partial one)
+                                  Case("bf16-gqa4-decode-tiles", seq_lens=(150, 37, 300, 129),
+                                       q_lens=(1, 1, 40, 1), num_heads=32, num_kv_heads=8,
+                                       dtype=torch.bfloat16),
+                                  Case("bf16-gqa3-prefill-blocks", seq_lens=(128, 200, 33, 700),
+                                       q_lens=(128, 1, 20, 1), num_heads=9, num_kv_heads=3,
+                                       dtype=torch.bfloat16)],
                          ids=lambda c: c.id)
 def test_cpu_batch_and_threads_do_not_change_results(case):
     """A sequence's output is bit-identical alone, inside a batch, and on 1 or 2 threads."""
