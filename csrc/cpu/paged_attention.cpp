@@ -36,8 +36,9 @@
 // measured alongside, so it is bound by memory; in cache the FMAs alone take 16 of the ~44
 // cycles per (key, kv head), the rest spread over the add tree, exp, prefetch and pointer setup.
 //
-// The shared steps live in paged_attention_items.h, the AVX512-BF16 runner in
-// paged_attention_bf16.h; this file holds the fp32-math runner, the merge, the plan and the entry.
+// The shared steps live in paged_attention_items.h, the AVX512-BF16 runners in
+// paged_attention_bf16_items.h (their vdpbf16ps building blocks in paged_attention_bf16.h); this
+// file holds the fp32-math runner, the merge, the plan and the entry.
 #include "cb_kernels/paged_attention.h"
 
 #include <omp.h>

@@ -1,5 +1,5 @@
 // The work items of the CPU paged attention and the steps its two item runners share (the fp32
-// one in paged_attention.cpp, the AVX512-BF16 one in paged_attention_bf16.h): the plan's
+// one in paged_attention.cpp, the AVX512-BF16 ones in paged_attention_bf16_items.h): the plan's
 // structures, per-thread scratch, the online-softmax step, the block-table walk with its
 // prefetches, and the write of an item's rows. paged_attention.cpp's opening comment gives the
 // design and its measurements. Internal to that file's translation unit (anonymous namespace).
