@@ -61,6 +61,36 @@ def _project_split(module, x, runs=None):
             _linear(runs, module.in_proj_b, x)[0], _linear(runs, module.in_proj_a, x)[0])
 
 
+def _param_key(module, names: tuple) -> tuple:
+    """What changes when one of the module's parameters `names` is replaced or written in place
+    (inference tensors have no version counter: Engine.weights_updated() for those)."""
+    key = []
+    for n in names:
+        t = module._parameters.get(n)
+        if t is None:            # a buffer, or a plain attribute
+            t = getattr(module, n)
+        key.append((t.data_ptr(), 0 if t.is_inference() else t._version))
+    return tuple(key)
+
+
+class _Derived:
+    """fp32 tensors computed from a module's parameters once, again when one of them changes
+    (each was 2-3 torch ops a layer a step: ~10-20 us apiece in a decode step whose state keeps
+    the caches cold)."""
+
+    def __init__(self, module, names: tuple, compute):
+        self.module, self.names, self.compute = module, names, compute
+        self.key, self.values = None, None
+
+    def get(self):
+        key = _param_key(self.module, self.names)
+        if key != self.key:
+            with torch.inference_mode():
+                self.values = self.compute(self.module)
+            self.key = key
+        return self.values
+
+
 def _fused_norm(norm, dtype, weight_len: int, grouped: bool) -> bool:
     """Whether `norm` is transformers' RMSNormGated that ops.gated_rms_norm computes: Qwen3-Next's
     (grouped False: per value head, SiLU gate after the norm) or the Mamba-2 mixers' (grouped:
@@ -90,6 +120,8 @@ class GatedDeltaNetKernels:
         self.conv_state = entry[("conv", 0)]
         self.state = entry[("recurrent", 0)]
         self.scale = module.head_k_dim ** -0.5
+        # transformers' -A_log.float().exp(), the decay's factor
+        self.neg_a = _Derived(module, ("A_log",), lambda m: -m.A_log.float().exp())
 
     def __call__(self, hidden_states: torch.Tensor, rows, runs: Optional[dict] = None
                  ) -> torch.Tensor:
@@ -108,7 +140,7 @@ class GatedDeltaNetKernels:
         # b, a: [n, num_k_heads, ratio] views (strided in fp32, where .float() copies nothing)
         beta = b.sigmoid().float().reshape(n, m.num_v_heads)   # sigmoid in the model's dtype
         g = F.softplus(a.float().reshape(n, m.num_v_heads) + m.dt_bias)
-        g.mul_(-m.A_log.float().exp())
+        g.mul_(self.neg_a.get())
         core = torch.empty((n, m.num_v_heads, m.head_v_dim), dtype=v.dtype)
         ops.gated_delta_rule_unchecked(q, k, v, g, beta, self.state, rows.slots,
                                        rows.cu_seqlens, rows.has_state, core, self.scale)
@@ -173,6 +205,10 @@ class Mamba2Kernels:
         self.module = module
         self.conv_state = entry[("conv", 0)]
         self.state = entry[("recurrent", 0)]
+        # -exp(A_log), D and dt_bias in fp32, as transformers reads them
+        self.consts = _Derived(module, ("A_log", "D", "dt_bias"), lambda m: (
+            -torch.exp(m.A_log.float()), m.D.float().contiguous(),
+            m.dt_bias.float().contiguous()))
 
     def __call__(self, hidden_states: torch.Tensor, rows, runs: Optional[dict] = None
                  ) -> torch.Tensor:
@@ -187,9 +223,10 @@ class Mamba2Kernels:
         x = conv[:, :m.intermediate_size].view(n, m.num_heads, m.head_dim)
         B = conv[:, m.intermediate_size:m.intermediate_size + bc].view(n, m.n_groups, -1)
         C = conv[:, m.intermediate_size + bc:].view(n, m.n_groups, -1)
-        y = ops.selective_scan(x, dt.float().contiguous(), -torch.exp(m.A_log.float()), B, C,
+        neg_a, d, dt_bias = self.consts.get()
+        y = ops.selective_scan(x, dt.float().contiguous(), neg_a, B, C,
                                self.state, rows.slots, rows.cu_seqlens, rows.has_state,
-                               D=m.D.float(), dt_bias=m.dt_bias.float())
+                               D=d, dt_bias=dt_bias)
         y = y.view(n, -1)
         if gate.dtype == y.dtype and _fused_norm(m.norm, y.dtype, m.intermediate_size,
                                                  grouped=True):

@@ -8,8 +8,8 @@ state wrappers, packed forwards). On the bench's Qwen3-Next hd128 shape (4 layer
 16-row bf16 decode, Zen 4) that glue was 4.65 / 3.00 ms of an 11.1 / 6.7 ms step at 1 / 2
 threads (bench/RESULTS.md "Where a step goes"), which bounded two threads at ~1.4x one. Here
 each layer is a dozen calls on the step's packed row: the norms with the residual add as one
-C++ pass (ops.rms_norm; Qwen3-Next's (1 + w) norm in bf16 as fp32 math rounded once, as
-transformers computes it), the mixer kernels as before, the packed linears called directly,
+C++ pass (ops.rms_norm; Qwen3-Next's (1 + w) norm on ops.offset_rms_norm: fp32 math rounded
+once, as transformers computes it), the mixer kernels as before, the packed linears called directly,
 the router and experts on their packed groups, attention through the paged kernels.
 
 Exactness: the same formulas as transformers' modules, rounded where they round (bf16: the
@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from cb_kernels import ops
+from cb_kernels.ops.offset_rms_norm import offset_rms_norm_unchecked
 from cb_kernels.runner import hybrid_kernels
 from cb_kernels.runner.fused.forward import _RotaryTable
 from cb_kernels.runner.moe_layers import ExpertsGroup, RouterGroup
@@ -82,10 +83,9 @@ class _Runs:
 
 
 class _OffsetNorm:
-    """Qwen3-Next's RMSNorm: fp32 math, times (1 + weight) in fp32, one rounding to x's dtype.
-    fp32: ops.rms_norm on the weight + 1 (kept while the weight is unchanged; the residual add
-    in the same pass). bf16: the residual added in bf16 (as transformers' `residual + h`), then
-    the fp32 op on x widened, rounded once."""
+    """Qwen3-Next's RMSNorm on ops.offset_rms_norm: fp32 math, times (1 + weight) in fp32, one
+    rounding to x's dtype, the residual add (in x's dtype, as transformers' `residual + h`) in
+    the same pass."""
 
     def __init__(self, module, dtype):
         self.module = module
@@ -93,23 +93,13 @@ class _OffsetNorm:
         if not isinstance(self.eps, float):
             raise _Mismatch("a norm without a float eps")
         _weight(module, dtype)
-        self.key, self.w1 = None, None
-
-    def scale(self) -> torch.Tensor:
-        w = self.module._parameters["weight"]
-        key = (w.data_ptr(), 0 if w.is_inference() else w._version)
-        if key != self.key:
-            self.w1 = (1.0 + w.detach().float()).contiguous()
-            self.key = key
-        return self.w1
 
     def __call__(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """x: contiguous [rows, dim], updated in place to x + residual when one is given."""
-        if x.dtype == torch.float32:
-            return ops.rms_norm_unchecked(x, self.scale(), self.eps, residual)
-        if residual is not None:
-            x.add_(residual)
-        return ops.rms_norm_unchecked(x.float(), self.scale(), self.eps).to(x.dtype)
+        """x: [rows, dim] with packed rows (any row stride), updated in place to x + residual
+        when one is given. Returns a new contiguous [rows, dim]."""
+        w = self.module._parameters["weight"]
+        return offset_rms_norm_unchecked(x, w if w.is_contiguous() else w.contiguous(),
+                                         self.eps, residual)
 
 
 class _PlainNorm:
