@@ -10,7 +10,8 @@ threads (bench/RESULTS.md "Where a step goes"), which bounded two threads at ~1.
 each layer is a dozen calls on the step's packed row: the norms with the residual add as one
 C++ pass (ops.rms_norm; Qwen3-Next's (1 + w) norm on ops.offset_rms_norm: fp32 math rounded
 once, as transformers computes it), the mixer kernels as before, the packed linears called directly,
-the router and experts on their packed groups, attention through the paged kernels.
+the router's softmax/top-k as one call (ops.moe_route) and the experts on their packed
+groups, attention through the paged kernels.
 
 Exactness: the same formulas as transformers' modules, rounded where they round (bf16: the
 residual adds in bf16 for Qwen3-Next, in fp32 for Mamba-2's `residual_in_fp32`); the sums of
@@ -32,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from cb_kernels import ops
+from cb_kernels.ops.moe import moe_route_unchecked
 from cb_kernels.ops.offset_rms_norm import offset_rms_norm_unchecked
 from cb_kernels.runner import hybrid_kernels
 from cb_kernels.runner.fused.forward import _RotaryTable
@@ -162,11 +164,17 @@ class _Qwen3NextLayer:
         self.moe = type(mlp).__name__ == "Qwen3NextSparseMoeBlock"
         if self.moe:
             _own(mlp, "Qwen3NextSparseMoeBlock", fam)
+            # Routers and experts off our packed ops (their SIMD bodies do not run here, or
+            # moe_layers.MOE = "off") keep transformers' formula: F.linear for the logits, the
+            # experts module's own forward.
+            self.gate = _own(mlp.gate, "Qwen3NextTopKRouter", fam)
             self.router = experts.get(mlp.gate)
             self.experts = experts.get(mlp.experts)
-            if not isinstance(self.router, RouterGroup) or \
-                    not isinstance(self.experts, ExpertsGroup):
-                raise _Mismatch(f"layer {idx}'s router or experts are not on our ops")
+            if not isinstance(self.router, RouterGroup):
+                self.router = None
+            if not isinstance(self.experts, ExpertsGroup):
+                self.experts = None
+                self.experts_module = _own(mlp.experts, "Qwen3NextExperts", fam)
             self.shared_gate = runs.single(mlp.shared_expert_gate)
             dense = _own(mlp.shared_expert, "Qwen3NextMLP", fam)
         else:
@@ -198,8 +206,14 @@ class _Qwen3NextLayer:
         shared = self.down.run(ops.silu_mul(self.gate_up.run(h)))
         if not self.moe:
             return shared
-        _, weights, index = self.router.run(h)
-        routed = self.experts.run(h, index, weights)
+        gate = self.gate
+        logits = self.router.lin.run_unchecked(h) if self.router is not None \
+            else F.linear(h, gate.weight)
+        weights, index = moe_route_unchecked(logits, gate.top_k, bool(gate.norm_topk_prob))
+        if self.experts is not None:
+            routed = self.experts.experts.run_unchecked(h, index, weights)
+        else:      # transformers' experts take the weights in the router's dtype
+            routed = self.experts_module(h, index, weights.to(logits.dtype))
         shared.mul_(self.shared_gate.run(h).sigmoid())
         return routed.add_(shared)
 

@@ -129,3 +129,42 @@ def test_a_hook_added_later_runs(case):
     finally:
         handle.remove()
     assert seen and got == want
+
+
+def test_moe_off_our_ops_keeps_transformers_formula(monkeypatch):
+    """With the MoE ops off (as where their SIMD bodies do not run) the forward still runs,
+    the router's logits by F.linear and the experts through their own module: generate's
+    tokens."""
+    from cb_kernels.runner import moe_layers
+
+    monkeypatch.setattr(moe_layers, "MOE", "off")
+    model = _model("qwen3_next")
+    engine = _engine(model)
+    assert engine.runner.hybrid is not None
+    assert not engine.runner.packed.experts
+    ps = _prompts([7, 3, 12], seed=6)
+    assert _run(engine, ps, 5) == generate_tokens(model, ps, 5)
+
+
+@pytest.mark.parametrize("case", ["qwen3_next", "mamba2"])
+def test_follows_weights_and_replaced_modules(case):
+    """A norm weight written in place and a norm module replaced after Engine(): the next steps
+    read the new ones (generate's tokens of the changed model), on this forward still."""
+    model = _model(case)
+    engine = _engine(model)
+    ps = _prompts([6, 9], seed=7)
+    _run(engine, ps, 2)
+    final = model.model.norm if case == "qwen3_next" else model.backbone.norm_f
+    with torch.no_grad():
+        final.weight.add_(0.5)
+    layer = model.model.layers[1] if case == "qwen3_next" else model.backbone.layers[1]
+    name = "post_attention_layernorm" if case == "qwen3_next" else "norm"
+    old = getattr(layer, name)
+    new = type(old)(old.weight.shape[0], eps=1e-5)
+    with torch.no_grad():
+        new.weight.copy_(old.weight * -1.5 + 0.25)
+    setattr(layer, name, new)
+    assert _run(engine, ps, 5) == generate_tokens(model, ps, 5)
+    assert engine.runner.hybrid is not None
+    assert any(getattr(lyr, "post_norm", getattr(lyr, "norm", None)).module is new
+               for lyr in engine.runner.hybrid.layers)
