@@ -168,3 +168,26 @@ def test_follows_weights_and_replaced_modules(case):
     assert engine.runner.hybrid is not None
     assert any(getattr(lyr, "post_norm", getattr(lyr, "norm", None)).module is new
                for lyr in engine.runner.hybrid.layers)
+
+
+@pytest.mark.parametrize("case", ["qwen3_next", "mamba2"])
+def test_sampled_rows_get_transformers_logits(case, monkeypatch):
+    """Rows that need logits (logprobs, a sampled request) take the LM head on this forward's
+    rows: their logprobs are transformers' forward's within fp32 rounding, the tokens equal."""
+    model = _model(case)
+    ps = _prompts([5, 12], seed=9)
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True, logprobs=2)
+    runs = []
+    for on in (True, False):
+        monkeypatch.setattr(hybrid_layers, "ENABLED", on)
+        engine = _engine(model)
+        assert (engine.runner.hybrid is not None) == on
+        runs.append(engine.generate(ps, params))
+    for ours, theirs in zip(*runs):
+        assert ours.token_ids == theirs.token_ids
+        for a, b in zip(ours.outputs[0].logprobs, theirs.outputs[0].logprobs):
+            assert a.keys() == b.keys()
+            for t in a:
+                va = a[t] if isinstance(a[t], float) else a[t].logprob
+                vb = b[t] if isinstance(b[t], float) else b[t].logprob
+                assert abs(va - vb) < 1e-4, (t, va, vb)
