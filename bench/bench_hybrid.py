@@ -166,28 +166,38 @@ def reference(model, prompts, new):
 
 
 def wrapper_share(model, prompts, new) -> dict:
-    """Seconds inside the stateful modules' wrappers vs the whole generate (one run)."""
+    """Seconds inside the stateful layers (their kernels' forward, called by
+    runner/hybrid_layers.py or by the wrappers, or the wrappers running transformers' layer
+    code) vs the whole generate (one run)."""
     from cb_kernels import Engine, SamplingParams
-    from cb_kernels.runner import state_switch
+    from cb_kernels.runner import hybrid_kernels, state_switch
 
     spent = {"wrapped": 0.0}
-    original = state_switch._Wrapped.__call__
+    kinds = (hybrid_kernels.GatedDeltaNetKernels, hybrid_kernels.Mamba2Kernels)
+    originals = [(state_switch._Wrapped, state_switch._Wrapped.__call__)] + \
+        [(k, k.__call__) for k in kinds]
 
-    def timed(self, *a, **k):
-        t0 = time.perf_counter()
-        try:
-            return original(self, *a, **k)
-        finally:
-            spent["wrapped"] += time.perf_counter() - t0
+    def timer(original, wrapper: bool):
+        def timed(self, *a, **k):
+            if wrapper and self.kernel is not None:     # timed as the kernels' call below
+                return original(self, *a, **k)
+            t0 = time.perf_counter()
+            try:
+                return original(self, *a, **k)
+            finally:
+                spent["wrapped"] += time.perf_counter() - t0
+        return timed
 
     engine = Engine(model)
-    state_switch._Wrapped.__call__ = timed
+    for owner, original in originals:
+        owner.__call__ = timer(original, owner is state_switch._Wrapped)
     try:
         t0 = time.perf_counter()
         engine.generate(prompts, SamplingParams(max_new_tokens=new, ignore_eos=True))
         total = time.perf_counter() - t0
     finally:
-        state_switch._Wrapped.__call__ = original
+        for owner, original in originals:
+            owner.__call__ = original
     return {"total_s": total, "stateful_layers_s": spent["wrapped"],
             "stateful_share": spent["wrapped"] / total}
 

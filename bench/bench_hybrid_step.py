@@ -4,6 +4,7 @@ OpenMP parallel regions a step opens (each a fork/join of the thread team).
 
     python bench/bench_hybrid_step.py [--threads 1,2] [--dtype bfloat16]
         [--shapes qwen3-next-hd128,mamba2-ds128] [--repeats 3] [--json out.json]
+        [--baseline]
 
 Same models and workload as bench_hybrid.py (16 requests, 16..128-token prompts, 32 new tokens,
 greedy, EOS off). One Engine per shape and thread count, a warm-up generate, then `--repeats`
@@ -18,6 +19,9 @@ best run's, split into its decode steps (every row one token) and the rest. Part
                                    gated_rms_norm, packed linears (ops.PackedLinear: the layers'
                                    projections, the router's logits), ops.moe_experts, paged
                                    attention, the greedy head
+--baseline also measures each shape with transformers' decoder forward around the same kernels
+(runner/hybrid_layers.py off: the path before it, and the one models it does not fit take), in
+the same run, rows "<shape>/<threads>/transformers".
 OpenMP regions are counted by a libgomp shim (LD_PRELOAD, compiled here from the C below with the
 system's cc: GOMP_parallel is what every `#pragma omp parallel` of torch, MKL and cb_kernels._C
 calls); the script re-executes itself with it. Without a C compiler the counts are left out.
@@ -191,12 +195,15 @@ def split(steps: list) -> dict:
     return out
 
 
-def measure(shape: str, dtype, threads: int, repeats: int, meter: Meter) -> dict:
+def measure(shape: str, dtype, threads: int, repeats: int, meter: Meter,
+            ours: bool = True) -> dict:
     import torch
     from bench_hybrid import build, workload
     from cb_kernels import Engine, SamplingParams
+    from cb_kernels.runner import hybrid_layers
 
     torch.set_num_threads(threads)
+    hybrid_layers.ENABLED = ours
     model = build(shape).to(dtype)
     prompts = workload(16, 16, 128)
     params = SamplingParams(max_new_tokens=32, ignore_eos=True)
@@ -231,6 +238,8 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default="qwen3-next-hd128,mamba2-ds128")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", metavar="PATH")
+    p.add_argument("--baseline", action="store_true",
+                   help="also run transformers' decoder forward (hybrid_layers off)")
     args = p.parse_args(argv)
     counts = [int(t) for t in args.threads.split(",")]
     if any(t < 1 for t in counts) or args.repeats < 1:
@@ -243,9 +252,11 @@ def main(argv=None) -> int:
     results = {"dtype": args.dtype, "omp_counted": meter.omp.lib is not None}
     for shape in args.shapes.split(","):
         for t in counts:
-            row = results[f"{shape}/{t}"] = measure(shape, getattr(torch, args.dtype), t,
-                                                    args.repeats, meter)
-            show(shape, t, row)
+            for ours in (True, False) if args.baseline else (True,):
+                key = f"{shape}/{t}" + ("" if ours else "/transformers")
+                row = results[key] = measure(shape, getattr(torch, args.dtype), t,
+                                             args.repeats, meter, ours)
+                show(key, t, row)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -5,6 +5,7 @@
 
 #include "bindings.h"
 #include "cb_kernels/moe.h"
+#include "cb_kernels/moe_route.h"
 
 namespace py = pybind11;
 
@@ -25,6 +26,24 @@ void bind_moe(py::module_& m) {
         py::arg("bf16"), py::arg("isa") = "auto",
         "The body moe_experts runs here: fp32 'avx512' or 'portable', bf16 'avx512_bf16' or "
         "'portable'.");
+  m.def(
+      "moe_route",
+      [](uintptr_t logits, int64_t num_tokens, int64_t num_experts, int64_t logits_stride,
+         int64_t top_k, bool renormalize, int dtype, uintptr_t weights, uintptr_t ids) {
+        cbk::MoeRouteParams p;
+        p.logits = cbk::as_ptr<const void>(logits);
+        p.num_tokens = num_tokens;
+        p.num_experts = num_experts;
+        p.logits_stride = logits_stride;
+        p.top_k = top_k;
+        p.renormalize = renormalize;
+        p.dtype = cbk::as_dtype(dtype);
+        p.weights = cbk::as_ptr<float>(weights);
+        p.ids = cbk::as_ptr<int64_t>(ids);
+        py::gil_scoped_release nogil;
+        cbk::throw_if_error(cbk::cpu::moe_route(p));
+      },
+      "An MoE top-k softmax router after its logits: fp32 weights and int64 expert ids.");
   m.def("moe_workspace_bytes", &cbk::cpu::moe_workspace_bytes,
         "Bytes of the work buffers moe_experts keeps between calls (all threads).");
   m.def("moe_release_workspaces", &cbk::cpu::moe_release_workspaces,

@@ -24,6 +24,7 @@ void bind_causal_conv1d(pybind11::module_& m);     // short causal conv1d with s
 void bind_selective_scan(pybind11::module_& m);    // the Mamba-2 selective scan with state slots (CPU)
 void bind_moe(pybind11::module_& m);               // the fused MoE experts on packed weights (CPU)
 void bind_gated_rms_norm(pybind11::module_& m);    // the stateful layers' gated RMSNorm (CPU)
+void bind_offset_rms_norm(pybind11::module_& m);   // Qwen3-Next's (1 + w) RMSNorm (CPU)
 void bind_paged_attention_cuda(pybind11::module_& m);  // CUDA kernels (stubs raise when built without CUDA)
 
 namespace cbk {

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from cb_kernels import _C
-from cb_kernels.ops._backend import sync_threads
+from cb_kernels.ops._backend import DTYPE_CODES, sync_threads
 
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -190,3 +190,53 @@ def _moe_experts_op(hidden_states: torch.Tensor, top_k_index: torch.Tensor,
 @_moe_experts_op.register_fake
 def _(hidden_states, top_k_index, top_k_weights, gate_up, down, num_experts, inter):
     return hidden_states.new_empty(hidden_states.shape)
+
+
+def moe_route(router_logits: torch.Tensor, top_k: int, *,
+              renormalize: bool = True) -> tuple:
+    """A top-k softmax router after its logits, as transformers' Qwen3NextTopKRouter (Qwen3-MoE,
+    Qwen2-MoE, OLMoE, FlexOlmo share it) computes: softmax in fp32, the top_k largest (largest
+    first, tied values in torch.topk's order: the same algorithm), divided by their sum when `renormalize`, rounded
+    to the logits' dtype (csrc/cpu/moe_route.cpp says why one call).
+
+    router_logits: float32 or bfloat16 CPU [num_tokens, num_experts], rows any stride, experts
+    packed. Returns (top_k_weights float32 [num_tokens, top_k] holding the rounded values,
+    top_k_index int64 [num_tokens, top_k]): what `moe_experts` takes."""
+    if not isinstance(router_logits, torch.Tensor) or router_logits.device.type != "cpu" or \
+            router_logits.dtype not in DTYPES:
+        raise TypeError("router_logits must be a float32 or bfloat16 CPU tensor, got "
+                        f"{getattr(router_logits, 'dtype', type(router_logits).__name__)}")
+    if router_logits.dim() != 2 or router_logits.shape[1] == 0 or \
+            (router_logits.shape[1] > 1 and router_logits.stride(1) != 1):
+        raise ValueError("router_logits must be [num_tokens, num_experts] with the experts "
+                         f"packed, got shape {tuple(router_logits.shape)} strides "
+                         f"{router_logits.stride()}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or \
+            not 0 < top_k <= router_logits.shape[1]:
+        raise ValueError(f"top_k must be an int in [1, num_experts={router_logits.shape[1]}], "
+                         f"got {top_k!r}")
+    return moe_route_unchecked(router_logits, top_k, bool(renormalize))
+
+
+def moe_route_unchecked(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple:
+    """`moe_route` without the checks (runner/hybrid_layers.py's MoE layers)."""
+    num_tokens, num_experts = router_logits.shape
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int64)
+    _C.moe_route(router_logits.data_ptr(), num_tokens, num_experts,
+                 router_logits.stride(0) if num_tokens > 1 else num_experts, top_k, renormalize,
+                 DTYPE_CODES[router_logits.dtype], weights.data_ptr(), ids.data_ptr())
+    return weights, ids
+
+
+@torch.library.custom_op("cb_kernels::moe_route", mutates_args=())
+def _moe_route_op(router_logits: torch.Tensor, top_k: int,
+                  renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return moe_route(router_logits, top_k, renormalize=renormalize)
+
+
+@_moe_route_op.register_fake
+def _(router_logits, top_k, renormalize):
+    n = router_logits.shape[0]
+    return (router_logits.new_empty((n, top_k), dtype=torch.float32),
+            router_logits.new_empty((n, top_k), dtype=torch.int64))

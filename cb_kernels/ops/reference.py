@@ -149,6 +149,26 @@ def ref_gated_rms_norm(x, gate, weight, eps: float, *, group_size: int,
     return w * h.to(dt)
 
 
+def ref_offset_rms_norm(x, weight, eps: float, residual=None) -> torch.Tensor:
+    """x, residual: [..., dim]; weight: [dim]. transformers' Qwen3NextRMSNorm after the residual
+    add (`residual + h` in x's dtype), op for op; x is updated in place when a residual is given."""
+    if residual is not None:
+        x.copy_(x + residual)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.float())).type_as(x)
+
+
+def ref_moe_route(router_logits, top_k: int, renormalize: bool = True) -> tuple:
+    """router_logits: [num_tokens, num_experts]. transformers' Qwen3NextTopKRouter after its
+    logits, op for op: (top-k weights in the logits' dtype, as float32; int64 expert ids)."""
+    probs = torch.nn.functional.softmax(router_logits, dtype=torch.float, dim=-1)
+    value, index = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        value /= value.sum(dim=-1, keepdim=True)
+    return value.to(router_logits.dtype).float(), index
+
+
 def ref_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up: [..., 2 * dim], gate then up. Returns [..., dim] = silu(gate) * up."""
     gate, up = gate_up.chunk(2, dim=-1)

@@ -25,7 +25,14 @@ import torch.nn.functional as F
 from cb_kernels import ops
 from cb_kernels.ops.gated_rms_norm import gated_rms_norm_fast, gated_rms_norm_unchecked
 
-def _project_fused(module, x):
+def _linear(runs, module, x):
+    """module(x), or the packed GEMM `runs` maps it to (runner/hybrid_layers.py calls the kernels
+    with the step's packed groups instead of installing their forwards on the modules)."""
+    run = None if runs is None else runs.get(module)
+    return module(x) if run is None else run(x)
+
+
+def _project_fused(module, x, runs=None):
     """Qwen3-Next: in_proj_qkvz and in_proj_ba, grouped by key head (the layer's own split).
     Returns the conv input [n, conv_dim] (q, k, v of every head, the conv's channel order: three
     copies into one buffer, where fix_query_key_value_ordering + cat made seven), z as (its
@@ -34,8 +41,8 @@ def _project_fused(module, x):
     n, nk = x.shape[1], module.num_k_heads
     hk, hv, r = module.head_k_dim, module.head_v_dim, module.num_v_heads // module.num_k_heads
     width = 2 * hk + 2 * r * hv
-    qkvz = module.in_proj_qkvz(x)[0].view(n, nk, width)
-    ba = module.in_proj_ba(x)[0].view(n, nk, 2 * r)
+    qkvz = _linear(runs, module.in_proj_qkvz, x)[0].view(n, nk, width)
+    ba = _linear(runs, module.in_proj_ba, x)[0].view(n, nk, 2 * r)
     mixed = qkvz.new_empty((n, module.conv_dim))
     kd = module.key_dim
     mixed[:, :kd].view(n, nk, hk).copy_(qkvz[..., :hk])
@@ -45,13 +52,43 @@ def _project_fused(module, x):
     return mixed, z, ba[..., :r], ba[..., r:]
 
 
-def _project_split(module, x):
+def _project_split(module, x, runs=None):
     """Qwen3.5: in_proj_qkv already in conv order; z, b, a projected apart."""
-    z = module.in_proj_z(x)[0]
+    z = _linear(runs, module.in_proj_z, x)[0]
     if z.stride(-1) != 1:           # the gated norm reads a gate row as contiguous channels
         z = z.contiguous()
-    return (module.in_proj_qkv(x)[0], (z, z.stride(0), 0, None), module.in_proj_b(x)[0],
-            module.in_proj_a(x)[0])
+    return (_linear(runs, module.in_proj_qkv, x)[0], (z, z.stride(0), 0, None),
+            _linear(runs, module.in_proj_b, x)[0], _linear(runs, module.in_proj_a, x)[0])
+
+
+def _param_key(module, names: tuple) -> tuple:
+    """What changes when one of the module's parameters `names` is replaced or written in place
+    (inference tensors have no version counter: Engine.weights_updated() for those)."""
+    key = []
+    for n in names:
+        t = module._parameters.get(n)
+        if t is None:            # a buffer, or a plain attribute
+            t = getattr(module, n)
+        key.append((t.data_ptr(), 0 if t.is_inference() else t._version))
+    return tuple(key)
+
+
+class _Derived:
+    """fp32 tensors computed from a module's parameters once, again when one of them changes
+    (each was 2-3 torch ops a layer a step: ~10-20 us apiece in a decode step whose state keeps
+    the caches cold)."""
+
+    def __init__(self, module, names: tuple, compute):
+        self.module, self.names, self.compute = module, names, compute
+        self.key, self.values = None, None
+
+    def get(self):
+        key = _param_key(self.module, self.names)
+        if key != self.key:
+            with torch.inference_mode():
+                self.values = self.compute(self.module)
+            self.key = key
+        return self.values
 
 
 def _fused_norm(norm, dtype, weight_len: int, grouped: bool) -> bool:
@@ -83,13 +120,17 @@ class GatedDeltaNetKernels:
         self.conv_state = entry[("conv", 0)]
         self.state = entry[("recurrent", 0)]
         self.scale = module.head_k_dim ** -0.5
+        # transformers' -A_log.float().exp(), the decay's factor
+        self.neg_a = _Derived(module, ("A_log",), lambda m: -m.A_log.float().exp())
 
-    def __call__(self, hidden_states: torch.Tensor, rows) -> torch.Tensor:
+    def __call__(self, hidden_states: torch.Tensor, rows, runs: Optional[dict] = None
+                 ) -> torch.Tensor:
         """hidden_states: [1, num_tokens, hidden], the step's packed row; rows: the step's
-        `VarlenRows`. Returns [1, num_tokens, hidden]."""
+        `VarlenRows`; runs: {linear module: packed GEMM} to call instead of the modules.
+        Returns [1, num_tokens, hidden]."""
         m = self.module
         n = hidden_states.shape[1]
-        mixed, z, b, a = self.project(m, hidden_states)
+        mixed, z, b, a = self.project(m, hidden_states, runs)
         conv = ops.causal_conv1d_unchecked(mixed, m.conv1d.weight.squeeze(1), m.conv1d.bias,
                                            self.conv_state, rows.slots, rows.cu_seqlens,
                                            rows.has_state, "silu")
@@ -99,7 +140,7 @@ class GatedDeltaNetKernels:
         # b, a: [n, num_k_heads, ratio] views (strided in fp32, where .float() copies nothing)
         beta = b.sigmoid().float().reshape(n, m.num_v_heads)   # sigmoid in the model's dtype
         g = F.softplus(a.float().reshape(n, m.num_v_heads) + m.dt_bias)
-        g.mul_(-m.A_log.float().exp())
+        g.mul_(self.neg_a.get())
         core = torch.empty((n, m.num_v_heads, m.head_v_dim), dtype=v.dtype)
         ops.gated_delta_rule_unchecked(q, k, v, g, beta, self.state, rows.slots,
                                        rows.cu_seqlens, rows.has_state, core, self.scale)
@@ -112,7 +153,7 @@ class GatedDeltaNetKernels:
                 groups_per_block=per_block)
         else:
             normed = m.norm(core.reshape(-1, m.head_v_dim), zt.reshape(-1, m.head_v_dim))
-        return m.out_proj(normed.reshape(1, n, -1))
+        return _linear(runs, m.out_proj, normed.reshape(1, n, -1))
 
     @staticmethod
     def state_shape(module) -> tuple:
@@ -164,11 +205,16 @@ class Mamba2Kernels:
         self.module = module
         self.conv_state = entry[("conv", 0)]
         self.state = entry[("recurrent", 0)]
+        # -exp(A_log), D and dt_bias in fp32, as transformers reads them
+        self.consts = _Derived(module, ("A_log", "D", "dt_bias"), lambda m: (
+            -torch.exp(m.A_log.float()), m.D.float().contiguous(),
+            m.dt_bias.float().contiguous()))
 
-    def __call__(self, hidden_states: torch.Tensor, rows) -> torch.Tensor:
+    def __call__(self, hidden_states: torch.Tensor, rows, runs: Optional[dict] = None
+                 ) -> torch.Tensor:
         m = self.module
         n = hidden_states.shape[1]
-        projected = m.in_proj(hidden_states)[0]
+        projected = _linear(runs, m.in_proj, hidden_states)[0]
         gate, xbc, dt = projected.split([m.intermediate_size, m.conv_dim, m.num_heads], dim=-1)
         conv = ops.causal_conv1d_unchecked(xbc, m.conv1d.weight.squeeze(1), m.conv1d.bias,
                                            self.conv_state, rows.slots, rows.cu_seqlens,
@@ -177,9 +223,10 @@ class Mamba2Kernels:
         x = conv[:, :m.intermediate_size].view(n, m.num_heads, m.head_dim)
         B = conv[:, m.intermediate_size:m.intermediate_size + bc].view(n, m.n_groups, -1)
         C = conv[:, m.intermediate_size + bc:].view(n, m.n_groups, -1)
-        y = ops.selective_scan(x, dt.float().contiguous(), -torch.exp(m.A_log.float()), B, C,
+        neg_a, d, dt_bias = self.consts.get()
+        y = ops.selective_scan(x, dt.float().contiguous(), neg_a, B, C,
                                self.state, rows.slots, rows.cu_seqlens, rows.has_state,
-                               D=m.D.float(), dt_bias=m.dt_bias.float())
+                               D=d, dt_bias=dt_bias)
         y = y.view(n, -1)
         if gate.dtype == y.dtype and _fused_norm(m.norm, y.dtype, m.intermediate_size,
                                                  grouped=True):
@@ -188,7 +235,7 @@ class Mamba2Kernels:
                                          gate_token_stride=gate.stride(0))
         else:
             y = m.norm(y[None], gate[None])[0]
-        return m.out_proj(y.to(hidden_states.dtype)[None])
+        return _linear(runs, m.out_proj, y.to(hidden_states.dtype)[None])
 
     @staticmethod
     def state_shape(module) -> tuple:

@@ -26,6 +26,7 @@ import torch
 from cb_kernels import ops
 from cb_kernels.runner import (attention_layers, forward_context, hybrid_kernels, state_cache,
                                state_layers, step_inputs, support, tensor_parallel)
+from cb_kernels.runner.hybrid_layers import HybridForward
 from cb_kernels.runner.state_carry import check_state_carry
 from cb_kernels.runner.state_switch import StateSwitch
 from cb_kernels.runner.attention import AttentionSwitch, model_lock, text_config
@@ -163,6 +164,9 @@ class TransformersRunner:
         self.fused = None if self.state_layers else FusedForward.build(
             self.model, self.packed, num_hidden, self.num_heads, self.num_kv_heads)
         self.head, self._decoder = self._choose_head(self._greedy_mode)
+        # Hybrid families' own decoder forward (hybrid_layers.py): needs the state pool's kernels.
+        self.hybrid = HybridForward.build(self.model, self.packed, self._states.forwards(),
+                                          self.layout) if self.state_pool is not None else None
 
     def _choose_head(self, mode):
         """(head, decoder). head: None when the output embedding is no nn.Linear (the model's
@@ -218,6 +222,8 @@ class TransformersRunner:
                                        self._stepwise_chunks)
             for line in hybrid_kernels.describe([w for _, w in self._states._wrapped]):
                 logger.info("stateful layers: %s", line)
+            self.hybrid = HybridForward.build(self.model, self.packed, self._states.forwards(),
+                                              self.layout)
         # The decode graphs carry no chunked view, and no state slots.
         if graphs_enabled(self.cuda_graphs, self.device) and self.chunk_size is None \
                 and not self.state_layers:
@@ -256,15 +262,24 @@ class TransformersRunner:
                 "slot_mapping": attn.slot_mapping, "seq_lens": attn.seq_lens,
                 "block_tables": attn.block_tables, "cu_seqlens_q": attn.cu_seqlens_q}), None)
         if self.state_pool is not None:
+            if self.hybrid is not None and inputs.state is not None and \
+                    self._head_now() is not None and self.hybrid.usable():
+                # Our own decoder forward: switches nothing of the model, needs no lock.
+                return self._execute(inputs, greedy, hybrid=True)
             # The wrappers are state of the model, like the attention switch: under its lock.
             with self._switch.lock, self._states:
                 return self._execute(inputs, greedy)
         return self._execute(inputs, greedy)
 
-    def _execute(self, inputs: step_inputs.StepInputs, greedy: bool) -> StepOutput:
+    def _execute(self, inputs: step_inputs.StepInputs, greedy: bool,
+                 hybrid: bool = False) -> StepOutput:
         attn = inputs.attn
         head = self._head_now()
-        if head is not None and self.fused is not None and self.fused.usable():
+        if hybrid:
+            self.packed.refresh()
+            rows = self.hybrid(inputs.input_ids, inputs.positions, inputs.logits_indices, attn,
+                               inputs.state)
+        elif head is not None and self.fused is not None and self.fused.usable():
             # Switches no attention or forward of the model: needs no lock.
             self.packed.refresh()
             rows = self.fused(inputs.input_ids, inputs.positions, inputs.logits_indices, attn)

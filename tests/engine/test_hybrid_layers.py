@@ -1,0 +1,193 @@
+"""runner/hybrid_layers.py: the engine's own decoder forward for Qwen3-Next and Mamba-2 steps.
+
+Tiny random fp32 models: the steps run on it (not transformers' forward), and give
+model.generate's greedy tokens in mixed batches with chunked prefills, at one and two threads;
+a model it does not fit (a layer's norm of another class) keeps transformers' forward, logged,
+with the same tokens; a forward hook added after Engine() sends the steps back to transformers'
+forward (the hook runs)."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from cb_kernels import Engine, EngineConfig, SamplingParams
+from cb_kernels.runner import hybrid_layers
+from tests.model_sweep import VOCAB, generate_tokens, tiny_model
+
+pytestmark = pytest.mark.one_thread
+
+# Qwen3-Next with an MoE block after each mixer (its tiny default) and a dense MLP layer;
+# Mamba-2 with the fp32 residual stream (its default) and without.
+CASES = {
+    "qwen3_next": ("qwen3_next", dict(layer_types=["linear_attention", "full_attention",
+                                                    "linear_attention"],
+                                      num_hidden_layers=3, mlp_only_layers=[2])),
+    "mamba2": ("mamba2", {}),
+    "mamba2-residual-in-dtype": ("mamba2", dict(residual_in_fp32=False)),
+}
+
+
+def _model(case, seed=3):
+    family, kw = CASES[case]
+    torch.manual_seed(0)
+    return tiny_model(family, seed=seed, **kw)
+
+
+def _prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def _run(engine, prompts, max_new):
+    params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    outs = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs[o.request_id] = o.token_ids
+        engine.check_invariants()
+    return [outs[i] for i in ids]
+
+
+def _engine(model, **kw):
+    return Engine(model, EngineConfig(block_size=4, num_blocks=64, max_batch_tokens=8,
+                                      max_num_seqs=4, **kw))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_steps_run_our_forward_with_generates_tokens(case, monkeypatch):
+    model = _model(case)
+    engine = _engine(model)
+    assert engine.runner.hybrid is not None
+    calls = []
+    original = hybrid_layers.HybridForward.__call__
+    monkeypatch.setattr(hybrid_layers.HybridForward, "__call__",
+                        lambda self, *a: calls.append(1) or original(self, *a))
+    ps = _prompts([1, 5, 13, 22], seed=1)       # prefill chunks beside decodes (budget 8)
+    got = _run(engine, ps, 6)
+    assert got == generate_tokens(model, ps, 6)
+    assert len(calls) == engine.stats()["steps"]
+
+
+@pytest.mark.parametrize("case", ["qwen3_next", "mamba2"])
+def test_tokens_independent_of_threads(case):
+    model = _model(case)
+    ps = _prompts([3, 9, 17, 4], seed=2)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs.append(_run(_engine(model), ps, 5))
+    finally:
+        torch.set_num_threads(threads)
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("case", ["qwen3_next", "mamba2"])
+def test_a_layer_it_does_not_fit_keeps_transformers_forward(case, caplog):
+    """One layer's input norm replaced by a subclass (its forward may differ): the whole model
+    keeps transformers' forward, the reason logged; generate's tokens still."""
+    model = _model(case)
+    layer = model.model.layers[0] if case == "qwen3_next" else model.backbone.layers[0]
+    norm = layer.input_layernorm if case == "qwen3_next" else layer.norm
+    norm.__class__ = type("OtherNorm", (type(norm),), {})
+    with caplog.at_level(logging.INFO, logger="cb_kernels"):
+        engine = _engine(model)
+    assert engine.runner.hybrid is None
+    assert "hybrid forward: transformers' decoder code runs the steps (OtherNorm where" \
+        in caplog.text
+    ps = _prompts([4, 11], seed=3)
+    assert _run(engine, ps, 5) == generate_tokens(model, ps, 5)
+
+
+def test_disabled_keeps_transformers_forward(monkeypatch):
+    monkeypatch.setattr(hybrid_layers, "ENABLED", False)
+    model = _model("qwen3_next")
+    engine = _engine(model)
+    assert engine.runner.hybrid is None
+    ps = _prompts([6, 2], seed=4)
+    assert _run(engine, ps, 4) == generate_tokens(model, ps, 4)
+
+
+@pytest.mark.parametrize("case", ["qwen3_next", "mamba2"])
+def test_a_hook_added_later_runs(case):
+    """A forward hook registered after Engine() (this path would skip it): the steps go through
+    transformers' forward, where it runs; the tokens stay generate's."""
+    model = _model(case)
+    engine = _engine(model)
+    assert engine.runner.hybrid is not None
+    ps = _prompts([5, 8], seed=5)
+    want = generate_tokens(model, ps, 4)
+    seen = []
+    layer = model.model.layers[0] if case == "qwen3_next" else model.backbone.layers[0]
+    handle = layer.register_forward_hook(lambda *a: seen.append(1))
+    try:
+        got = _run(engine, ps, 4)
+    finally:
+        handle.remove()
+    assert seen and got == want
+
+
+def test_moe_off_our_ops_keeps_transformers_formula(monkeypatch):
+    """With the MoE ops off (as where their SIMD bodies do not run) the forward still runs,
+    the router's logits by F.linear and the experts through their own module: generate's
+    tokens."""
+    from cb_kernels.runner import moe_layers
+
+    monkeypatch.setattr(moe_layers, "MOE", "off")
+    model = _model("qwen3_next")
+    engine = _engine(model)
+    assert engine.runner.hybrid is not None
+    assert not engine.runner.packed.experts
+    ps = _prompts([7, 3, 12], seed=6)
+    assert _run(engine, ps, 5) == generate_tokens(model, ps, 5)
+
+
+@pytest.mark.parametrize("case", ["qwen3_next", "mamba2"])
+def test_follows_weights_and_replaced_modules(case):
+    """A norm weight written in place and a norm module replaced after Engine(): the next steps
+    read the new ones (generate's tokens of the changed model), on this forward still."""
+    model = _model(case)
+    engine = _engine(model)
+    ps = _prompts([6, 9], seed=7)
+    _run(engine, ps, 2)
+    final = model.model.norm if case == "qwen3_next" else model.backbone.norm_f
+    with torch.no_grad():
+        final.weight.add_(0.5)
+    layer = model.model.layers[1] if case == "qwen3_next" else model.backbone.layers[1]
+    name = "post_attention_layernorm" if case == "qwen3_next" else "norm"
+    old = getattr(layer, name)
+    new = type(old)(old.weight.shape[0], eps=1e-5)
+    with torch.no_grad():
+        new.weight.copy_(old.weight * -1.5 + 0.25)
+    setattr(layer, name, new)
+    assert _run(engine, ps, 5) == generate_tokens(model, ps, 5)
+    assert engine.runner.hybrid is not None
+    assert any(getattr(lyr, "post_norm", getattr(lyr, "norm", None)).module is new
+               for lyr in engine.runner.hybrid.layers)
+
+
+@pytest.mark.parametrize("case", ["qwen3_next", "mamba2"])
+def test_sampled_rows_get_transformers_logits(case, monkeypatch):
+    """Rows that need logits (logprobs, a sampled request) take the LM head on this forward's
+    rows: their logprobs are transformers' forward's within fp32 rounding, the tokens equal."""
+    model = _model(case)
+    ps = _prompts([5, 12], seed=9)
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True, logprobs=2)
+    runs = []
+    for on in (True, False):
+        monkeypatch.setattr(hybrid_layers, "ENABLED", on)
+        engine = _engine(model)
+        assert (engine.runner.hybrid is not None) == on
+        runs.append(engine.generate(ps, params))
+    for ours, theirs in zip(*runs):
+        assert ours.token_ids == theirs.token_ids
+        for a, b in zip(ours.outputs[0].logprobs, theirs.outputs[0].logprobs):
+            assert a.keys() == b.keys()
+            for t in a:
+                va = a[t] if isinstance(a[t], float) else a[t].logprob
+                vb = b[t] if isinstance(b[t], float) else b[t].logprob
+                assert abs(va - vb) < 1e-4, (t, va, vb)
