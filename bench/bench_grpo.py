@@ -4,7 +4,8 @@ model. Three contenders on the same model, prompts, dtype, threads and sampling 
 
   cb_kernels      an Engine on the trained model itself (no copy: it follows the optimizer's
                   in-place writes); one request per prompt with n completions, logprobs=0 with
-                  logprobs_mode="processed" (the per-token logprobs a GRPO loss reads)
+                  logprobs_mode="processed" (the per-token logprobs a GRPO loss reads);
+                  max_num_seqs = prompts x n (--max-num-seqs), as TRL sizes vLLM's
   trl_default     what TRL 1.16's GRPOTrainer does without vLLM (`_generate_single_turn`, its
                   "regular generation path"): the prompts repeated n times in a row, left-padded
                   with the pad token, one `model.generate(input_ids, attention_mask,
