@@ -4,7 +4,8 @@ model. Three contenders on the same model, prompts, dtype, threads and sampling 
 
   cb_kernels      an Engine on the trained model itself (no copy: it follows the optimizer's
                   in-place writes); one request per prompt with n completions, logprobs=0 with
-                  logprobs_mode="processed" (the per-token logprobs a GRPO loss reads)
+                  logprobs_mode="processed" (the per-token logprobs a GRPO loss reads);
+                  max_num_seqs = prompts x n (--max-num-seqs), as TRL sizes vLLM's
   trl_default     what TRL 1.16's GRPOTrainer does without vLLM (`_generate_single_turn`, its
                   "regular generation path"): the prompts repeated n times in a row, left-padded
                   with the pad token, one `model.generate(input_ids, attention_mask,
@@ -110,8 +111,12 @@ class EngineRounds:
         from cb_kernels import Engine, EngineConfig, SamplingParams
 
         t0 = time.perf_counter()
+        # max_num_seqs = the round's rows (prompts x n), as TRL's GRPOTrainer sizes vLLM's
+        # max_num_seqs to its generation batch in colocate mode: the round decodes as one batch
+        # (the engine's default of 256 ran 512 rows as two waves of 256, twice the steps).
         self.engine = Engine(model, EngineConfig(num_blocks=-(-pool_tokens // 16), block_size=16,
-                                                 cpu_offload_gib=0))
+                                                 cpu_offload_gib=0,
+                                                 max_num_seqs=args.max_num_seqs))
         self.init_s = time.perf_counter() - t0
         self.params = SamplingParams(n=args.n, temperature=1.0, top_k=0, top_p=1.0,
                                      max_new_tokens=args.max_new_tokens, ignore_eos=True,
@@ -349,6 +354,9 @@ def main(argv=None) -> int:
                         "contender each) and print the ratios against cb_kernels's row")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--decode-steps", type=int, default=10)
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="the engine's max_num_seqs (default: prompts x n, the round as one batch, "
+                        "as TRL sizes vLLM's; 0: the engine's own default)")
     p.add_argument("--no-weight-follow", action="store_true",
                    help="skip the weight-follow measurement (a run that only adds a baseline)")
     p.add_argument("--profile", action="store_true",
@@ -372,6 +380,11 @@ def main(argv=None) -> int:
         args.model, args.prompts, args.n, args.max_new_tokens = "tiny-llama", 8, 4, 16
         args.rounds, args.baseline_rounds, args.decode_steps = 2, 2, 3
     args.trl_batch = args.trl_batch or args.prompts * args.n
+    if args.max_num_seqs is not None and args.max_num_seqs < 0:
+        p.error(f"--max-num-seqs must be >= 0, got {args.max_num_seqs}")
+    if args.max_num_seqs is None:
+        args.max_num_seqs = args.prompts * args.n
+    args.max_num_seqs = args.max_num_seqs or None       # 0: the engine's default
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
@@ -398,6 +411,7 @@ def main(argv=None) -> int:
     res = {"meta": {"bench": "grpo", "model": args.model, "dtype": args.dtype,
                     "prompts": args.prompts, "n": args.n, "max_new_tokens": args.max_new_tokens,
                     "prompt_tokens": sum(map(len, prompts)), "trl_batch": args.trl_batch,
+                    "max_num_seqs": args.max_num_seqs,
                     "threads": torch.get_num_threads(), "pool_tokens": pool_tokens,
                     "load_before": os.getloadavg(), "versions": versions()},
            "rows": []}

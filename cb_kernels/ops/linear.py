@@ -76,13 +76,24 @@ class PackedLinear:
                              f"{x.dtype} on {x.device}")
         return self.run_unchecked(x, isa)
 
-    def run_unchecked(self, x: torch.Tensor, isa: str = "auto") -> torch.Tensor:
+    def run_unchecked(self, x: torch.Tensor, isa: str = "auto",
+                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """__call__ without the argument checks, for callers that own them (the engine's
-        packed linears)."""
+        packed linears). `out`: a contiguous [rows, n] tensor of the weight's dtype to write
+        into and return (its view), where the caller keeps a workspace (runner/lm_head.py: a
+        fresh 100 MB logits tensor a step cost ~40 ms of page faults)."""
         rows = x.reshape(-1, self.k)
         if rows.stride(1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < self.k):
             rows = rows.contiguous()
-        y = torch.empty(rows.shape[0], self.n, dtype=self.dtype)
+        if out is None:
+            y = torch.empty(rows.shape[0], self.n, dtype=self.dtype)
+        elif tuple(out.shape) != (rows.shape[0], self.n) or out.dtype != self.dtype or \
+                not out.is_contiguous() or out.device.type != "cpu":
+            # Checked even here: the kernel writes rows x n values from out's first address.
+            raise ValueError(f"out must be a contiguous {self.dtype} CPU tensor of shape "
+                             f"[{rows.shape[0]}, {self.n}], got {tuple(out.shape)}, {out.dtype}")
+        else:
+            y = out
         sync_threads()
         run = _C.linear_bf16 if self.dtype == torch.bfloat16 else _C.linear
         run(rows.data_ptr(), rows.shape[0], self.k, rows.stride(0) if rows.shape[0] > 1 else self.k,

@@ -205,10 +205,11 @@ class _Group:
         self.key = key
         self.num_packs += 1
 
-    def run(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [..., in_features] -> [..., sum of out_features]."""
+    def run(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x: [..., in_features] -> [..., sum of out_features]; `out` (contiguous [rows, sum of
+        out_features]) is written and returned where our GEMM runs, else ignored."""
         if self.lin is not None:
-            return self.lin.run_unchecked(x)
+            return self.lin.run_unchecked(x, out=out)
         if self.gemm == "torch":
             return torch.nn.functional.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, x.shape[-1])
@@ -337,8 +338,9 @@ class PackedLinears:
         if group is None or len(group.members) != 1:
             return module
 
-        def run(rows: torch.Tensor) -> torch.Tensor:
-            return module(rows) if has_hooks([module]) else group.run(rows)
+        def run(rows: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+            return module(rows) if has_hooks([module]) else group.run(rows, out)
+        run.takes_out = True       # lm_head.LogitsHead passes its logits workspace
         return run
 
     def refresh(self, force: bool = False) -> None:

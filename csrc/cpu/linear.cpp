@@ -47,6 +47,23 @@ namespace {
 constexpr int64_t kP = kLinearPanel;
 constexpr int64_t kChunkRows = 96;              // rows per work item (a multiple of 12 and 6)
 constexpr int64_t kSerialWork = 1 << 16;        // below this many FMAs one thread does all
+// A packed weight above kStreamedBytes cannot stay in the L3 (32 MiB on the Zen 4 bench
+// machine, shared) between row chunks: each chunk streams it from memory again. An LM head
+// ([49152, 576], 113 MB) at 512 rows in 96-row chunks read it 6 times a step and ran at 80% of
+// the FMA rate the L3-resident decoder weights reach. For such a weight, once every thread has
+// rows enough for a full chunk, each thread takes its share of the rows as one chunk (packed
+// once, its x at most kPackBytes so it stays in the L2 beside a panel) and streams the weight
+// once. Each output is still one FMA chain over k: only the work order changes.
+constexpr int64_t kStreamedBytes = 16ll << 20;
+constexpr int64_t kPackBytes = 768ll << 10;
+
+// Rows per work item for an [m, k] x [k, n] product on `threads` threads (see kStreamedBytes).
+int64_t chunk_rows(int64_t m, int64_t n, int64_t k, int threads, int64_t mr) {
+  const int64_t weight_bytes = (n + kP - 1) / kP * kP * k * static_cast<int64_t>(sizeof(float));
+  if (weight_bytes <= kStreamedBytes || m < threads * kChunkRows) return kChunkRows;
+  const int64_t cap = std::max<int64_t>(kChunkRows, kPackBytes / (k * sizeof(float)) / mr * mr);
+  return std::min(cap, (m + threads - 1) / threads);
+}
 
 #if CBK_LINEAR_BODY == 0
 // Columns [c0, c0 + cols) of panel `wp` for rows [0, rows) of x: plain loops, std::fma in k
@@ -213,8 +230,9 @@ Status linear(const LinearParams& p) {
     panel_avx2(p, xpack.data(), rows, wp, col0, cols, y);
 #endif
   };
-  for_each_panel_item(p.m, (p.n + kP - 1) / kP, kChunkRows, p.m * p.n * p.k < kSerialWork,
-                      max_threads(), pack, run);
+  const int threads = max_threads();
+  for_each_panel_item(p.m, (p.n + kP - 1) / kP, chunk_rows(p.m, p.n, p.k, threads, mr),
+                      p.m * p.n * p.k < kSerialWork, threads, pack, run);
   return Status::Ok();
 }
 

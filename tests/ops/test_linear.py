@@ -76,6 +76,40 @@ def test_shapes_strides_and_bad_arguments():
         PackedLinear(w.bfloat16())(x)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_weight_too_big_for_the_cache_gives_the_same_bits(threads):
+    """A packed weight above 16 MiB (here 8200 x 520, 17.1 MB) at >= threads x 96 rows takes the
+    other work order (each thread streams the weight once over its share of the rows): the
+    values match the reference, every body gives the same bits, and a row's result is the same
+    alone, in any batch and at any thread count."""
+    x, w, b = _case(230, 520, 8200, True, seed=5)
+    lin = PackedLinear(w, b)
+    assert lin.packed.numel() * 4 > 16 << 20
+    torch.set_num_threads(threads)      # conftest restores the thread count
+    full = lin(x)
+    torch.testing.assert_close(full.double(), ref_linear(x.double(), w, b), rtol=1e-5,
+                               atol=1e-5 * 520 ** 0.5)
+    for isa in HERE:
+        if isa != "portable":           # the plain loops would take seconds here
+            assert torch.equal(lin(x, isa=isa), full), isa
+    torch.set_num_threads(3 - threads)
+    assert torch.equal(lin(x), full)
+    for rows in (slice(0, 1), slice(3, 200), slice(100, 230)):
+        assert torch.equal(lin(x[rows]), full[rows])
+
+
+def test_run_unchecked_writes_into_out():
+    x, w, b = _case(7, 24, 40, True, seed=6)
+    lin = PackedLinear(w, b)
+    out = torch.full((7, 40), float("nan"))
+    y = lin.run_unchecked(x, out=out)
+    assert y.data_ptr() == out.data_ptr() and torch.equal(out, lin(x))
+    for bad in (torch.empty(7, 41), torch.empty(6, 40), torch.empty(7, 40).double(),
+                torch.empty(40, 7).t()):
+        with pytest.raises(ValueError, match=r"out must be a contiguous torch.float32 CPU tensor of shape \[7, 40\]"):
+            lin.run_unchecked(x, out=bad)
+
+
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 def test_registered_op_matches_reference_and_passes_opcheck(bias):
     x, w, b = _case(9, 37, 21, bias, seed=3)
