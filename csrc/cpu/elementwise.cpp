@@ -311,6 +311,87 @@ void rope_token(const RopeParams& p, int64_t t) {
   }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VL__)
+// The avx512_bf16 body's bf16 RMSNorm and rotary: rms_row and rope_token with 16 lanes and the
+// hardware rounding of to_bf16x16, each element through the same expressions (the sum of squares
+// in the same lane partial sums: the low 8 lanes are rms_row's acc0, the high 8 its acc1), so the
+// avx2 body's bits (tested). The integer rounding of BF16::store and BF16::round was most of
+// their cost (bench/bench_elementwise.py; figures in bench/RESULTS.md).
+inline v8f low8(v16f v) { return (v8f)_mm512_castps512_ps256((__m512)v); }
+inline v8f high8(v16f v) { return (v8f)_mm512_extractf32x8_ps((__m512)v, 1); }
+
+void rms_row_bf16x16(const RmsNormParams& p, int64_t r) {
+  using E = BF16;
+  using E16 = BF16x16;
+  uint16_t* x = static_cast<uint16_t*>(p.x) + r * p.x_stride;
+  uint16_t* out = static_cast<uint16_t*>(p.out) + r * p.out_stride;
+  const uint16_t* w = static_cast<const uint16_t*>(p.weight);
+  const int64_t d = p.dim, d8 = d / 8 * 8;
+  if (p.residual != nullptr) {
+    const uint16_t* res = static_cast<const uint16_t*>(p.residual) + r * p.residual_stride;
+    int64_t i = 0;
+    for (; i + 16 <= d8; i += 16) E16::store(x + i, E16::load(x + i) + E16::load(res + i));
+    for (; i < d8; i += 8) E::store(x + i, E::load(x + i) + E::load(res + i));
+    for (; i < d; ++i) E::put(x + i, E::get(x + i) + E::get(res + i));
+  }
+  v16f acc = splat16(0.0f);
+  int64_t i = 0;
+  for (; i + 16 <= d8; i += 16) {
+    const v16f a = E16::load(x + i);
+    acc += a * a;
+  }
+  v8f acc0 = low8(acc);
+  const v8f acc1 = high8(acc);
+  for (; i < d8; i += 8) {
+    const v8f a = E::load(x + i);
+    acc0 += a * a;
+  }
+  float ss = hsum(acc0 + acc1);
+  for (; i < d; ++i) ss += E::get(x + i) * E::get(x + i);
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(d) + p.eps);
+  const v16f vinv16 = splat16(inv);
+  const v8f vinv = splat(inv);
+  for (i = 0; i + 16 <= d8; i += 16)
+    E16::store(out + i, E16::load(w + i) * E16::round(E16::load(x + i) * vinv16));
+  for (; i < d8; i += 8) E::store(out + i, E::load(w + i) * E::round(E::load(x + i) * vinv));
+  for (; i < d; ++i) E::put(out + i, E::get(w + i) * E::round(E::get(x + i) * inv));
+}
+
+void rope_token_bf16x16(const RopeParams& p, int64_t t) {
+  using E = BF16;
+  using E16 = BF16x16;
+  const int64_t half = p.head_dim / 2, h8 = half / 8 * 8;
+  const uint16_t* c = static_cast<const uint16_t*>(p.cos) + t * p.head_dim;
+  const uint16_t* s = static_cast<const uint16_t*>(p.sin) + t * p.head_dim;
+  for (int64_t h = 0; h < p.heads; ++h) {
+    uint16_t* x = static_cast<uint16_t*>(p.x) + t * p.token_stride + h * p.head_stride;
+    int64_t i = 0;
+    for (; i + 16 <= h8; i += 16) {
+      const v16f a = E16::load(x + i), b = E16::load(x + half + i);
+      E16::store(x + i, E16::round(a * E16::load(c + i)) - E16::round(b * E16::load(s + i)));
+      E16::store(x + half + i,
+                 E16::round(b * E16::load(c + half + i)) + E16::round(a * E16::load(s + half + i)));
+    }
+    for (; i < h8; i += 8) {
+      const v8f a = E::load(x + i), b = E::load(x + half + i);
+      E::store(x + i, E::round(a * E::load(c + i)) - E::round(b * E::load(s + i)));
+      E::store(x + half + i,
+               E::round(b * E::load(c + half + i)) + E::round(a * E::load(s + half + i)));
+    }
+    for (; i < half; ++i) {
+      const float a = E::get(x + i), b = E::get(x + half + i);
+      E::put(x + i, E::round(a * E::get(c + i)) - E::round(b * E::get(s + i)));
+      E::put(x + half + i, E::round(b * E::get(c + half + i)) + E::round(a * E::get(s + half + i)));
+    }
+  }
+}
+#define CBK_RMS_ROW_BF16 rms_row_bf16x16
+#define CBK_ROPE_TOKEN_BF16 rope_token_bf16x16
+#else
+#define CBK_RMS_ROW_BF16 rms_row<BF16>
+#define CBK_ROPE_TOKEN_BF16 rope_token<BF16>
+#endif
+
 inline bool taken(DType t) { return t == DType::kFloat32 || t == DType::kBFloat16; }
 
 }  // namespace
@@ -324,7 +405,7 @@ Status rms_norm(const RmsNormParams& p) {
   if (!taken(p.dtype)) return Status::Error("rms_norm: dtype must be float32 or bfloat16");
   const bool bf16 = p.dtype == DType::kBFloat16;
 #pragma omp parallel for schedule(static) num_threads(cpu::max_threads()) if (parallel(p.rows, p.dim))
-  for (int64_t r = 0; r < p.rows; ++r) bf16 ? rms_row<BF16>(p, r) : rms_row<F32>(p, r);
+  for (int64_t r = 0; r < p.rows; ++r) bf16 ? CBK_RMS_ROW_BF16(p, r) : rms_row<F32>(p, r);
   return Status::Ok();
 }
 
@@ -354,7 +435,7 @@ Status rope(const RopeParams& p) {
   const bool bf16 = p.dtype == DType::kBFloat16;
 #pragma omp parallel for schedule(static) num_threads(cpu::max_threads()) \
     if (parallel(p.tokens, p.heads * p.head_dim))
-  for (int64_t t = 0; t < p.tokens; ++t) bf16 ? rope_token<BF16>(p, t) : rope_token<F32>(p, t);
+  for (int64_t t = 0; t < p.tokens; ++t) bf16 ? CBK_ROPE_TOKEN_BF16(p, t) : rope_token<F32>(p, t);
   return Status::Ok();
 }
 
@@ -381,8 +462,8 @@ Status rope_write_kv(const RopeWriteKvParams& p) {
     if (parallel(q.tokens, (q.heads + k.heads) * q.head_dim))
   for (int64_t t = 0; t < q.tokens; ++t) {
     if (bf16) {
-      rope_token<BF16>(q, t);
-      rope_token<BF16>(k, t);
+      CBK_ROPE_TOKEN_BF16(q, t);
+      CBK_ROPE_TOKEN_BF16(k, t);
     } else {
       rope_token<F32>(q, t);
       rope_token<F32>(k, t);
@@ -404,7 +485,8 @@ Status rope_write_kv(const RopeWriteKvParams& p) {
 }  // namespace CBK_CPU_NS
 
 #if CBK_CPU_PORTABLE
-// The run-time pick (cb_kernels/isa.h): bodies portable and avx2; silu_mul also avx512_bf16.
+// The run-time pick (cb_kernels/isa.h): bodies portable and avx2; silu_mul and every bf16 call
+// also avx512_bf16.
 #if CBK_X86_BODIES
 #define CBK_DECLARE_ELEMENTWISE(ns)                    \
   namespace ns {                                      \
@@ -464,11 +546,15 @@ const uint32_t* silu_bf16_table() {
 }
 
 namespace {
-constexpr Isa kSiluMulBodies[] = {Isa::kPortable, Isa::kAvx2, Isa::kAvx512Bf16};
+// bf16 calls (and fp32 SiLU) also have an avx512_bf16 body; fp32 norms and rotary keep the
+// avx2 one, whose bits the fp32 engine's tokens were checked with.
+constexpr Isa kBf16Bodies[] = {Isa::kPortable, Isa::kAvx2, Isa::kAvx512Bf16};
 }  // namespace
 
 Status rms_norm(const RmsNormParams& p, Isa isa) {
 #if CBK_X86_BODIES
+  if (p.dtype == DType::kBFloat16 && pick(isa, kBf16Bodies) == Isa::kAvx512Bf16)
+    return cpu_avx512_bf16::rms_norm(p);
   if (pick(isa, kBodies) == Isa::kAvx2) return cpu_avx2::rms_norm(p);
 #endif
   return cpu_portable::rms_norm(p);
@@ -477,7 +563,7 @@ Status rms_norm(const RmsNormParams& p, Isa isa) {
 Status silu_mul(const SiluMulParams& p, Isa isa) {
 #if CBK_X86_BODIES
   // 16 lanes and vcvtneps2bf16 where the CPU has AVX512-BF16; the avx2 body's bits (tests)
-  if (pick(isa, kSiluMulBodies) == Isa::kAvx512Bf16) return cpu_avx512_bf16::silu_mul(p);
+  if (pick(isa, kBf16Bodies) == Isa::kAvx512Bf16) return cpu_avx512_bf16::silu_mul(p);
   if (pick(isa, kBodies) == Isa::kAvx2) return cpu_avx2::silu_mul(p);
 #endif
   return cpu_portable::silu_mul(p);
@@ -485,6 +571,8 @@ Status silu_mul(const SiluMulParams& p, Isa isa) {
 
 Status rope(const RopeParams& p, Isa isa) {
 #if CBK_X86_BODIES
+  if (p.dtype == DType::kBFloat16 && pick(isa, kBf16Bodies) == Isa::kAvx512Bf16)
+    return cpu_avx512_bf16::rope(p);
   if (pick(isa, kBodies) == Isa::kAvx2) return cpu_avx2::rope(p);
 #endif
   return cpu_portable::rope(p);
@@ -492,6 +580,8 @@ Status rope(const RopeParams& p, Isa isa) {
 
 Status rope_write_kv(const RopeWriteKvParams& p, Isa isa) {
 #if CBK_X86_BODIES
+  if (p.q.dtype == DType::kBFloat16 && pick(isa, kBf16Bodies) == Isa::kAvx512Bf16)
+    return cpu_avx512_bf16::rope_write_kv(p);
   if (pick(isa, kBodies) == Isa::kAvx2) return cpu_avx2::rope_write_kv(p);
 #endif
   return cpu_portable::rope_write_kv(p);
