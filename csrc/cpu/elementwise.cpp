@@ -5,8 +5,9 @@
 // torch, one thread. Profiled on SmolLM2-135M (30 layers, 16 rows, 2 threads): rms_norm 28 us a
 // call, silu 21 us, about 4 ms a step of elementwise work in all. Here each is one pass over the
 // rows. Results agree with torch's to fp32 rounding, not bit for bit (other summation order in
-// the RMSNorm, a polynomial exp in SiLU, fused multiply-adds). bf16 rows are widened to fp32 per
-// 8 lanes and each result rounded to nearest even where transformers' bf16 op chain rounds it.
+// the RMSNorm, a polynomial exp in fp32 SiLU, fused multiply-adds; bf16 SiLU gives torch's bits).
+// bf16 rows are widened to fp32 and each result rounded to nearest even where transformers' bf16
+// op chain rounds it.
 #include "cb_kernels/elementwise.h"
 
 #include <omp.h>
