@@ -5,19 +5,30 @@
 // torch, one thread. Profiled on SmolLM2-135M (30 layers, 16 rows, 2 threads): rms_norm 28 us a
 // call, silu 21 us, about 4 ms a step of elementwise work in all. Here each is one pass over the
 // rows. Results agree with torch's to fp32 rounding, not bit for bit (other summation order in
-// the RMSNorm, a polynomial exp in SiLU, fused multiply-adds). bf16 rows are widened to fp32 per
-// 8 lanes and each result rounded to nearest even where transformers' bf16 op chain rounds it.
+// the RMSNorm, a polynomial exp in fp32 SiLU, fused multiply-adds; bf16 SiLU gives torch's bits).
+// bf16 rows are widened to fp32 and each result rounded to nearest even where transformers' bf16
+// op chain rounds it.
 #include "cb_kernels/elementwise.h"
 
 #include <omp.h>
 
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "attention_vec.h"
 #include "threads.h"
 
 namespace cbk {
+namespace cpu {
+// bf16 SiLU as a table: [65536], entry g = bf16(silu(x)) for the bf16 x with bits g (as fp32
+// bits: the bf16 in the high half, zeros below), silu taken
+// in double and rounded once to nearest even (NaN in, its quiet NaN out; -inf -> NaN, as x * 0;
+// below -88.72, where torch's fp32 exp(-x) overflows, -0 as torch gives).
+// Built once, by the portable compile, for every body: so each body gives the same bits.
+const uint32_t* silu_bf16_table();
+}  // namespace cpu
+
 namespace CBK_CPU_NS {
 namespace {
 
@@ -25,6 +36,11 @@ namespace {
 // ~0.1 ns, a SiLU element ~0.7 ns with its exp, on one core of the bench machine).
 constexpr int64_t kParallelElems = 1 << 16;
 constexpr int64_t kParallelSiluElems = 1 << 13;
+// bf16 SiLU reads a table: ~0.3 ns an element on one Zen 4 core, so 1 << 15 elements ~10 us.
+constexpr int64_t kParallelSiluTableElems = 1 << 15;
+// bf16 norm and rotary on the avx512_bf16 body: ~0.45 ns an element on one core (the 1B shape's
+// 16-row norm, 2^15 elements, 15 us), so they split from 2^15 elements on; fp32 keeps 2^16.
+constexpr int64_t kParallelBf16Elems = 1 << 15;
 
 inline bool parallel(int64_t rows, int64_t elems, int64_t grain = kParallelElems) {
   return rows > 1 && rows * elems >= grain;
@@ -145,6 +161,32 @@ void silu_row(const SiluMulParams& p, int64_t r) {
   for (; i < p.dim; ++i) E::put(out + i, E::round(silu1(E::get(g + i))) * E::get(u + i));
 }
 
+inline float table_value(const uint32_t* table, uint16_t g) {
+  float f;
+  std::memcpy(&f, table + g, 4);
+  return f;
+}
+
+// bf16: out = round(table[g] * u), the table holding round(silu(g)) for every bf16 g (see
+// cpu::silu_bf16_table). Why: the fp32 formula's exp and divisions cost ~1.1 ns an element on
+// the Zen 4 (16 lanes; 4x a copy of the bytes: SmolLM2's SiLU x up was 0.9 s of the 17.9 s
+// burst); a bf16 input has only 65536 values, so its rounded SiLU is a 128 KiB table, and what
+// is left is one fp32 multiply and one rounding, exact in IEEE arithmetic on every body.
+// Lookups are scalar loads of fp32 bits into a buffer (a zmm gather is slower on the Zen 4: 0.52
+// against 0.28 ns an element; 16-bit entries widened after the loads, 0.44).
+[[maybe_unused]] void silu_row_bf16(const SiluMulParams& p, int64_t r, const uint32_t* table) {
+  const uint16_t* g = static_cast<const uint16_t*>(p.gate_up) + r * p.in_stride;
+  const uint16_t* u = g + p.dim;
+  uint16_t* out = static_cast<uint16_t*>(p.out) + r * p.out_stride;
+  int64_t i = 0;
+  for (; i + 8 <= p.dim; i += 8) {
+    v8u s;
+    for (int j = 0; j < 8; ++j) s[j] = table[g[i + j]];
+    BF16::store(out + i, (v8f)s * BF16::load(u + i));
+  }
+  for (; i < p.dim; ++i) out[i] = float_to_bf16(table_value(table, g[i]) * bf16_to_float(u[i]));
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VL__)
 // The avx512_bf16 body's SiLU: 16 lanes, and bf16 rounding by vcvtneps2bf16 (one instruction for
 // the eight integer ops of BF16::rne). Each lane computes exactly what silu8 computes (the same
@@ -169,10 +211,13 @@ inline v16f silu16(v16f x) {
 }
 
 // Lanes whose bf16 rounding vcvtneps2bf16 does not do as BF16::rne: fp32 denormals and NaNs.
+// (Compares into mask registers: the same test through vector masks cost 0.2 ns an element more.)
 inline bool bf16_special(v16f v) {
-  const v16u a = (v16u)v & 0x7fffffffu;
-  const v16i odd = ((a - 1u) < 0x007fffffu) | (a > 0x7f800000u);
-  return _mm512_test_epi32_mask((__m512i)odd, (__m512i)odd) != 0;
+  const __m512i a = _mm512_and_si512((__m512i)v, _mm512_set1_epi32(0x7fffffff));
+  const __mmask16 denormal =
+      _mm512_cmplt_epu32_mask(_mm512_sub_epi32(a, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7fffff));
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x7f800000));
+  return (denormal | nan) != 0;
 }
 
 inline v16u rne16(v16f v) { return rne_bits<v16u>(v); }
@@ -220,7 +265,28 @@ void silu_row16(const SiluMulParams& p, int64_t r) {
   for (; i < p.dim; ++i) E::put(out + i, E::round(silu1(E::get(g + i))) * E::get(u + i));
 }
 #define CBK_SILU_ROW(E16, E) silu_row16<E16, E>
+
+// silu_row_bf16 with 16 lanes; the tail through silu_row_bf16's own steps (the same bits).
+void silu_row_bf16x16(const SiluMulParams& p, int64_t r, const uint32_t* table) {
+  const uint16_t* g = static_cast<const uint16_t*>(p.gate_up) + r * p.in_stride;
+  const uint16_t* u = g + p.dim;
+  uint16_t* out = static_cast<uint16_t*>(p.out) + r * p.out_stride;
+  int64_t i = 0;
+  for (; i + 16 <= p.dim; i += 16) {
+    alignas(64) uint32_t s[16];
+    for (int j = 0; j < 16; ++j) s[j] = table[g[i + j]];
+    BF16x16::store(out + i, (v16f)_mm512_load_si512(s) * BF16x16::load(u + i));
+  }
+  for (; i + 8 <= p.dim; i += 8) {
+    v8u s;
+    for (int j = 0; j < 8; ++j) s[j] = table[g[i + j]];
+    BF16::store(out + i, (v8f)s * BF16::load(u + i));
+  }
+  for (; i < p.dim; ++i) out[i] = float_to_bf16(table_value(table, g[i]) * bf16_to_float(u[i]));
+}
+#define CBK_SILU_ROW_BF16 silu_row_bf16x16
 #else
+#define CBK_SILU_ROW_BF16 silu_row_bf16
 #define CBK_SILU_ROW(E16, E) silu_row<E>
 #endif
 
@@ -249,6 +315,87 @@ void rope_token(const RopeParams& p, int64_t t) {
   }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VL__)
+// The avx512_bf16 body's bf16 RMSNorm and rotary: rms_row and rope_token with 16 lanes and the
+// hardware rounding of to_bf16x16, each element through the same expressions (the sum of squares
+// in the same lane partial sums: the low 8 lanes are rms_row's acc0, the high 8 its acc1), so the
+// avx2 body's bits (tested). The integer rounding of BF16::store and BF16::round was most of
+// their cost (bench/bench_elementwise.py; figures in bench/RESULTS.md).
+inline v8f low8(v16f v) { return (v8f)_mm512_castps512_ps256((__m512)v); }
+inline v8f high8(v16f v) { return (v8f)_mm512_extractf32x8_ps((__m512)v, 1); }
+
+void rms_row_bf16x16(const RmsNormParams& p, int64_t r) {
+  using E = BF16;
+  using E16 = BF16x16;
+  uint16_t* x = static_cast<uint16_t*>(p.x) + r * p.x_stride;
+  uint16_t* out = static_cast<uint16_t*>(p.out) + r * p.out_stride;
+  const uint16_t* w = static_cast<const uint16_t*>(p.weight);
+  const int64_t d = p.dim, d8 = d / 8 * 8;
+  if (p.residual != nullptr) {
+    const uint16_t* res = static_cast<const uint16_t*>(p.residual) + r * p.residual_stride;
+    int64_t i = 0;
+    for (; i + 16 <= d8; i += 16) E16::store(x + i, E16::load(x + i) + E16::load(res + i));
+    for (; i < d8; i += 8) E::store(x + i, E::load(x + i) + E::load(res + i));
+    for (; i < d; ++i) E::put(x + i, E::get(x + i) + E::get(res + i));
+  }
+  v16f acc = splat16(0.0f);
+  int64_t i = 0;
+  for (; i + 16 <= d8; i += 16) {
+    const v16f a = E16::load(x + i);
+    acc += a * a;
+  }
+  v8f acc0 = low8(acc);
+  const v8f acc1 = high8(acc);
+  for (; i < d8; i += 8) {
+    const v8f a = E::load(x + i);
+    acc0 += a * a;
+  }
+  float ss = hsum(acc0 + acc1);
+  for (; i < d; ++i) ss += E::get(x + i) * E::get(x + i);
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(d) + p.eps);
+  const v16f vinv16 = splat16(inv);
+  const v8f vinv = splat(inv);
+  for (i = 0; i + 16 <= d8; i += 16)
+    E16::store(out + i, E16::load(w + i) * E16::round(E16::load(x + i) * vinv16));
+  for (; i < d8; i += 8) E::store(out + i, E::load(w + i) * E::round(E::load(x + i) * vinv));
+  for (; i < d; ++i) E::put(out + i, E::get(w + i) * E::round(E::get(x + i) * inv));
+}
+
+void rope_token_bf16x16(const RopeParams& p, int64_t t) {
+  using E = BF16;
+  using E16 = BF16x16;
+  const int64_t half = p.head_dim / 2, h8 = half / 8 * 8;
+  const uint16_t* c = static_cast<const uint16_t*>(p.cos) + t * p.head_dim;
+  const uint16_t* s = static_cast<const uint16_t*>(p.sin) + t * p.head_dim;
+  for (int64_t h = 0; h < p.heads; ++h) {
+    uint16_t* x = static_cast<uint16_t*>(p.x) + t * p.token_stride + h * p.head_stride;
+    int64_t i = 0;
+    for (; i + 16 <= h8; i += 16) {
+      const v16f a = E16::load(x + i), b = E16::load(x + half + i);
+      E16::store(x + i, E16::round(a * E16::load(c + i)) - E16::round(b * E16::load(s + i)));
+      E16::store(x + half + i,
+                 E16::round(b * E16::load(c + half + i)) + E16::round(a * E16::load(s + half + i)));
+    }
+    for (; i < h8; i += 8) {
+      const v8f a = E::load(x + i), b = E::load(x + half + i);
+      E::store(x + i, E::round(a * E::load(c + i)) - E::round(b * E::load(s + i)));
+      E::store(x + half + i,
+               E::round(b * E::load(c + half + i)) + E::round(a * E::load(s + half + i)));
+    }
+    for (; i < half; ++i) {
+      const float a = E::get(x + i), b = E::get(x + half + i);
+      E::put(x + i, E::round(a * E::get(c + i)) - E::round(b * E::get(s + i)));
+      E::put(x + half + i, E::round(b * E::get(c + half + i)) + E::round(a * E::get(s + half + i)));
+    }
+  }
+}
+#define CBK_RMS_ROW_BF16 rms_row_bf16x16
+#define CBK_ROPE_TOKEN_BF16 rope_token_bf16x16
+#else
+#define CBK_RMS_ROW_BF16 rms_row<BF16>
+#define CBK_ROPE_TOKEN_BF16 rope_token<BF16>
+#endif
+
 inline bool taken(DType t) { return t == DType::kFloat32 || t == DType::kBFloat16; }
 
 }  // namespace
@@ -261,8 +408,9 @@ Status rms_norm(const RmsNormParams& p) {
   if (p.x == nullptr || p.weight == nullptr || p.out == nullptr) return Status::Error("rms_norm: null pointer");
   if (!taken(p.dtype)) return Status::Error("rms_norm: dtype must be float32 or bfloat16");
   const bool bf16 = p.dtype == DType::kBFloat16;
-#pragma omp parallel for schedule(static) num_threads(cpu::max_threads()) if (parallel(p.rows, p.dim))
-  for (int64_t r = 0; r < p.rows; ++r) bf16 ? rms_row<BF16>(p, r) : rms_row<F32>(p, r);
+#pragma omp parallel for schedule(static) num_threads(cpu::max_threads()) \
+    if (parallel(p.rows, p.dim, bf16 ? kParallelBf16Elems : kParallelElems))
+  for (int64_t r = 0; r < p.rows; ++r) bf16 ? CBK_RMS_ROW_BF16(p, r) : rms_row<F32>(p, r);
   return Status::Ok();
 }
 
@@ -272,10 +420,14 @@ Status silu_mul(const SiluMulParams& p) {
   if (p.rows == 0) return Status::Ok();
   if (p.gate_up == nullptr || p.out == nullptr) return Status::Error("silu_mul: null pointer");
   if (!taken(p.dtype)) return Status::Error("silu_mul: dtype must be float32 or bfloat16");
-  const bool bf16 = p.dtype == DType::kBFloat16;
+  if (p.dtype == DType::kBFloat16) {
+    const uint32_t* table = cpu::silu_bf16_table();
+#pragma omp parallel for schedule(static) num_threads(cpu::max_threads()) if (parallel(p.rows, p.dim, kParallelSiluTableElems))
+    for (int64_t r = 0; r < p.rows; ++r) CBK_SILU_ROW_BF16(p, r, table);
+    return Status::Ok();
+  }
 #pragma omp parallel for schedule(static) num_threads(cpu::max_threads()) if (parallel(p.rows, p.dim, kParallelSiluElems))
-  for (int64_t r = 0; r < p.rows; ++r)
-    bf16 ? CBK_SILU_ROW(BF16x16, BF16)(p, r) : CBK_SILU_ROW(F32x16, F32)(p, r);
+  for (int64_t r = 0; r < p.rows; ++r) CBK_SILU_ROW(F32x16, F32)(p, r);
   return Status::Ok();
 }
 
@@ -287,8 +439,8 @@ Status rope(const RopeParams& p) {
   if (!taken(p.dtype)) return Status::Error("rope: dtype must be float32 or bfloat16");
   const bool bf16 = p.dtype == DType::kBFloat16;
 #pragma omp parallel for schedule(static) num_threads(cpu::max_threads()) \
-    if (parallel(p.tokens, p.heads * p.head_dim))
-  for (int64_t t = 0; t < p.tokens; ++t) bf16 ? rope_token<BF16>(p, t) : rope_token<F32>(p, t);
+    if (parallel(p.tokens, p.heads * p.head_dim, bf16 ? kParallelBf16Elems : kParallelElems))
+  for (int64_t t = 0; t < p.tokens; ++t) bf16 ? CBK_ROPE_TOKEN_BF16(p, t) : rope_token<F32>(p, t);
   return Status::Ok();
 }
 
@@ -312,11 +464,11 @@ Status rope_write_kv(const RopeWriteKvParams& p) {
   const char* kx = static_cast<const char*>(k.x);
   const char* vx = static_cast<const char*>(p.value);
 #pragma omp parallel for schedule(static) num_threads(cpu::max_threads()) \
-    if (parallel(q.tokens, (q.heads + k.heads) * q.head_dim))
+    if (parallel(q.tokens, (q.heads + k.heads) * q.head_dim, bf16 ? kParallelBf16Elems : kParallelElems))
   for (int64_t t = 0; t < q.tokens; ++t) {
     if (bf16) {
-      rope_token<BF16>(q, t);
-      rope_token<BF16>(k, t);
+      CBK_ROPE_TOKEN_BF16(q, t);
+      CBK_ROPE_TOKEN_BF16(k, t);
     } else {
       rope_token<F32>(q, t);
       rope_token<F32>(k, t);
@@ -338,7 +490,8 @@ Status rope_write_kv(const RopeWriteKvParams& p) {
 }  // namespace CBK_CPU_NS
 
 #if CBK_CPU_PORTABLE
-// The run-time pick (cb_kernels/isa.h): bodies portable and avx2; silu_mul also avx512_bf16.
+// The run-time pick (cb_kernels/isa.h): bodies portable and avx2; silu_mul and every bf16 call
+// also avx512_bf16.
 #if CBK_X86_BODIES
 #define CBK_DECLARE_ELEMENTWISE(ns)                    \
   namespace ns {                                      \
@@ -355,11 +508,58 @@ CBK_DECLARE_ELEMENTWISE(cpu_avx512_bf16)
 namespace cpu {
 namespace {
 constexpr Isa kBodies[] = {Isa::kPortable, Isa::kAvx2};
-constexpr Isa kSiluMulBodies[] = {Isa::kPortable, Isa::kAvx2, Isa::kAvx512Bf16};
+
+// Round to the nearest bf16, ties to even, from a double in one step (not via float: two
+// roundings can land on a tie the exact value is not on).
+uint16_t double_to_bf16(double d) {
+  if (std::isnan(d) || std::isinf(d)) return float_to_bf16(static_cast<float>(d));
+  float f = static_cast<float>(d);
+  if (std::fabs(static_cast<double>(f)) > std::fabs(d)) f = std::nextafter(f, 0.0f);
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  const uint16_t lo = static_cast<uint16_t>(bits >> 16);          // |lo| <= |d|: d truncated
+  const uint16_t hi = static_cast<uint16_t>(lo + 1);              // the next bf16 away from 0
+  const double below = std::fabs(d) - std::fabs(static_cast<double>(bf16_to_float(lo)));
+  const double above = std::fabs(static_cast<double>(bf16_to_float(hi))) - std::fabs(d);
+  if (below != above) return below < above ? lo : hi;
+  return (lo & 1u) ? hi : lo;
+}
+
+std::vector<uint32_t> build_silu_bf16_table() {
+  std::vector<uint32_t> t(65536);
+  for (uint32_t g = 0; g < 65536; ++g) {
+    const float x = bf16_to_float(static_cast<uint16_t>(g));
+    if (std::isnan(x)) {
+      t[g] = (g | 0x40u) << 16;
+      continue;
+    }
+    if (x < -88.72283935546875f && !std::isinf(x)) {  // fp32 exp(-x) overflows: torch gives -0
+      t[g] = 0x80000000u;
+      continue;
+    }
+    const double e = std::exp(-std::fabs(static_cast<double>(x)));
+    const double sig = x < 0 ? e / (1.0 + e) : 1.0 / (1.0 + e);
+    t[g] = static_cast<uint32_t>(double_to_bf16(static_cast<double>(x) * sig)) << 16;
+  }
+  return t;
+}
+}  // namespace
+
+const uint32_t* silu_bf16_table() {
+  static const std::vector<uint32_t> table = build_silu_bf16_table();
+  return table.data();
+}
+
+namespace {
+// bf16 calls (and fp32 SiLU) also have an avx512_bf16 body; fp32 norms and rotary keep the
+// avx2 one, whose bits the fp32 engine's tokens were checked with.
+constexpr Isa kBf16Bodies[] = {Isa::kPortable, Isa::kAvx2, Isa::kAvx512Bf16};
 }  // namespace
 
 Status rms_norm(const RmsNormParams& p, Isa isa) {
 #if CBK_X86_BODIES
+  if (p.dtype == DType::kBFloat16 && pick(isa, kBf16Bodies) == Isa::kAvx512Bf16)
+    return cpu_avx512_bf16::rms_norm(p);
   if (pick(isa, kBodies) == Isa::kAvx2) return cpu_avx2::rms_norm(p);
 #endif
   return cpu_portable::rms_norm(p);
@@ -368,7 +568,7 @@ Status rms_norm(const RmsNormParams& p, Isa isa) {
 Status silu_mul(const SiluMulParams& p, Isa isa) {
 #if CBK_X86_BODIES
   // 16 lanes and vcvtneps2bf16 where the CPU has AVX512-BF16; the avx2 body's bits (tests)
-  if (pick(isa, kSiluMulBodies) == Isa::kAvx512Bf16) return cpu_avx512_bf16::silu_mul(p);
+  if (pick(isa, kBf16Bodies) == Isa::kAvx512Bf16) return cpu_avx512_bf16::silu_mul(p);
   if (pick(isa, kBodies) == Isa::kAvx2) return cpu_avx2::silu_mul(p);
 #endif
   return cpu_portable::silu_mul(p);
@@ -376,6 +576,8 @@ Status silu_mul(const SiluMulParams& p, Isa isa) {
 
 Status rope(const RopeParams& p, Isa isa) {
 #if CBK_X86_BODIES
+  if (p.dtype == DType::kBFloat16 && pick(isa, kBf16Bodies) == Isa::kAvx512Bf16)
+    return cpu_avx512_bf16::rope(p);
   if (pick(isa, kBodies) == Isa::kAvx2) return cpu_avx2::rope(p);
 #endif
   return cpu_portable::rope(p);
@@ -383,6 +585,8 @@ Status rope(const RopeParams& p, Isa isa) {
 
 Status rope_write_kv(const RopeWriteKvParams& p, Isa isa) {
 #if CBK_X86_BODIES
+  if (p.q.dtype == DType::kBFloat16 && pick(isa, kBf16Bodies) == Isa::kAvx512Bf16)
+    return cpu_avx512_bf16::rope_write_kv(p);
   if (pick(isa, kBodies) == Isa::kAvx2) return cpu_avx2::rope_write_kv(p);
 #endif
   return cpu_portable::rope_write_kv(p);

@@ -1,8 +1,9 @@
 """The fused CPU passes (rms_norm, silu_mul, rope_) in bfloat16, every ISA body this CPU runs,
 against ops/reference.py's formulas run in torch's bf16 ops (transformers' op chain: each op
 computes in fp32 and rounds to bf16). The kernels round at the same places, so results agree to
-one bf16 unit in the last place (fp32 summation order in the norm, the polynomial exp in SiLU
-may move a value across a rounding boundary), and nearly all elements are identical."""
+one bf16 unit in the last place (fp32 summation order in the norm may move a value across a
+rounding boundary; bf16 SiLU reads a table of torch's own roundings), and nearly all elements
+are identical."""
 import pytest
 import torch
 
@@ -78,3 +79,44 @@ def test_bf16_matches_fp32_kernel_to_bf16_rounding():
 def test_mixed_or_unsupported_dtypes_raise_naming_the_argument(call, match):
     with pytest.raises(TypeError, match=match):
         call()
+
+
+# The avx512_bf16 body's bf16 norm and rotary (16 lanes, hardware rounding) give the avx2 body's
+# bits, subnormal and NaN lanes (which take the integer rounding) included.
+_WIDE = [b for b in ISAS if b == "avx512_bf16"] or ["avx2"]
+_ODD = [float("nan"), 1e-39, -1e-39, 2.0 ** -126, -(2.0 ** -127), 0.0, -0.0, 3e38, -3e38, 1e-20]
+
+
+def _with_odd_values(t: torch.Tensor) -> torch.Tensor:
+    flat = t.float().reshape(-1).clone()
+    n = min(flat.numel(), len(_ODD))
+    flat[:n] = torch.tensor(_ODD[:n])
+    return flat.view(t.shape).bfloat16()
+
+
+@pytest.mark.parametrize("isa", _WIDE)
+@pytest.mark.parametrize("rows, dim", [(16, 2048), (3, 576), (5, 13), (7, 40), (2, 24)])
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+def test_rms_norm_bf16_bodies_give_the_same_bits(isa, rows, dim, with_residual):
+    x, w = _r(rows, dim, seed=11, scale=3.0), _r(dim, seed=12)
+    res = _r(rows, dim, seed=13)
+    x[1:] = _with_odd_values(x[1:]) if rows > 2 else x[1:]
+    got_x, want_x = x.clone(), x.clone()
+    got = ops.rms_norm(got_x, w, 1e-5, residual=res if with_residual else None, isa=isa)
+    want = ops.rms_norm(want_x, w, 1e-5, residual=res if with_residual else None, isa="avx2")
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert torch.equal(got_x.view(torch.int16), want_x.view(torch.int16))
+
+
+@pytest.mark.parametrize("isa", _WIDE)
+@pytest.mark.parametrize("num_tokens, num_heads, head_dim", [(16, 32, 64), (5, 3, 40), (3, 2, 18),
+                                                             (2, 4, 128)])
+def test_rope_bf16_bodies_give_the_same_bits(isa, num_tokens, num_heads, head_dim):
+    x = _with_odd_values(_r(num_tokens, num_heads, head_dim, seed=14, scale=2.0))
+    ang = torch.rand(num_tokens, head_dim // 2, generator=torch.Generator().manual_seed(15)) * 9
+    cos = torch.cat([ang.cos(), ang.cos()], -1).bfloat16().contiguous()
+    sin = torch.cat([ang.sin(), ang.sin()], -1).bfloat16().contiguous()
+    got, want = x.clone(), x.clone()
+    ops.rope_(got, cos, sin, isa=isa)
+    ops.rope_(want, cos, sin, isa="avx2")
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))

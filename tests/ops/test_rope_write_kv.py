@@ -7,7 +7,7 @@ import torch
 from cb_kernels import _C, ops
 from cb_kernels.ops.reference import ref_rope_write_kv_
 
-ISAS = [isa for isa in _C.cpu_isas() if isa in ("portable", "avx2")]
+ISAS = [isa for isa in _C.cpu_isas() if isa in ("portable", "avx2", "avx512_bf16")]
 DTYPES = [torch.float32, torch.bfloat16]
 
 

@@ -67,3 +67,33 @@ def test_every_body_gives_the_avx2_bits(isa, dtype, rows, dim):
     want = ops.silu_mul(gu, isa="avx2").view(bits)
     assert torch.equal(ops.silu_mul(gu, isa=isa).view(bits), want)
     assert torch.equal(ops.silu_mul(gu).view(bits), want)             # the auto pick
+
+
+# bf16 reads a table of round(silu(g)) built once for every body: every body, the portable one
+# included, gives the same bits, and those are torch's bf16 silu for every bf16 value.
+_BF16_BODIES = [isa for isa in _C.cpu_isas() if isa in ("portable", "avx2", "avx512_bf16")]
+
+
+@pytest.mark.parametrize("isa", _BF16_BODIES)
+def test_bf16_silu_of_every_bf16_value_is_torchs(isa):
+    g = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    up = torch.ones_like(g)
+    up[::7] = -3.0                      # and the product rounded once: round(silu(g) * up)
+    gu = torch.cat([g, up]).view(1, -1)
+    got = ops.silu_mul(gu, isa=isa)[0]
+    want = ref_silu_mul(gu)[0]
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan)
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
+@pytest.mark.parametrize("isa", _BF16_BODIES)
+@pytest.mark.parametrize("rows, dim", [(16, 1536), (3, 1544), (2, 13), (700, 64), (5, 8200)])
+def test_bf16_bodies_give_the_same_bits(isa, rows, dim):
+    gu = _r(rows, 2 * dim, scale=6.0, seed=7)
+    n = min(dim, len(_SPECIAL))
+    gu[0, :n] = torch.tensor(_SPECIAL[:n])
+    gu[-1, dim:dim + n] = torch.tensor(_SPECIAL[:n])
+    gu = gu.to(torch.bfloat16)
+    want = ops.silu_mul(gu, isa="portable").view(torch.int16)
+    assert torch.equal(ops.silu_mul(gu, isa=isa).view(torch.int16), want)

@@ -61,7 +61,7 @@ struct RopeWriteKvParams {
 
 namespace cpu {
 Status rope_write_kv(const RopeWriteKvParams& p, Isa isa = Isa::kAuto);
-// Bodies: portable, avx2; silu_mul also avx512_bf16 (see cb_kernels/isa.h).
+// Bodies: portable, avx2; silu_mul and every bf16 call also avx512_bf16 (see cb_kernels/isa.h).
 Status rms_norm(const RmsNormParams& p, Isa isa = Isa::kAuto);
 Status silu_mul(const SiluMulParams& p, Isa isa = Isa::kAuto);
 Status rope(const RopeParams& p, Isa isa = Isa::kAuto);
