@@ -25,26 +25,10 @@ import torch  # noqa: E402
 
 from cb_kernels import _C  # noqa: E402
 from cb_kernels.ops._backend import DTYPE_CODES  # noqa: E402
+from profile_step import best, copy_gbps  # noqa: E402  (the same timer and copy rate as the step profile)
 
 # hidden, heads, kv_heads, head_dim, intermediate
 SHAPES = {"smollm2-135m": (576, 9, 3, 64, 1536), "llama-1b": (2048, 32, 8, 64, 8192)}
-
-
-def best(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
-def copy_gbps(repeats: int = 5) -> float:
-    src = torch.empty(512 * 2**20 // 4).uniform_()
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / best(lambda: dst.copy_(src), repeats) / 1e9
 
 
 def passes(shape, rows: int, dtype, isa: str):
