@@ -292,27 +292,32 @@ void silu_row_bf16x16(const SiluMulParams& p, int64_t r, const uint32_t* table) 
 
 // x = round(round(x * cos) + round(rotate_half(x) * sin)), cos and sin in the dtype, as
 // transformers' apply_rotary_pos_emb computes it.
+// One head's rotary from element i of its first half on: 8 lanes, then one at a time. Wider
+// bodies run their own lanes first and finish here, so every element has this body's bits.
+template <typename E>
+void rope_head_from(typename E::T* x, const typename E::T* c, const typename E::T* s,
+                    int64_t half, int64_t i) {
+  for (const int64_t h8 = half / 8 * 8; i < h8; i += 8) {
+    const v8f a = E::load(x + i), b = E::load(x + half + i);
+    E::store(x + i, E::round(a * E::load(c + i)) - E::round(b * E::load(s + i)));
+    E::store(x + half + i,
+             E::round(b * E::load(c + half + i)) + E::round(a * E::load(s + half + i)));
+  }
+  for (; i < half; ++i) {
+    const float a = E::get(x + i), b = E::get(x + half + i);
+    E::put(x + i, E::round(a * E::get(c + i)) - E::round(b * E::get(s + i)));
+    E::put(x + half + i, E::round(b * E::get(c + half + i)) + E::round(a * E::get(s + half + i)));
+  }
+}
+
 template <typename E>
 void rope_token(const RopeParams& p, int64_t t) {
   using T = typename E::T;
-  const int64_t half = p.head_dim / 2, h8 = half / 8 * 8;
   const T* c = static_cast<const T*>(p.cos) + t * p.head_dim;
   const T* s = static_cast<const T*>(p.sin) + t * p.head_dim;
-  for (int64_t h = 0; h < p.heads; ++h) {
-    T* x = static_cast<T*>(p.x) + t * p.token_stride + h * p.head_stride;
-    int64_t i = 0;
-    for (; i < h8; i += 8) {
-      const v8f a = E::load(x + i), b = E::load(x + half + i);
-      E::store(x + i, E::round(a * E::load(c + i)) - E::round(b * E::load(s + i)));
-      E::store(x + half + i,
-               E::round(b * E::load(c + half + i)) + E::round(a * E::load(s + half + i)));
-    }
-    for (; i < half; ++i) {
-      const float a = E::get(x + i), b = E::get(x + half + i);
-      E::put(x + i, E::round(a * E::get(c + i)) - E::round(b * E::get(s + i)));
-      E::put(x + half + i, E::round(b * E::get(c + half + i)) + E::round(a * E::get(s + half + i)));
-    }
-  }
+  for (int64_t h = 0; h < p.heads; ++h)
+    rope_head_from<E>(static_cast<T*>(p.x) + t * p.token_stride + h * p.head_stride, c, s,
+                      p.head_dim / 2, 0);
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VL__)
@@ -376,17 +381,7 @@ void rope_token_bf16x16(const RopeParams& p, int64_t t) {
       E16::store(x + half + i,
                  E16::round(b * E16::load(c + half + i)) + E16::round(a * E16::load(s + half + i)));
     }
-    for (; i < h8; i += 8) {
-      const v8f a = E::load(x + i), b = E::load(x + half + i);
-      E::store(x + i, E::round(a * E::load(c + i)) - E::round(b * E::load(s + i)));
-      E::store(x + half + i,
-               E::round(b * E::load(c + half + i)) + E::round(a * E::load(s + half + i)));
-    }
-    for (; i < half; ++i) {
-      const float a = E::get(x + i), b = E::get(x + half + i);
-      E::put(x + i, E::round(a * E::get(c + i)) - E::round(b * E::get(s + i)));
-      E::put(x + half + i, E::round(b * E::get(c + half + i)) + E::round(a * E::get(s + half + i)));
-    }
+    rope_head_from<E>(x, c, s, half, i);
   }
 }
 #define CBK_RMS_ROW_BF16 rms_row_bf16x16
@@ -554,43 +549,45 @@ namespace {
 // bf16 calls (and fp32 SiLU) also have an avx512_bf16 body; fp32 norms and rotary keep the
 // avx2 one, whose bits the fp32 engine's tokens were checked with.
 constexpr Isa kBf16Bodies[] = {Isa::kPortable, Isa::kAvx2, Isa::kAvx512Bf16};
+
+// A call's body by the run-time pick: avx512_bf16 where `wide` (the CPU has it), else avx2 or
+// portable.
+template <typename P>
+using Body = Status (*)(const P&);
+#if CBK_X86_BODIES
+#define CBK_BODIES(fn) cpu_avx512_bf16::fn, cpu_avx2::fn, cpu_portable::fn
+#else
+#define CBK_BODIES(fn) nullptr, nullptr, cpu_portable::fn
+#endif
+
+template <typename P>
+Status by_isa(const P& p, bool wide, Isa isa, Body<P> avx512_bf16, Body<P> avx2,
+              Body<P> portable) {
+#if CBK_X86_BODIES
+  if (wide && pick(isa, kBf16Bodies) == Isa::kAvx512Bf16) return avx512_bf16(p);
+  if (pick(isa, kBodies) == Isa::kAvx2) return avx2(p);
+#endif
+  return portable(p);
+}
 }  // namespace
 
 Status rms_norm(const RmsNormParams& p, Isa isa) {
-#if CBK_X86_BODIES
-  if (p.dtype == DType::kBFloat16 && pick(isa, kBf16Bodies) == Isa::kAvx512Bf16)
-    return cpu_avx512_bf16::rms_norm(p);
-  if (pick(isa, kBodies) == Isa::kAvx2) return cpu_avx2::rms_norm(p);
-#endif
-  return cpu_portable::rms_norm(p);
+  return by_isa(p, p.dtype == DType::kBFloat16, isa, CBK_BODIES(rms_norm));
 }
 
+// 16 lanes and vcvtneps2bf16 where the CPU has AVX512-BF16, fp32 too; the avx2 body's bits (tests)
 Status silu_mul(const SiluMulParams& p, Isa isa) {
-#if CBK_X86_BODIES
-  // 16 lanes and vcvtneps2bf16 where the CPU has AVX512-BF16; the avx2 body's bits (tests)
-  if (pick(isa, kBf16Bodies) == Isa::kAvx512Bf16) return cpu_avx512_bf16::silu_mul(p);
-  if (pick(isa, kBodies) == Isa::kAvx2) return cpu_avx2::silu_mul(p);
-#endif
-  return cpu_portable::silu_mul(p);
+  return by_isa(p, true, isa, CBK_BODIES(silu_mul));
 }
 
 Status rope(const RopeParams& p, Isa isa) {
-#if CBK_X86_BODIES
-  if (p.dtype == DType::kBFloat16 && pick(isa, kBf16Bodies) == Isa::kAvx512Bf16)
-    return cpu_avx512_bf16::rope(p);
-  if (pick(isa, kBodies) == Isa::kAvx2) return cpu_avx2::rope(p);
-#endif
-  return cpu_portable::rope(p);
+  return by_isa(p, p.dtype == DType::kBFloat16, isa, CBK_BODIES(rope));
 }
 
 Status rope_write_kv(const RopeWriteKvParams& p, Isa isa) {
-#if CBK_X86_BODIES
-  if (p.q.dtype == DType::kBFloat16 && pick(isa, kBf16Bodies) == Isa::kAvx512Bf16)
-    return cpu_avx512_bf16::rope_write_kv(p);
-  if (pick(isa, kBodies) == Isa::kAvx2) return cpu_avx2::rope_write_kv(p);
-#endif
-  return cpu_portable::rope_write_kv(p);
+  return by_isa(p, p.q.dtype == DType::kBFloat16, isa, CBK_BODIES(rope_write_kv));
 }
+#undef CBK_BODIES
 }  // namespace cpu
 #endif
 
