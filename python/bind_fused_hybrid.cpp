@@ -1,0 +1,115 @@
+// Binding of the hybrid layers' fused middle (cb_kernels/fused_hybrid.h); cb_kernels/ops/
+// fused_hybrid.py owns every check. Pointers are Python ints (tensor.data_ptr(), 0 for none);
+// sizes come as one tuple each, so a call converts ~15 arguments (~2 us), not a struct's fields.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <array>
+#include <string>
+
+#include "bindings.h"
+#include "cb_kernels/fused_hybrid.h"
+#include "varlen_rows_arg.h"
+
+namespace py = pybind11;
+
+namespace {
+using Ptrs11 = std::array<uintptr_t, 11>;
+
+cbk::GatedDeltaNetParams gdn_params(const Ptrs11& ptr, const cbk::VarlenRowsArg& rows,
+                                    const std::array<int64_t, 8>& size, float scale, float eps,
+                                    int dtype) {
+  cbk::GatedDeltaNetParams p;
+  p.qkvz = cbk::as_ptr<const void>(ptr[0]);
+  p.ba = cbk::as_ptr<const void>(ptr[1]);
+  p.conv_weight = cbk::as_ptr<const void>(ptr[2]);
+  p.conv_bias = cbk::as_ptr<const void>(ptr[3]);
+  p.conv_state = cbk::as_ptr<void>(ptr[4]);
+  p.state = cbk::as_ptr<float>(ptr[5]);
+  p.dt_bias = cbk::as_ptr<const void>(ptr[6]);
+  p.neg_a = cbk::as_ptr<const float>(ptr[7]);
+  p.norm_weight = cbk::as_ptr<const void>(ptr[8]);
+  p.out = cbk::as_ptr<void>(ptr[9]);
+  p.workspace = cbk::as_ptr<void>(ptr[10]);
+  p.rows = cbk::as_rows(rows);
+  p.num_k_heads = size[0];
+  p.num_v_heads = size[1];
+  p.k_dim = size[2];
+  p.v_dim = size[3];
+  p.conv_width = size[4];
+  p.state_len = size[5];
+  p.qkvz_stride = size[6];
+  p.ba_stride = size[7];
+  p.scale = scale;
+  p.norm_eps = eps;
+  p.dtype = cbk::as_dtype(dtype);
+  return p;
+}
+
+cbk::Mamba2MixerParams mamba2_params(const Ptrs11& ptr, const cbk::VarlenRowsArg& rows,
+                                     const std::array<int64_t, 8>& size, float eps, int dtype) {
+  cbk::Mamba2MixerParams p;
+  p.proj = cbk::as_ptr<const void>(ptr[0]);
+  p.conv_weight = cbk::as_ptr<const void>(ptr[1]);
+  p.conv_bias = cbk::as_ptr<const void>(ptr[2]);
+  p.conv_state = cbk::as_ptr<void>(ptr[3]);
+  p.state = cbk::as_ptr<float>(ptr[4]);
+  p.A = cbk::as_ptr<const float>(ptr[5]);
+  p.D = cbk::as_ptr<const float>(ptr[6]);
+  p.dt_bias = cbk::as_ptr<const float>(ptr[7]);
+  p.norm_weight = cbk::as_ptr<const void>(ptr[8]);
+  p.out = cbk::as_ptr<void>(ptr[9]);
+  p.workspace = cbk::as_ptr<void>(ptr[10]);
+  p.rows = cbk::as_rows(rows);
+  p.num_heads = size[0];
+  p.head_dim = size[1];
+  p.num_groups = size[2];
+  p.d_state = size[3];
+  p.norm_group_size = size[4];
+  p.conv_width = size[5];
+  p.state_len = size[6];
+  p.proj_stride = size[7];
+  p.norm_eps = eps;
+  p.dtype = cbk::as_dtype(dtype);
+  return p;
+}
+}  // namespace
+
+void bind_fused_hybrid(py::module_& m) {
+  m.def(
+      "gated_delta_net",
+      [](const Ptrs11& ptr, const cbk::VarlenRowsArg& rows, const std::array<int64_t, 8>& size,
+         float scale, float eps, const std::string& isa, int dtype) {
+        const cbk::GatedDeltaNetParams p = gdn_params(ptr, rows, size, scale, eps, dtype);
+        const cbk::Isa body = cbk::as_isa(isa);
+        py::gil_scoped_release nogil;
+        cbk::throw_if_error(cbk::cpu::gated_delta_net(p, body));
+      },
+      "A gated delta-net layer between its projections (ptr: qkvz, ba, conv weight, conv bias, "
+      "conv state, state, dt_bias, neg_a, norm weight, out, workspace; size: num_k_heads, "
+      "num_v_heads, k_dim, v_dim, conv width, state_len, qkvz stride, ba stride).");
+  m.def(
+      "gated_delta_net_workspace_bytes",
+      [](const cbk::VarlenRowsArg& rows, const std::array<int64_t, 8>& size, int dtype) {
+        return cbk::cpu::gated_delta_net_workspace_bytes(gdn_params({}, rows, size, 1.0f, 0.0f, dtype));
+      },
+      "Workspace bytes of gated_delta_net for these rows and sizes.");
+  m.def(
+      "mamba2_mixer",
+      [](const Ptrs11& ptr, const cbk::VarlenRowsArg& rows, const std::array<int64_t, 8>& size,
+         float eps, const std::string& isa, int dtype) {
+        const cbk::Mamba2MixerParams p = mamba2_params(ptr, rows, size, eps, dtype);
+        const cbk::Isa body = cbk::as_isa(isa);
+        py::gil_scoped_release nogil;
+        cbk::throw_if_error(cbk::cpu::mamba2_mixer(p, body));
+      },
+      "A Mamba-2 mixer between its projections (ptr: proj, conv weight, conv bias, conv state, "
+      "state, A, D, dt_bias, norm weight, out, workspace; size: num_heads, head_dim, num_groups, "
+      "d_state, norm group size, conv width, state_len, proj stride).");
+  m.def(
+      "mamba2_mixer_workspace_bytes",
+      [](const cbk::VarlenRowsArg& rows, const std::array<int64_t, 8>& size, int dtype) {
+        return cbk::cpu::mamba2_mixer_workspace_bytes(mamba2_params({}, rows, size, 0.0f, dtype));
+      },
+      "Workspace bytes of mamba2_mixer for these rows and sizes.");
+}

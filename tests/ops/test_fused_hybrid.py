@@ -1,0 +1,206 @@
+"""gated_delta_net and mamba2_mixer (csrc/cpu/fused_hybrid.cpp) against ops/fused_hybrid.py's
+references and against the separate ops they chain, over an explicit case list: grouped heads,
+awkward dims, decodes, fresh prefills and continued chunks in one call, empty rows, strided
+projection rows; every CPU body forced; results independent of the thread count."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cb_kernels import _C, ops
+from cb_kernels.ops.fused_hybrid import (gated_delta_net, mamba2_mixer, ref_gated_delta_net,
+                                         ref_mamba2_mixer)
+from tests.helpers import assert_same_at_threads
+
+_BODIES = [isa for isa in _C.cpu_isas() if isa in ("portable", "avx512")]
+TOL = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=2e-2)}
+
+# id: (num_k_heads, num_v_heads, k_dim, v_dim, conv width, [(row length, continues)])
+GDN_CASES = {
+    "decode-one-row": (1, 1, 16, 16, 4, [(1, True)]),
+    "hd128-decode-batch": (2, 4, 128, 128, 4, [(1, True)] * 5),
+    "mixed-rows-awkward": (2, 6, 20, 37, 3, [(1, True), (7, False), (0, False), (3, True)]),
+}
+# id: (num_heads, head_dim, num_groups, d_state, norm groups, conv width, rows)
+MAMBA_CASES = {
+    "decode-one-row": (2, 8, 1, 16, 1, 4, [(1, True)]),
+    "ds128-decode-batch": (8, 64, 1, 128, 1, 4, [(1, True)] * 5),
+    "mixed-rows-groups": (6, 12, 2, 24, 2, 3, [(1, True), (6, False), (0, False), (2, True)]),
+}
+
+
+def _rows(rows, num_slots, gen):
+    slots = torch.randperm(num_slots, generator=gen)[:len(rows)]
+    cu = torch.tensor([0] + [n for n, _ in rows], dtype=torch.int32).cumsum(0).to(torch.int32)
+    return slots, cu, torch.tensor([c for _, c in rows], dtype=torch.bool)
+
+
+def make_gdn(case, dtype, seed=0, pad=0):
+    nk, hv, kd, vd, width, rows = GDN_CASES[case]
+    gen = torch.Generator().manual_seed(seed)
+    n, r = sum(length for length, _ in rows), hv // nk
+    cols = nk * (2 * kd + 2 * r * vd)
+    qkvz = torch.randn(n, cols + pad, generator=gen).to(dtype)[:, :cols]   # rows strided by pad
+    ba = torch.randn(n, nk * 2 * r, generator=gen).to(dtype)
+    conv_dim = 2 * nk * kd + hv * vd
+    num_slots = len(rows) + 2
+    tensors = dict(
+        qkvz=qkvz, ba=ba, conv_weight=(torch.randn(conv_dim, width, generator=gen) * 0.5).to(dtype),
+        conv_bias=torch.randn(conv_dim, generator=gen).to(dtype),
+        conv_state=torch.randn(num_slots, conv_dim, width, generator=gen).to(dtype),
+        state=torch.randn(num_slots, hv, kd, vd, generator=gen) * 0.5,
+        dt_bias=torch.randn(hv, generator=gen).to(dtype),
+        neg_a=-torch.rand(hv, generator=gen) * 2,
+        norm_weight=(1 + 0.1 * torch.randn(vd, generator=gen)).to(dtype))
+    slots, cu, has = _rows(rows, num_slots, gen)
+    kw = dict(num_k_heads=nk, num_v_heads=hv, k_dim=kd, v_dim=vd, scale=kd ** -0.5, norm_eps=1e-6)
+    return tensors, (slots, cu, has), kw
+
+
+def _call(fn, t, rows, kw, **extra):
+    return fn(t["qkvz"], t["ba"], t["conv_weight"], t["conv_bias"], t["conv_state"], t["state"],
+              t["dt_bias"], t["neg_a"], t["norm_weight"], *rows, **kw, **extra)
+
+
+@pytest.mark.parametrize("isa", _BODIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(GDN_CASES))
+def test_gated_delta_net_matches_reference(case, dtype, isa):
+    t, rows, kw = make_gdn(case, dtype, pad=5)
+    ref_t = {k: v.clone() for k, v in t.items()}
+    want = _call(ref_gated_delta_net, ref_t, rows, kw)
+    got = _call(gated_delta_net, t, rows, kw, isa=isa)
+    assert got.dtype == dtype and got.shape == want.shape
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    torch.testing.assert_close(t["state"], ref_t["state"], **TOL[torch.float32])
+    assert torch.equal(t["conv_state"], ref_t["conv_state"])      # the window: copies only
+
+
+def test_gated_delta_net_equals_the_separate_ops():
+    """fp32: the fused call is the separate kernels with the split and the gates in between
+    (gates computed in torch here; exp/log1p may differ in the last bit, so within 1e-6)."""
+    t, (slots, cu, has), kw = make_gdn("mixed-rows-awkward", torch.float32)
+    sep = {k: v.clone() for k, v in t.items()}
+    got = _call(gated_delta_net, t, (slots, cu, has), kw)
+    nk, hv, kd, vd = kw["num_k_heads"], kw["num_v_heads"], kw["k_dim"], kw["v_dim"]
+    n, r = sep["qkvz"].shape[0], hv // nk
+    x = sep["qkvz"].reshape(n, nk, -1)
+    mixed = torch.cat([x[..., :kd].reshape(n, -1), x[..., kd:2 * kd].reshape(n, -1),
+                       x[..., 2 * kd:2 * kd + r * vd].reshape(n, -1)], -1)
+    conv = ops.causal_conv1d(mixed, sep["conv_weight"], sep["conv_bias"], sep["conv_state"],
+                             slots, cu, has, activation="silu")
+    ba = sep["ba"].reshape(n, nk, 2 * r)
+    beta = ba[..., :r].sigmoid().reshape(n, hv).contiguous()
+    g = (F.softplus(ba[..., r:].reshape(n, hv) + sep["dt_bias"]) * sep["neg_a"]).contiguous()
+    core = ops.gated_delta_rule(conv[:, :nk * kd].reshape(n, nk, kd),
+                                conv[:, nk * kd:2 * nk * kd].reshape(n, nk, kd),
+                                conv[:, 2 * nk * kd:].reshape(n, hv, vd), g, beta, sep["state"],
+                                slots, cu, has, scale=kw["scale"])
+    want = ops.gated_rms_norm(core.reshape(n, -1), x[..., 2 * kd + r * vd:].reshape(n, -1),
+                              sep["norm_weight"], kw["norm_eps"], group_size=vd)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(t["state"], sep["state"], rtol=1e-6, atol=1e-6)
+    assert torch.equal(t["conv_state"], sep["conv_state"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gated_delta_net_same_at_one_and_two_threads(dtype):
+    t, rows, kw = make_gdn("hd128-decode-batch", dtype)
+
+    def run(state):
+        return _call(gated_delta_net, dict(t, state=state, conv_state=t["conv_state"].clone()),
+                     rows, kw)
+    assert_same_at_threads(run, t["state"])
+
+
+def make_mamba(case, dtype, seed=0, pad=0):
+    nh, hd, ng, ds, norm_groups, width, rows = MAMBA_CASES[case]
+    gen = torch.Generator().manual_seed(seed)
+    n, inner = sum(length for length, _ in rows), nh * hd
+    conv_dim = inner + 2 * ng * ds
+    cols = inner + conv_dim + nh
+    num_slots = len(rows) + 2
+    tensors = dict(
+        proj=torch.randn(n, cols + pad, generator=gen).to(dtype)[:, :cols],
+        conv_weight=(torch.randn(conv_dim, width, generator=gen) * 0.5).to(dtype),
+        conv_bias=torch.randn(conv_dim, generator=gen).to(dtype),
+        conv_state=torch.randn(num_slots, conv_dim, width, generator=gen).to(dtype),
+        state=torch.randn(num_slots, nh, hd, ds, generator=gen) * 0.5,
+        A=-torch.rand(nh, generator=gen) * 2, D=torch.randn(nh, generator=gen),
+        dt_bias=torch.randn(nh, generator=gen) * 0.5,
+        norm_weight=(1 + 0.1 * torch.randn(inner, generator=gen)).to(dtype))
+    slots, cu, has = _rows(rows, num_slots, gen)
+    kw = dict(num_heads=nh, head_dim=hd, num_groups=ng, d_state=ds,
+              norm_group_size=inner // norm_groups, norm_eps=1e-6)
+    return tensors, (slots, cu, has), kw
+
+
+def _call_mamba(fn, t, rows, kw, **extra):
+    return fn(t["proj"], t["conv_weight"], t["conv_bias"], t["conv_state"], t["state"], t["A"],
+              t["D"], t["dt_bias"], t["norm_weight"], *rows, **kw, **extra)
+
+
+@pytest.mark.parametrize("isa", _BODIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(MAMBA_CASES))
+def test_mamba2_mixer_matches_reference(case, dtype, isa):
+    t, rows, kw = make_mamba(case, dtype, pad=3)
+    ref_t = {k: v.clone() for k, v in t.items()}
+    want = _call_mamba(ref_mamba2_mixer, ref_t, rows, kw)
+    got = _call_mamba(mamba2_mixer, t, rows, kw, isa=isa)
+    assert got.dtype == dtype and got.shape == want.shape
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    torch.testing.assert_close(t["state"], ref_t["state"], **TOL[torch.float32])
+    assert torch.equal(t["conv_state"], ref_t["conv_state"])
+
+
+@pytest.mark.parametrize("isa", _BODIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_mamba2_mixer_is_the_separate_ops_bit_for_bit(dtype, isa):
+    t, (slots, cu, has), kw = make_mamba("mixed-rows-groups", dtype, pad=3)
+    sep = {k: v.clone() for k, v in t.items()}
+    got = _call_mamba(mamba2_mixer, t, (slots, cu, has), kw, isa=isa)
+    nh, hd, ng, ds = kw["num_heads"], kw["head_dim"], kw["num_groups"], kw["d_state"]
+    inner, bc, n = nh * hd, ng * ds, sep["proj"].shape[0]
+    gate, xbc, dt = sep["proj"].split([inner, inner + 2 * bc, nh], dim=-1)
+    conv = ops.causal_conv1d(xbc, sep["conv_weight"], sep["conv_bias"], sep["conv_state"], slots,
+                             cu, has, activation="silu", isa=isa)
+    y = ops.selective_scan(conv[:, :inner].view(n, nh, hd), dt.float().contiguous(), sep["A"],
+                           conv[:, inner:inner + bc].view(n, ng, ds),
+                           conv[:, inner + bc:].view(n, ng, ds), sep["state"], slots, cu, has,
+                           D=sep["D"], dt_bias=sep["dt_bias"], isa=isa)
+    want = ops.gated_rms_norm(y.view(n, inner), gate, sep["norm_weight"], kw["norm_eps"],
+                              group_size=kw["norm_group_size"], norm_before_gate=False, isa=isa)
+    assert torch.equal(got, want)
+    assert torch.equal(t["state"], sep["state"]) and torch.equal(t["conv_state"], sep["conv_state"])
+
+
+def test_mamba2_mixer_same_at_one_and_two_threads():
+    t, rows, kw = make_mamba("ds128-decode-batch", torch.bfloat16)
+
+    def run(state):
+        return _call_mamba(mamba2_mixer, dict(t, state=state, conv_state=t["conv_state"].clone()),
+                           rows, kw)
+    assert_same_at_threads(run, t["state"])
+
+
+def test_bad_inputs_name_the_argument():
+    t, rows, kw = make_gdn("decode-one-row", torch.float32)
+    with pytest.raises(ValueError, match="qkvz must have"):
+        _call(gated_delta_net, dict(t, qkvz=t["qkvz"][:, :-1]), rows, kw)
+    with pytest.raises(ValueError, match="ba must be"):
+        _call(gated_delta_net, dict(t, ba=t["ba"][:, :1]), rows, kw)
+    with pytest.raises(TypeError, match="dt_bias"):
+        _call(gated_delta_net, dict(t, dt_bias=t["dt_bias"].double()), rows, kw)
+    with pytest.raises(ValueError, match="num_v_heads"):
+        _call(gated_delta_net, t, rows, dict(kw, num_v_heads=3, num_k_heads=2))
+    with pytest.raises(TypeError, match="qkvz must be a float32 or bfloat16"):
+        _call(gated_delta_net, dict(t, qkvz=t["qkvz"].half()), rows, kw)
+    m, mrows, mkw = make_mamba("decode-one-row", torch.float32)
+    with pytest.raises(ValueError, match="proj must have"):
+        _call_mamba(mamba2_mixer, dict(m, proj=m["proj"][:, 1:]), mrows, mkw)
+    with pytest.raises(ValueError, match="norm_group_size"):
+        _call_mamba(mamba2_mixer, m, mrows, dict(mkw, norm_group_size=5))
+    with pytest.raises(ValueError, match="slots must lie"):
+        _call_mamba(mamba2_mixer, m, (mrows[0] + 10, *mrows[1:]), mkw)
