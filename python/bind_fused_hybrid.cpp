@@ -73,6 +73,24 @@ cbk::Mamba2MixerParams mamba2_params(const Ptrs11& ptr, const cbk::VarlenRowsArg
   p.dtype = cbk::as_dtype(dtype);
   return p;
 }
+cbk::Mamba2BlockParams block_params(const std::array<uintptr_t, 7>& ptr, const Ptrs11& mixer_ptr,
+                                    const cbk::VarlenRowsArg& rows,
+                                    const std::array<int64_t, 8>& size, int64_t hidden,
+                                    float norm_eps, float gate_norm_eps, int x_dtype, int dtype) {
+  cbk::Mamba2BlockParams p;
+  p.x = cbk::as_ptr<void>(ptr[0]);
+  p.norm_weight = cbk::as_ptr<const void>(ptr[1]);
+  p.in_packed = cbk::as_ptr<const void>(ptr[2]);
+  p.in_bias = cbk::as_ptr<const float>(ptr[3]);
+  p.out_packed = cbk::as_ptr<const void>(ptr[4]);
+  p.out_bias = cbk::as_ptr<const float>(ptr[5]);
+  p.workspace = cbk::as_ptr<void>(ptr[6]);
+  p.x_dtype = cbk::as_dtype(x_dtype);
+  p.norm_eps = norm_eps;
+  p.hidden = hidden;
+  p.mixer = mamba2_params(mixer_ptr, rows, size, gate_norm_eps, dtype);
+  return p;
+}
 }  // namespace
 
 void bind_fused_hybrid(py::module_& m) {
@@ -112,4 +130,26 @@ void bind_fused_hybrid(py::module_& m) {
         return cbk::cpu::mamba2_mixer_workspace_bytes(mamba2_params({}, rows, size, 0.0f, dtype));
       },
       "Workspace bytes of mamba2_mixer for these rows and sizes.");
+  m.def(
+      "mamba2_block",
+      [](const std::array<uintptr_t, 7>& ptr, const Ptrs11& mixer_ptr,
+         const cbk::VarlenRowsArg& rows, const std::array<int64_t, 8>& size, int64_t hidden,
+         float norm_eps, float gate_norm_eps, const std::string& isa, int x_dtype, int dtype) {
+        const cbk::Mamba2BlockParams p = block_params(ptr, mixer_ptr, rows, size, hidden, norm_eps,
+                                                      gate_norm_eps, x_dtype, dtype);
+        const cbk::Isa body = cbk::as_isa(isa);
+        py::gil_scoped_release nogil;
+        cbk::throw_if_error(cbk::cpu::mamba2_block(p, body));
+      },
+      "A Mamba-2 block: x += out_proj(mixer(in_proj(rms_norm(x)))) (ptr: x, norm weight, "
+      "in_proj packed, its bias, out_proj packed, its bias, workspace; mixer_ptr as "
+      "mamba2_mixer's, its proj, out and workspace unused).");
+  m.def(
+      "mamba2_block_workspace_bytes",
+      [](const cbk::VarlenRowsArg& rows, const std::array<int64_t, 8>& size, int64_t hidden,
+         int dtype) {
+        return cbk::cpu::mamba2_block_workspace_bytes(
+            block_params({}, {}, rows, size, hidden, 0.0f, 0.0f, dtype, dtype));
+      },
+      "Workspace bytes of mamba2_block for these rows and sizes.");
 }

@@ -237,3 +237,35 @@ def ref_mamba2_mixer(proj, conv_weight, conv_bias, conv_state, state, A, D, dt_b
                            cu_seqlens, has_state, D=D, dt_bias=dt_bias)
     return ref_gated_rms_norm(y.reshape(n, inner), gate, norm_weight, norm_eps,
                               group_size=norm_group_size, norm_before_gate=False)
+
+
+def mamba2_block_unchecked(x, norm_weight, norm_eps: float, in_proj, out_proj, conv_weight,
+                           conv_bias, conv_state, state, A, D, dt_bias, gate_norm_weight,
+                           slots, cu_seqlens, has_state, num_heads: int, head_dim: int,
+                           num_groups: int, d_state: int, norm_group_size: int,
+                           gate_norm_eps: float, isa: str = "auto") -> torch.Tensor:
+    """A whole Mamba-2 block in one call, for the engine's forward (runner/hybrid_layers.py),
+    no checks: ``x += out_proj(mamba2_mixer(in_proj(rms_norm(x.to(dtype)))))`` in place.
+
+    x : contiguous ``[num_tokens, hidden]``, float32 (the fp32 residual stream) or the layer's
+    dtype; norm_weight : ``[hidden]`` (the block's RMSNorm, Llama's formula); in_proj, out_proj:
+    ops.PackedLinear of the layer's dtype (in_proj's rows gate, xBC, dt); the rest as
+    `mamba2_mixer` (gate_norm_*: the mixer's gated norm). The same kernels as the separate calls,
+    the same bits (tests/ops/test_fused_hybrid.py). Returns x."""
+    rows = rows_arg(slots, cu_seqlens, has_state, state.shape[0])
+    dtype = in_proj.dtype
+    size = (num_heads, head_dim, num_groups, d_state, norm_group_size, conv_weight.shape[1],
+            conv_state.shape[2], 0)
+    hidden = x.shape[1]
+    code = DTYPE_CODES[dtype]
+    ws = torch.empty(_C.mamba2_block_workspace_bytes(rows, size, hidden, code), dtype=torch.uint8)
+    sync_threads()
+    _C.mamba2_block((x.data_ptr(), norm_weight.data_ptr(), in_proj.packed.data_ptr(),
+                     _ptr(in_proj.bias), out_proj.packed.data_ptr(), _ptr(out_proj.bias),
+                     ws.data_ptr()),
+                    (0, conv_weight.data_ptr(), _ptr(conv_bias), conv_state.data_ptr(),
+                     state.data_ptr(), A.data_ptr(), D.data_ptr(), dt_bias.data_ptr(),
+                     gate_norm_weight.data_ptr(), 0, 0),
+                    rows, size, hidden, float(norm_eps), float(gate_norm_eps), isa,
+                    DTYPE_CODES[x.dtype], code)
+    return x

@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from cb_kernels import ops
-from cb_kernels.ops.fused_hybrid import gated_delta_net_unchecked, mamba2_mixer_unchecked
+from cb_kernels.ops.fused_hybrid import (gated_delta_net_unchecked, mamba2_block_unchecked,
+                                        mamba2_mixer_unchecked)
 from cb_kernels.ops.gated_rms_norm import gated_rms_norm_fast, gated_rms_norm_unchecked
 
 logger = logging.getLogger("cb_kernels")
@@ -307,6 +308,19 @@ class Mamba2Kernels:
         else:
             y = m.norm(y[None], gate[None])[0]
         return _linear(runs, m.out_proj, y.to(hidden_states.dtype)[None])
+
+    def block(self, x: torch.Tensor, rows, norm, in_proj, out_proj) -> torch.Tensor:
+        """The whole Mamba2Block around this mixer in one call (runner/hybrid_layers.py, where
+        `why_not_fused` is ""): x [num_tokens, hidden] (contiguous; fp32 with the fp32
+        residual stream) += out_proj(mixer(in_proj(norm(x)))) in place; norm: the block's
+        RMSNorm module; in_proj, out_proj: their ops.PackedLinear."""
+        m = self.module
+        neg_a, d, dt_bias = self.consts.get()
+        return mamba2_block_unchecked(
+            x, norm.weight, norm.variance_epsilon, in_proj, out_proj, m.conv1d.weight.squeeze(1),
+            m.conv1d.bias, self.conv_state, self.state, neg_a, d, dt_bias, m.norm.weight,
+            rows.slots, rows.cu_seqlens, rows.has_state, m.num_heads, m.head_dim, m.n_groups,
+            m.ssm_state_size, m.norm.group_size, m.norm.variance_epsilon)
 
     @staticmethod
     def state_shape(module) -> tuple:

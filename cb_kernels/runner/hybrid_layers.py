@@ -227,8 +227,17 @@ class _Mamba2Layer:
         self.kernel = kernels.get(mixer)
         if self.kernel is None:
             raise _Mismatch(f"layer {idx}'s mixer is not on our kernels")
-        self.runs = {m: runs.single(m).run for m in (mixer.in_proj, mixer.out_proj)}
+        self.in_group, self.out_group = runs.single(mixer.in_proj), runs.single(mixer.out_proj)
+        self.runs = {mixer.in_proj: self.in_group.run, mixer.out_proj: self.out_group.run}
         self.residual_in_fp32 = bool(block.residual_in_fp32)
+
+    def block_linears(self):
+        """(in_proj, out_proj) as ops.PackedLinear when the whole block can run as one
+        ops.fused_hybrid call (our GEMM packed both, the mixer's middle fits), else None."""
+        if not hybrid_kernels.FUSED or self.kernel.why_not_fused:
+            return None
+        lin_in, lin_out = self.in_group.lin, self.out_group.lin
+        return None if lin_in is None or lin_out is None else (lin_in, lin_out)
 
 
 class HybridForward:
@@ -322,6 +331,12 @@ class HybridForward:
         # transformers: residual = x (fp32 with residual_in_fp32), h = norm(x.to(norm dtype)),
         # x = residual + mixer(h); the final norm on the fp32 stream, cast for the LM head.
         for layer in self.layers:
+            lins = layer.block_linears()
+            if lins is not None:         # the whole block in one C++ call, x updated in place
+                if layer.residual_in_fp32 and x.dtype != torch.float32:
+                    x = x.float()
+                layer.kernel.block(x, rows, layer.norm.module, *lins)
+                continue
             h = layer.norm(x if x.dtype == self.dtype else x.to(self.dtype))
             if layer.residual_in_fp32:
                 x = x.float()            # a no-op from the second layer on

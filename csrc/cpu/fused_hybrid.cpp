@@ -23,7 +23,9 @@
 #include "bf16_scalar.h"  // widen, rne, bits_to_float
 #include "cb_kernels/causal_conv1d.h"
 #include "cb_kernels/gated_delta.h"
+#include "cb_kernels/elementwise.h"
 #include "cb_kernels/gated_rms_norm.h"
+#include "cb_kernels/linear.h"
 #include "cb_kernels/selective_scan.h"
 #include "threads.h"
 
@@ -250,6 +252,102 @@ Status mamba2_mixer(const Mamba2MixerParams& p, Isa isa) {
   m.norm_before_gate = false;
   m.dtype = p.dtype;
   return gated_rms_norm(m, isa);
+}
+
+namespace {
+
+// y = x W^T (+ bias) on a packed weight of the dtype: rows packed, m rows.
+Status packed_linear(DType dt, const void* x, int64_t m, int64_t k, const void* packed,
+                     int64_t n, const float* bias, void* y, Isa isa) {
+  if (dt == DType::kBFloat16) {
+    LinearBf16Params l;
+    l.x = static_cast<const uint16_t*>(x);
+    l.packed = static_cast<const uint16_t*>(packed);
+    l.y = static_cast<uint16_t*>(y);
+    l.m = m, l.k = k, l.n = n, l.x_stride = k, l.y_stride = n, l.bias = bias;
+    return linear_bf16(l, isa);
+  }
+  LinearParams l;
+  l.x = static_cast<const float*>(x);
+  l.packed = static_cast<const float*>(packed);
+  l.y = static_cast<float*>(y);
+  l.m = m, l.k = k, l.n = n, l.x_stride = k, l.y_stride = n, l.bias = bias;
+  return linear(l, isa);
+}
+
+int64_t in_width(const Mamba2MixerParams& m) {
+  const int64_t inner = m.num_heads * m.head_dim;
+  return 2 * inner + 2 * m.num_groups * m.d_state + m.num_heads;
+}
+
+}  // namespace
+
+int64_t mamba2_block_workspace_bytes(const Mamba2BlockParams& p) {
+  const int64_t n = p.mixer.rows.num_tokens(), es = dtype_size(p.mixer.dtype);
+  Mamba2MixerParams m = p.mixer;
+  m.proj_stride = in_width(m);
+  return 2 * align64(n * p.hidden * es) + align64(n * in_width(m) * es) +
+         align64(n * m.num_heads * m.head_dim * es) + mamba2_mixer_workspace_bytes(m);
+}
+
+Status mamba2_block(const Mamba2BlockParams& p, Isa isa) {
+  const DType dt = p.mixer.dtype;
+  if (p.x_dtype != DType::kFloat32 && p.x_dtype != dt)
+    return Status::Error("mamba2_block: x must be float32 or the mixer's dtype");
+  if (p.hidden <= 0) return Status::Error("mamba2_block: need hidden > 0");
+  const int64_t n = p.mixer.rows.num_tokens();
+  if (p.mixer.rows.num_seqs == 0 || n == 0) return Status::Ok();
+  if (!p.x || !p.norm_weight || !p.in_packed || !p.out_packed || !p.workspace)
+    return Status::Error("mamba2_block: null pointer");
+  const int64_t es = dtype_size(dt), hidden = p.hidden, width = in_width(p.mixer);
+  const int64_t inner = p.mixer.num_heads * p.mixer.head_dim;
+  char* h = static_cast<char*>(p.workspace);            // the norm's input, then its output
+  char* o = h + align64(n * hidden * es);
+  char* proj = o + align64(n * hidden * es);
+  char* y = proj + align64(n * width * es);
+  char* mixer_ws = y + align64(n * inner * es);
+
+  // h = x rounded to the dtype (transformers' x.to(dtype) before the norm), normalised in place.
+  void* norm_in = p.x;
+  if (p.x_dtype != dt) {
+    const float* x = static_cast<const float*>(p.x);
+    uint16_t* hb = reinterpret_cast<uint16_t*>(h);
+    for (int64_t i = 0; i < n * hidden; ++i) hb[i] = static_cast<uint16_t>(rne(x[i]) >> 16);
+    norm_in = h;
+  }
+  RmsNormParams r;
+  r.x = norm_in;
+  r.weight = p.norm_weight;
+  r.out = o;                                           // o: a free buffer until out_proj
+  r.rows = n, r.dim = hidden, r.x_stride = r.out_stride = hidden;
+  r.eps = p.norm_eps;
+  r.dtype = dt;
+  if (const Status s = rms_norm(r); !s.ok()) return s;      // the engine's norm: auto
+  if (const Status s = packed_linear(dt, o, n, hidden, p.in_packed, width, p.in_bias, proj,
+                                     Isa::kAuto);
+      !s.ok())
+    return s;
+  Mamba2MixerParams m = p.mixer;
+  m.proj = proj;
+  m.proj_stride = width;
+  m.out = y;
+  m.workspace = mixer_ws;
+  if (const Status s = mamba2_mixer(m, isa); !s.ok()) return s;
+  if (const Status s = packed_linear(dt, y, n, inner, p.out_packed, hidden, p.out_bias, o,
+                                     Isa::kAuto);
+      !s.ok())
+    return s;
+  // The residual add in x's dtype (transformers' residual + hidden_states).
+  if (p.x_dtype == DType::kFloat32) {
+    float* x = static_cast<float*>(p.x);
+    for (int64_t i = 0; i < n * hidden; ++i) x[i] += load(o, i, dt);
+  } else {
+    uint16_t* x = static_cast<uint16_t*>(p.x);
+    const uint16_t* ob = reinterpret_cast<const uint16_t*>(o);
+    for (int64_t i = 0; i < n * hidden; ++i)
+      x[i] = static_cast<uint16_t>(rne(widen(x[i]) + widen(ob[i])) >> 16);
+  }
+  return Status::Ok();
 }
 
 }  // namespace cpu

@@ -204,3 +204,41 @@ def test_bad_inputs_name_the_argument():
         _call_mamba(mamba2_mixer, m, mrows, dict(mkw, norm_group_size=5))
     with pytest.raises(ValueError, match="slots must lie"):
         _call_mamba(mamba2_mixer, m, (mrows[0] + 10, *mrows[1:]), mkw)
+
+
+@pytest.mark.parametrize("isa", _BODIES)
+@pytest.mark.parametrize("x_dtype,dtype", [(torch.float32, torch.float32),
+                                           (torch.float32, torch.bfloat16),
+                                           (torch.bfloat16, torch.bfloat16)],
+                         ids=["fp32", "bf16-residual-fp32", "bf16"])
+def test_mamba2_block_is_the_separate_calls_bit_for_bit(x_dtype, dtype, isa):
+    """The whole block in C++ against the engine's calls before it: the norm on x rounded to
+    the dtype, the packed in_proj, the mixer, the packed out_proj, the residual add in x's
+    dtype."""
+    from cb_kernels.ops.fused_hybrid import mamba2_block_unchecked
+    from cb_kernels.ops.linear import PackedLinear
+
+    t, (slots, cu, has), kw = make_mamba("mixed-rows-groups", dtype)
+    gen = torch.Generator().manual_seed(5)
+    n, hidden, width = t["proj"].shape[0], 40, t["proj"].shape[1]
+    inner = kw["num_heads"] * kw["head_dim"]
+    in_proj = PackedLinear((torch.randn(width, hidden, generator=gen) * 0.2).to(dtype))
+    out_proj = PackedLinear((torch.randn(hidden, inner, generator=gen) * 0.2).to(dtype),
+                            torch.randn(hidden, generator=gen).to(dtype))
+    norm_w = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
+    x = torch.randn(n, hidden, generator=gen).to(x_dtype)
+    sep = {k: v.clone() for k, v in t.items()}
+    want_x = x.clone()
+    h = ops.rms_norm(want_x.to(dtype), norm_w, 1e-5)
+    y = mamba2_mixer(in_proj.run_unchecked(h), sep["conv_weight"], sep["conv_bias"],
+                     sep["conv_state"], sep["state"], sep["A"], sep["D"], sep["dt_bias"],
+                     sep["norm_weight"], slots, cu, has, **kw, isa=isa)
+    want_x += out_proj.run_unchecked(y)
+    got_x = x.clone()
+    mamba2_block_unchecked(got_x, norm_w, 1e-5, in_proj, out_proj, t["conv_weight"],
+                           t["conv_bias"], t["conv_state"], t["state"], t["A"], t["D"],
+                           t["dt_bias"], t["norm_weight"], slots, cu, has, kw["num_heads"],
+                           kw["head_dim"], kw["num_groups"], kw["d_state"],
+                           kw["norm_group_size"], kw["norm_eps"], isa=isa)
+    assert torch.equal(got_x, want_x)
+    assert torch.equal(t["state"], sep["state"]) and torch.equal(t["conv_state"], sep["conv_state"])

@@ -66,12 +66,34 @@ struct Mamba2MixerParams {
   DType dtype = DType::kFloat32;
 };
 
+// A whole Mamba-2 block (Mamba2Block: the residual, the norm, in_proj, the mixer, out_proj):
+//   h = rms_norm(x rounded to the dtype) (Llama's formula: weight * round(x * r));
+//   x += out_proj(mixer(in_proj(h)))   (in x's dtype: fp32 with residual_in_fp32)
+// on the packed linears (cb_kernels/linear.h), every step in C++ (runner/hybrid_layers.py).
+// `isa` caps the mixer's kernels only: the norm and the linears run their best bodies, as the
+// engine's separate calls do.
+struct Mamba2BlockParams {
+  void* x = nullptr;                 // [num_tokens, hidden], packed, x_dtype, updated in place
+  DType x_dtype = DType::kFloat32;   // fp32 (residual_in_fp32) or the mixer's dtype
+  const void* norm_weight = nullptr; // [hidden], the mixer's dtype
+  float norm_eps = 0.0f;
+  const void* in_packed = nullptr;   // in_proj packed ([inner + conv_dim + num_heads, hidden])
+  const float* in_bias = nullptr;    // [in_proj rows] fp32, or nullptr
+  const void* out_packed = nullptr;  // out_proj packed ([hidden, inner])
+  const float* out_bias = nullptr;   // [hidden] fp32, or nullptr
+  int64_t hidden = 0;
+  Mamba2MixerParams mixer;           // its proj, out, workspace and proj_stride are set here
+  void* workspace = nullptr;         // mamba2_block_workspace_bytes(*this) bytes
+};
+
 namespace cpu {
 // `isa` caps the bodies of the kernels inside (gated_delta_rule_isa picks: portable, avx512).
 int64_t gated_delta_net_workspace_bytes(const GatedDeltaNetParams& p);
 Status gated_delta_net(const GatedDeltaNetParams& p, Isa isa = Isa::kAuto);
 int64_t mamba2_mixer_workspace_bytes(const Mamba2MixerParams& p);
 Status mamba2_mixer(const Mamba2MixerParams& p, Isa isa = Isa::kAuto);
+int64_t mamba2_block_workspace_bytes(const Mamba2BlockParams& p);
+Status mamba2_block(const Mamba2BlockParams& p, Isa isa = Isa::kAuto);
 }  // namespace cpu
 
 }  // namespace cbk
