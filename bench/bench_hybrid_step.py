@@ -15,8 +15,9 @@ best run's, split into its decode steps (every row one token) and the rest. Part
   inputs (runner.prepare)          the step's tensors: positions, slots, block tables, state plan
   forward, torch glue              runner.execute minus every call below (embeddings, norms,
                                    residuals, transformers' module code, router softmax/top-k)
-  the calls                        the fused stateful middle (ops.fused_hybrid: conv + scan
-                                   + gated norm in one call), or ops.causal_conv1d /
+  the calls                        the fused Mamba-2 blocks (ops.fused_hybrid: norm, in_proj,
+                                   conv, scan, gated norm, out_proj, residual in one call),
+                                   the fused stateful middle (conv + scan + gated norm), or ops.causal_conv1d /
                                    gated_delta_rule / selective_scan / gated_rms_norm apart, packed linears (ops.PackedLinear: the layers'
                                    projections, the router's logits), ops.moe_experts, paged
                                    attention, the greedy head
@@ -125,7 +126,7 @@ class Meter:
         setattr(owner, name, timed)
 
 
-CALLS = ("fused stateful middle", "causal_conv1d", "gated_delta_rule", "selective_scan",
+CALLS = ("fused Mamba-2 blocks", "fused stateful middle", "causal_conv1d", "gated_delta_rule", "selective_scan",
          "gated_rms_norm",
          "packed linears", "moe_experts", "paged attention", "greedy head")
 
@@ -142,6 +143,7 @@ def instrument(meter: Meter) -> None:
     meter.wrap(hybrid_kernels, "gated_rms_norm_unchecked", "gated_rms_norm")
     meter.wrap(hybrid_kernels, "gated_delta_net_unchecked", "fused stateful middle")
     meter.wrap(hybrid_kernels, "mamba2_mixer_unchecked", "fused stateful middle")
+    meter.wrap(hybrid_kernels, "mamba2_block_unchecked", "fused Mamba-2 blocks")
     meter.wrap(linear.PackedLinear, "run_unchecked", "packed linears")
     meter.wrap(moe.PackedExperts, "run_unchecked", "moe_experts")
     meter.wrap(attention.ops, "paged_attention", "paged attention")
