@@ -15,6 +15,8 @@ float32 or bfloat16.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -237,6 +239,47 @@ def ref_mamba2_mixer(proj, conv_weight, conv_bias, conv_state, state, A, D, dt_b
                            cu_seqlens, has_state, D=D, dt_bias=dt_bias)
     return ref_gated_rms_norm(y.reshape(n, inner), gate, norm_weight, norm_eps,
                               group_size=norm_group_size, norm_before_gate=False)
+
+
+# torch.library ops, so torch.compile can trace the calls (eager calls skip the dispatch).
+@torch.library.custom_op("cb_kernels::gated_delta_net", mutates_args=("conv_state", "state"))
+def _gated_delta_net_op(qkvz: torch.Tensor, ba: torch.Tensor, conv_weight: torch.Tensor,
+                        conv_bias: Optional[torch.Tensor], conv_state: torch.Tensor,
+                        state: torch.Tensor, dt_bias: torch.Tensor, neg_a: torch.Tensor,
+                        norm_weight: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor,
+                        has_state: torch.Tensor, num_k_heads: int, num_v_heads: int, k_dim: int,
+                        v_dim: int, scale: float, norm_eps: float) -> torch.Tensor:
+    return gated_delta_net(qkvz, ba, conv_weight, conv_bias, conv_state, state, dt_bias, neg_a,
+                           norm_weight, slots, cu_seqlens, has_state, num_k_heads=num_k_heads,
+                           num_v_heads=num_v_heads, k_dim=k_dim, v_dim=v_dim, scale=scale,
+                           norm_eps=norm_eps)
+
+
+@_gated_delta_net_op.register_fake
+def _(qkvz, ba, conv_weight, conv_bias, conv_state, state, dt_bias, neg_a, norm_weight, slots,
+      cu_seqlens, has_state, num_k_heads, num_v_heads, k_dim, v_dim, scale, norm_eps):
+    return qkvz.new_empty((qkvz.shape[0], num_v_heads * v_dim))
+
+
+@torch.library.custom_op("cb_kernels::mamba2_mixer", mutates_args=("conv_state", "state"))
+def _mamba2_mixer_op(proj: torch.Tensor, conv_weight: torch.Tensor,
+                     conv_bias: Optional[torch.Tensor], conv_state: torch.Tensor,
+                     state: torch.Tensor, A: torch.Tensor, D: torch.Tensor,
+                     dt_bias: torch.Tensor, norm_weight: torch.Tensor, slots: torch.Tensor,
+                     cu_seqlens: torch.Tensor, has_state: torch.Tensor, num_heads: int,
+                     head_dim: int, num_groups: int, d_state: int, norm_group_size: int,
+                     norm_eps: float) -> torch.Tensor:
+    return mamba2_mixer(proj, conv_weight, conv_bias, conv_state, state, A, D, dt_bias,
+                        norm_weight, slots, cu_seqlens, has_state, num_heads=num_heads,
+                        head_dim=head_dim, num_groups=num_groups, d_state=d_state,
+                        norm_group_size=norm_group_size, norm_eps=norm_eps)
+
+
+@_mamba2_mixer_op.register_fake
+def _(proj, conv_weight, conv_bias, conv_state, state, A, D, dt_bias, norm_weight, slots,
+      cu_seqlens, has_state, num_heads, head_dim, num_groups, d_state, norm_group_size,
+      norm_eps):
+    return proj.new_empty((proj.shape[0], num_heads * head_dim))
 
 
 def mamba2_block_unchecked(x, norm_weight, norm_eps: float, in_proj, out_proj, conv_weight,

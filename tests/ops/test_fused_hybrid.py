@@ -242,3 +242,24 @@ def test_mamba2_block_is_the_separate_calls_bit_for_bit(x_dtype, dtype, isa):
                            kw["norm_group_size"], kw["norm_eps"], isa=isa)
     assert torch.equal(got_x, want_x)
     assert torch.equal(t["state"], sep["state"]) and torch.equal(t["conv_state"], sep["conv_state"])
+
+
+def test_registered_ops_match_the_calls():
+    """torch.ops.cb_kernels.gated_delta_net / mamba2_mixer (for torch.compile) run the same
+    kernels: the same bits as the direct calls, the slots mutated the same way."""
+    t, rows, kw = make_gdn("mixed-rows-awkward", torch.bfloat16)
+    a = {k: v.clone() for k, v in t.items()}
+    want = _call(ops.gated_delta_net, t, rows, kw)
+    got = torch.ops.cb_kernels.gated_delta_net(
+        a["qkvz"], a["ba"], a["conv_weight"], a["conv_bias"], a["conv_state"], a["state"],
+        a["dt_bias"], a["neg_a"], a["norm_weight"], *rows, kw["num_k_heads"], kw["num_v_heads"],
+        kw["k_dim"], kw["v_dim"], kw["scale"], kw["norm_eps"])
+    assert torch.equal(got, want) and torch.equal(a["state"], t["state"])
+    m, mrows, mkw = make_mamba("mixed-rows-groups", torch.float32)
+    b = {k: v.clone() for k, v in m.items()}
+    want = _call_mamba(ops.mamba2_mixer, m, mrows, mkw)
+    got = torch.ops.cb_kernels.mamba2_mixer(
+        b["proj"], b["conv_weight"], b["conv_bias"], b["conv_state"], b["state"], b["A"], b["D"],
+        b["dt_bias"], b["norm_weight"], *mrows, mkw["num_heads"], mkw["head_dim"],
+        mkw["num_groups"], mkw["d_state"], mkw["norm_group_size"], mkw["norm_eps"])
+    assert torch.equal(got, want) and torch.equal(b["conv_state"], m["conv_state"])
