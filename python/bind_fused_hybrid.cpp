@@ -91,6 +91,30 @@ cbk::Mamba2BlockParams block_params(const std::array<uintptr_t, 7>& ptr, const P
   p.mixer = mamba2_params(mixer_ptr, rows, size, gate_norm_eps, dtype);
   return p;
 }
+cbk::GatedDeltaNetBlockParams gdn_block_params(const std::array<uintptr_t, 11>& ptr,
+                                               const Ptrs11& mixer_ptr,
+                                               const cbk::VarlenRowsArg& rows,
+                                               const std::array<int64_t, 8>& size, int64_t hidden,
+                                               const std::array<float, 4>& f, int dtype) {
+  cbk::GatedDeltaNetBlockParams p;
+  p.x = cbk::as_ptr<void>(ptr[0]);
+  p.pending = cbk::as_ptr<const void>(ptr[1]);
+  p.in_norm_weight = cbk::as_ptr<const void>(ptr[2]);
+  p.post_norm_weight = cbk::as_ptr<const void>(ptr[3]);
+  p.qkvz_packed = cbk::as_ptr<const void>(ptr[4]);
+  p.qkvz_bias = cbk::as_ptr<const float>(ptr[5]);
+  p.ba_packed = cbk::as_ptr<const void>(ptr[6]);
+  p.ba_bias = cbk::as_ptr<const float>(ptr[7]);
+  p.out_packed = cbk::as_ptr<const void>(ptr[8]);
+  p.out_bias = cbk::as_ptr<const float>(ptr[9]);
+  p.h_out = cbk::as_ptr<void>(ptr[10]);
+  p.hidden = hidden;
+  p.in_norm_eps = f[0];
+  p.post_norm_eps = f[1];
+  p.mixer = gdn_params(mixer_ptr, rows, size, f[2], f[3], dtype);
+  p.workspace = p.mixer.workspace;      // mixer_ptr[10]: the block's workspace
+  return p;
+}
 }  // namespace
 
 void bind_fused_hybrid(py::module_& m) {
@@ -152,4 +176,27 @@ void bind_fused_hybrid(py::module_& m) {
             block_params({}, {}, rows, size, hidden, 0.0f, 0.0f, dtype, dtype));
       },
       "Workspace bytes of mamba2_block for these rows and sizes.");
+  m.def(
+      "gated_delta_net_block",
+      [](const std::array<uintptr_t, 11>& ptr, const Ptrs11& mixer_ptr,
+         const cbk::VarlenRowsArg& rows, const std::array<int64_t, 8>& size, int64_t hidden,
+         const std::array<float, 4>& f, const std::string& isa, int dtype) {
+        const cbk::GatedDeltaNetBlockParams p =
+            gdn_block_params(ptr, mixer_ptr, rows, size, hidden, f, dtype);
+        const cbk::Isa body = cbk::as_isa(isa);
+        py::gil_scoped_release nogil;
+        cbk::throw_if_error(cbk::cpu::gated_delta_net_block(p, body));
+      },
+      "A Qwen3-Next gated delta-net layer up to its MLP (ptr: x, pending, in-norm weight, "
+      "post-norm weight, qkvz packed, its bias, ba packed, its bias, out_proj packed, its bias, "
+      "h_out; mixer_ptr as gated_delta_net's, qkvz / ba / out unused, the last the workspace; "
+      "f: in-norm eps, post-norm eps, scale, gated-norm eps).");
+  m.def(
+      "gated_delta_net_block_workspace_bytes",
+      [](const cbk::VarlenRowsArg& rows, const std::array<int64_t, 8>& size, int64_t hidden,
+         int dtype) {
+        return cbk::cpu::gated_delta_net_block_workspace_bytes(
+            gdn_block_params({}, {}, rows, size, hidden, {0, 0, 1, 0}, dtype));
+      },
+      "Workspace bytes of gated_delta_net_block for these rows and sizes.");
 }

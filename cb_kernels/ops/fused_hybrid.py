@@ -312,3 +312,40 @@ def mamba2_block_unchecked(x, norm_weight, norm_eps: float, in_proj, out_proj, c
                     rows, size, hidden, float(norm_eps), float(gate_norm_eps), isa,
                     DTYPE_CODES[x.dtype], code)
     return x
+
+
+def gated_delta_net_block_unchecked(x, pending, in_norm_weight, in_norm_eps: float,
+                                    post_norm_weight, post_norm_eps: float, qkvz_proj, ba_proj,
+                                    out_proj, conv_weight, conv_bias, conv_state, state,
+                                    dt_bias, neg_a, gate_norm_weight, slots, cu_seqlens,
+                                    has_state, num_k_heads: int, num_v_heads: int, k_dim: int,
+                                    v_dim: int, scale: float, gate_norm_eps: float,
+                                    isa: str = "auto") -> torch.Tensor:
+    """A Qwen3-Next gated delta-net layer up to its MLP in one call, for the engine's forward
+    (runner/hybrid_layers.py), no checks: ``x += pending``, ``h = offset_rms_norm(x)``,
+    ``x += out_proj(gated_delta_net(qkvz_proj(h), ba_proj(h)))`` in place; returns the post
+    norm ``offset_rms_norm(x)`` as a new ``[num_tokens, hidden]``.
+
+    x : contiguous ``[num_tokens, hidden]`` of the layer's dtype; pending : the same shape
+    (the previous MLP's output) or None; *_norm_weight : ``[hidden]`` (Qwen3-Next's (1 + w)
+    norms); qkvz_proj, ba_proj, out_proj : ops.PackedLinear of the layer's dtype; the rest as
+    `gated_delta_net`. The same kernels as the separate calls, the same bits
+    (tests/ops/test_fused_hybrid.py)."""
+    rows = rows_arg(slots, cu_seqlens, has_state, state.shape[0])
+    size = (num_k_heads, num_v_heads, k_dim, v_dim, conv_weight.shape[1], conv_state.shape[2],
+            0, 0)
+    n, hidden = x.shape
+    code = DTYPE_CODES[x.dtype]
+    ws = torch.empty(_C.gated_delta_net_block_workspace_bytes(rows, size, hidden, code),
+                     dtype=torch.uint8)
+    h_out = torch.empty((n, hidden), dtype=x.dtype)
+    sync_threads()
+    _C.gated_delta_net_block(
+        (x.data_ptr(), _ptr(pending), in_norm_weight.data_ptr(), post_norm_weight.data_ptr(),
+         qkvz_proj.packed.data_ptr(), _ptr(qkvz_proj.bias), ba_proj.packed.data_ptr(),
+         _ptr(ba_proj.bias), out_proj.packed.data_ptr(), _ptr(out_proj.bias), h_out.data_ptr()),
+        (0, 0, conv_weight.data_ptr(), _ptr(conv_bias), conv_state.data_ptr(), state.data_ptr(),
+         dt_bias.data_ptr(), neg_a.data_ptr(), gate_norm_weight.data_ptr(), 0, ws.data_ptr()),
+        rows, size, hidden, (float(in_norm_eps), float(post_norm_eps), float(scale),
+                             float(gate_norm_eps)), isa, code)
+    return h_out

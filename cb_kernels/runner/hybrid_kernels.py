@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from cb_kernels import ops
-from cb_kernels.ops.fused_hybrid import (gated_delta_net_unchecked, mamba2_block_unchecked,
+from cb_kernels.ops.fused_hybrid import (gated_delta_net_block_unchecked,
+                                        gated_delta_net_unchecked, mamba2_block_unchecked,
                                         mamba2_mixer_unchecked)
 from cb_kernels.ops.gated_rms_norm import gated_rms_norm_fast, gated_rms_norm_unchecked
 
@@ -196,6 +197,20 @@ class GatedDeltaNetKernels:
         else:
             normed = m.norm(core.reshape(-1, m.head_v_dim), zt.reshape(-1, m.head_v_dim))
         return _linear(runs, m.out_proj, normed.reshape(1, n, -1))
+
+    def block(self, x, pending, rows, in_norm, post_norm, qkvz, ba, out_proj) -> torch.Tensor:
+        """Qwen3NextDecoderLayer up to its MLP in one call (runner/hybrid_layers.py, where
+        `why_not_fused` is ""): x [num_tokens, hidden] (contiguous) += pending, then += the
+        mixer's output, in place; returns the post norm's [num_tokens, hidden]. in_norm,
+        post_norm: the layer's Qwen3NextRMSNorm modules; qkvz, ba, out_proj: the projections'
+        ops.PackedLinear."""
+        m = self.module
+        return gated_delta_net_block_unchecked(
+            x, pending, in_norm.weight, in_norm.eps, post_norm.weight, post_norm.eps, qkvz, ba,
+            out_proj, m.conv1d.weight.squeeze(1), m.conv1d.bias, self.conv_state, self.state,
+            m.dt_bias, self.neg_a.get(), m.norm.weight, rows.slots, rows.cu_seqlens,
+            rows.has_state, m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim,
+            self.scale, m.norm.variance_epsilon)
 
     @staticmethod
     def state_shape(module) -> tuple:

@@ -138,8 +138,9 @@ class _Qwen3NextLayer:
             self.kernel = kernels.get(mixer)
             if self.kernel is None:
                 raise _Mismatch(f"layer {idx}'s gated delta-net is not on our kernels")
-            self.runs = {m: runs.single(m).run for m in (mixer.in_proj_qkvz, mixer.in_proj_ba,
-                                                          mixer.out_proj)}
+            self.groups = [runs.single(m) for m in (mixer.in_proj_qkvz, mixer.in_proj_ba,
+                                                     mixer.out_proj)]
+            self.runs = {g.members[0]: g.run for g in self.groups}
         elif layer.block_type == "full_attention":
             attn = _own(layer.self_attn, "Qwen3NextAttention", fam)
             self.qkv = runs.fused([attn.q_proj, attn.k_proj, attn.v_proj])
@@ -183,6 +184,15 @@ class _Qwen3NextLayer:
         self.down = runs.single(dense.down_proj)
         if not _silu(dense.act_fn):
             raise _Mismatch(f"layer {idx}'s MLP activation is not SiLU")
+
+    def block_linears(self):
+        """(qkvz, ba, out_proj) as ops.PackedLinear when this gated delta-net layer up to its
+        MLP can run as one ops.fused_hybrid call (our GEMM packed all three, the mixer's middle
+        fits), else None."""
+        if not self.linear or not hybrid_kernels.FUSED or self.kernel.why_not_fused:
+            return None
+        lins = tuple(g.lin for g in self.groups)
+        return None if any(lin is None for lin in lins) else lins
 
     def attention(self, h, cos, sin, step) -> torch.Tensor:
         """Qwen3NextAttention on the paged cache: h [T, hidden] -> [T, hidden]."""
@@ -322,6 +332,12 @@ class HybridForward:
         cos, sin = self.rotary(x, positions)
         pending = None       # the last sublayer's output, added into x by the next norm
         for layer in self.layers:
+            lins = layer.block_linears()
+            if lins is not None:         # the layer up to its MLP in one C++ call
+                h = layer.kernel.block(x, pending, rows, layer.in_norm.module,
+                                       layer.post_norm.module, *lins)
+                pending = layer.mlp(h)
+                continue
             h = layer.in_norm(x, pending)
             if layer.linear:
                 o = layer.kernel(h[None], rows, layer.runs)[0]

@@ -26,6 +26,7 @@
 #include "cb_kernels/elementwise.h"
 #include "cb_kernels/gated_rms_norm.h"
 #include "cb_kernels/linear.h"
+#include "cb_kernels/offset_rms_norm.h"
 #include "cb_kernels/selective_scan.h"
 #include "threads.h"
 
@@ -348,6 +349,79 @@ Status mamba2_block(const Mamba2BlockParams& p, Isa isa) {
       x[i] = static_cast<uint16_t>(rne(widen(x[i]) + widen(ob[i])) >> 16);
   }
   return Status::Ok();
+}
+
+namespace {
+struct GdnWidths {
+  int64_t qkvz, ba, value;
+};
+GdnWidths gdn_widths(const GatedDeltaNetParams& m) {
+  const int64_t r = m.num_v_heads / m.num_k_heads;
+  return {m.num_k_heads * (2 * m.k_dim + 2 * r * m.v_dim), m.num_k_heads * 2 * r,
+          m.num_v_heads * m.v_dim};
+}
+}  // namespace
+
+int64_t gated_delta_net_block_workspace_bytes(const GatedDeltaNetBlockParams& p) {
+  const int64_t n = p.mixer.rows.num_tokens(), es = dtype_size(p.mixer.dtype);
+  const GdnWidths w = gdn_widths(p.mixer);
+  return 2 * align64(n * p.hidden * es) + align64(n * w.qkvz * es) + align64(n * w.ba * es) +
+         align64(n * w.value * es) + gated_delta_net_workspace_bytes(p.mixer);
+}
+
+Status gated_delta_net_block(const GatedDeltaNetBlockParams& p, Isa isa) {
+  const DType dt = p.mixer.dtype;
+  if (p.hidden <= 0 || p.mixer.num_k_heads <= 0 || p.mixer.num_v_heads % p.mixer.num_k_heads)
+    return Status::Error("gated_delta_net_block: need hidden > 0 and num_v_heads a multiple of "
+                         "num_k_heads > 0");
+  const int64_t n = p.mixer.rows.num_tokens();
+  if (p.mixer.rows.num_seqs == 0 || n == 0) return Status::Ok();
+  if (!p.x || !p.in_norm_weight || !p.post_norm_weight || !p.qkvz_packed || !p.ba_packed ||
+      !p.out_packed || !p.h_out || !p.workspace)
+    return Status::Error("gated_delta_net_block: null pointer");
+  const int64_t es = dtype_size(dt), hidden = p.hidden;
+  const GdnWidths w = gdn_widths(p.mixer);
+  char* h = static_cast<char*>(p.workspace);
+  char* o = h + align64(n * hidden * es);
+  char* qkvz = o + align64(n * hidden * es);
+  char* ba = qkvz + align64(n * w.qkvz * es);
+  char* normed = ba + align64(n * w.ba * es);
+  char* mixer_ws = normed + align64(n * w.value * es);
+
+  OffsetRmsNormParams r;                 // the engine's norms run their best body (auto)
+  r.x = p.x;
+  r.residual = p.pending;
+  r.weight = p.in_norm_weight;
+  r.out = h;
+  r.rows = n, r.dim = hidden, r.x_stride = r.residual_stride = hidden;
+  r.eps = p.in_norm_eps;
+  r.dtype = dt;
+  if (const Status s = offset_rms_norm(r); !s.ok()) return s;
+  if (const Status s = packed_linear(dt, h, n, hidden, p.qkvz_packed, w.qkvz, p.qkvz_bias, qkvz,
+                                     Isa::kAuto);
+      !s.ok())
+    return s;
+  if (const Status s = packed_linear(dt, h, n, hidden, p.ba_packed, w.ba, p.ba_bias, ba,
+                                     Isa::kAuto);
+      !s.ok())
+    return s;
+  GatedDeltaNetParams m = p.mixer;
+  m.qkvz = qkvz;
+  m.ba = ba;
+  m.qkvz_stride = w.qkvz;
+  m.ba_stride = w.ba;
+  m.out = normed;
+  m.workspace = mixer_ws;
+  if (const Status s = gated_delta_net(m, isa); !s.ok()) return s;
+  if (const Status s = packed_linear(dt, normed, n, w.value, p.out_packed, hidden, p.out_bias, o,
+                                     Isa::kAuto);
+      !s.ok())
+    return s;
+  r.residual = o;
+  r.weight = p.post_norm_weight;
+  r.out = p.h_out;
+  r.eps = p.post_norm_eps;
+  return offset_rms_norm(r);
 }
 
 }  // namespace cpu

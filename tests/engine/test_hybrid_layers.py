@@ -208,8 +208,8 @@ def test_separate_calls_where_the_fused_middle_does_not_fit(case, why, monkeypat
     fused = _engine(model)
     kernels = [w.kernel for _, w in fused.runner._states._wrapped]
     assert kernels and all(k is not None and k.why_not_fused == "" for k in kernels)
-    # Mamba-2: each whole block in one call; Qwen3-Next: the mixer's middle
-    name = "mamba2_block_unchecked" if case == "mamba2" else "gated_delta_net_unchecked"
+    # Mamba-2: each whole block in one call; Qwen3-Next: each gated delta-net layer up to its MLP
+    name = "mamba2_block_unchecked" if case == "mamba2" else "gated_delta_net_block_unchecked"
     real, seen = getattr(hybrid_kernels, name), []
     monkeypatch.setattr(hybrid_kernels, name, lambda *a, **k: seen.append(1) or real(*a, **k))
     assert _run(fused, ps, 5) == want and seen
@@ -218,7 +218,8 @@ def test_separate_calls_where_the_fused_middle_does_not_fit(case, why, monkeypat
     else:
         monkeypatch.setattr(hybrid_kernels, "gated_rms_norm_fast", lambda: False)
     called = []
-    for name in ("gated_delta_net_unchecked", "mamba2_mixer_unchecked", "mamba2_block_unchecked"):
+    for name in ("gated_delta_net_unchecked", "mamba2_mixer_unchecked", "mamba2_block_unchecked",
+                 "gated_delta_net_block_unchecked"):
         monkeypatch.setattr(hybrid_kernels, name, lambda *a, **k: called.append(a))
     with caplog.at_level(logging.INFO, logger="cb_kernels"):
         engine = _engine(model)

@@ -263,3 +263,41 @@ def test_registered_ops_match_the_calls():
         b["dt_bias"], b["norm_weight"], *mrows, mkw["num_heads"], mkw["head_dim"],
         mkw["num_groups"], mkw["d_state"], mkw["norm_group_size"], mkw["norm_eps"])
     assert torch.equal(got, want) and torch.equal(b["conv_state"], m["conv_state"])
+
+
+@pytest.mark.parametrize("isa", _BODIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("with_pending", [True, False], ids=["pending", "first-layer"])
+def test_gated_delta_net_block_is_the_separate_calls_bit_for_bit(dtype, isa, with_pending):
+    """Qwen3-Next's layer up to its MLP in C++ against the engine's calls before it: the
+    (1 + w) norm with the pending residual, the packed qkvz / ba projections, the fused middle,
+    the packed out_proj, the post norm with its residual add."""
+    from cb_kernels.ops.fused_hybrid import gated_delta_net_block_unchecked
+    from cb_kernels.ops.linear import PackedLinear
+    from cb_kernels.ops.offset_rms_norm import offset_rms_norm_unchecked
+
+    t, (slots, cu, has), kw = make_gdn("mixed-rows-awkward", dtype)
+    gen = torch.Generator().manual_seed(6)
+    n, hidden = t["qkvz"].shape[0], 48
+    nk, hv, vd = kw["num_k_heads"], kw["num_v_heads"], kw["v_dim"]
+    lin = [PackedLinear((torch.randn(o, i, generator=gen) * 0.2).to(dtype))
+           for o, i in ((t["qkvz"].shape[1], hidden), (t["ba"].shape[1], hidden),
+                        (hidden, hv * vd))]
+    w_in, w_post = [(0.1 * torch.randn(hidden, generator=gen)).to(dtype) for _ in range(2)]
+    x = torch.randn(n, hidden, generator=gen).to(dtype)
+    pending = torch.randn(n, hidden, generator=gen).to(dtype) if with_pending else None
+    sep = {k: v.clone() for k, v in t.items()}
+    want_x = x.clone()
+    h = offset_rms_norm_unchecked(want_x, w_in, 1e-6, pending)
+    normed = gated_delta_net(lin[0].run_unchecked(h), lin[1].run_unchecked(h),
+                             sep["conv_weight"], sep["conv_bias"], sep["conv_state"],
+                             sep["state"], sep["dt_bias"], sep["neg_a"], sep["norm_weight"],
+                             slots, cu, has, **kw, isa=isa)
+    want_h = offset_rms_norm_unchecked(want_x, w_post, 1e-6, lin[2].run_unchecked(normed))
+    got_x = x.clone()
+    got_h = gated_delta_net_block_unchecked(
+        got_x, pending, w_in, 1e-6, w_post, 1e-6, *lin, t["conv_weight"], t["conv_bias"],
+        t["conv_state"], t["state"], t["dt_bias"], t["neg_a"], t["norm_weight"], slots, cu, has,
+        nk, hv, kw["k_dim"], vd, kw["scale"], kw["norm_eps"], isa=isa)
+    assert torch.equal(got_x, want_x) and torch.equal(got_h, want_h)
+    assert torch.equal(t["state"], sep["state"]) and torch.equal(t["conv_state"], sep["conv_state"])

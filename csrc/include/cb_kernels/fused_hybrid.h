@@ -86,6 +86,29 @@ struct Mamba2BlockParams {
   void* workspace = nullptr;         // mamba2_block_workspace_bytes(*this) bytes
 };
 
+// A Qwen3-Next gated delta-net layer up to its MLP (Qwen3NextDecoderLayer's first half):
+//   x += pending (the previous MLP's output, when given); h = offset_rms_norm(x);
+//   x += out_proj(gated_delta_net(in_proj_qkvz(h), in_proj_ba(h))); h_out = offset_rms_norm(x)
+// (offset_rms_norm: cb_kernels/offset_rms_norm.h, the residual adds rounded to the dtype).
+// `isa` caps the mixer's kernels only, as Mamba2BlockParams'.
+struct GatedDeltaNetBlockParams {
+  void* x = nullptr;                 // [num_tokens, hidden], packed, dtype, updated in place
+  const void* pending = nullptr;     // [num_tokens, hidden], packed, or nullptr
+  const void* in_norm_weight = nullptr;    // [hidden]
+  const void* post_norm_weight = nullptr;  // [hidden]
+  float in_norm_eps = 0.0f, post_norm_eps = 0.0f;
+  const void* qkvz_packed = nullptr; // packed in_proj_qkvz, in_proj_ba, out_proj (linear.h)
+  const float* qkvz_bias = nullptr;
+  const void* ba_packed = nullptr;
+  const float* ba_bias = nullptr;
+  const void* out_packed = nullptr;
+  const float* out_bias = nullptr;
+  int64_t hidden = 0;
+  void* h_out = nullptr;             // [num_tokens, hidden], packed: the post-norm's output
+  GatedDeltaNetParams mixer;         // its qkvz, ba, out, workspace and strides are set here
+  void* workspace = nullptr;         // gated_delta_net_block_workspace_bytes(*this) bytes
+};
+
 namespace cpu {
 // `isa` caps the bodies of the kernels inside (gated_delta_rule_isa picks: portable, avx512).
 int64_t gated_delta_net_workspace_bytes(const GatedDeltaNetParams& p);
@@ -94,6 +117,8 @@ int64_t mamba2_mixer_workspace_bytes(const Mamba2MixerParams& p);
 Status mamba2_mixer(const Mamba2MixerParams& p, Isa isa = Isa::kAuto);
 int64_t mamba2_block_workspace_bytes(const Mamba2BlockParams& p);
 Status mamba2_block(const Mamba2BlockParams& p, Isa isa = Isa::kAuto);
+int64_t gated_delta_net_block_workspace_bytes(const GatedDeltaNetBlockParams& p);
+Status gated_delta_net_block(const GatedDeltaNetBlockParams& p, Isa isa = Isa::kAuto);
 }  // namespace cpu
 
 }  // namespace cbk
