@@ -17,6 +17,8 @@ best run's, split into its decode steps (every row one token) and the rest. Part
                                    residuals, transformers' module code, router softmax/top-k)
   the calls                        the fused Mamba-2 blocks (ops.fused_hybrid: norm, in_proj,
                                    conv, scan, gated norm, out_proj, residual in one call),
+                                   the fused gated delta-net layers (the same up to the MLP,
+                                   with both norms),
                                    the fused stateful middle (conv + scan + gated norm), or ops.causal_conv1d /
                                    gated_delta_rule / selective_scan / gated_rms_norm apart, packed linears (ops.PackedLinear: the layers'
                                    projections, the router's logits), ops.moe_experts, paged
@@ -126,7 +128,7 @@ class Meter:
         setattr(owner, name, timed)
 
 
-CALLS = ("fused Mamba-2 blocks", "fused stateful middle", "causal_conv1d", "gated_delta_rule", "selective_scan",
+CALLS = ("fused Mamba-2 blocks", "fused gated delta-net layers", "fused stateful middle", "causal_conv1d", "gated_delta_rule", "selective_scan",
          "gated_rms_norm",
          "packed linears", "moe_experts", "paged attention", "greedy head")
 
@@ -144,6 +146,7 @@ def instrument(meter: Meter) -> None:
     meter.wrap(hybrid_kernels, "gated_delta_net_unchecked", "fused stateful middle")
     meter.wrap(hybrid_kernels, "mamba2_mixer_unchecked", "fused stateful middle")
     meter.wrap(hybrid_kernels, "mamba2_block_unchecked", "fused Mamba-2 blocks")
+    meter.wrap(hybrid_kernels, "gated_delta_net_block_unchecked", "fused gated delta-net layers")
     meter.wrap(linear.PackedLinear, "run_unchecked", "packed linears")
     meter.wrap(moe.PackedExperts, "run_unchecked", "moe_experts")
     meter.wrap(attention.ops, "paged_attention", "paged attention")
