@@ -19,9 +19,11 @@ best run's, split into its decode steps (every row one token) and the rest. Part
                                    conv, scan, gated norm, out_proj, residual in one call),
                                    the fused gated delta-net layers (the same up to the MLP,
                                    with both norms),
-                                   the fused stateful middle (conv + scan + gated norm), or ops.causal_conv1d /
-                                   gated_delta_rule / selective_scan / gated_rms_norm apart, packed linears (ops.PackedLinear: the layers'
-                                   projections, the router's logits), ops.moe_experts, paged
+                                   the fused stateful middle (conv + scan + gated norm), or
+                                   ops.causal_conv1d / gated_delta_rule / selective_scan /
+                                   gated_rms_norm apart, packed linears (ops.PackedLinear:
+                                   the layers' projections, the router's logits),
+                                   ops.moe_experts, paged
                                    attention, the greedy head
 --baseline also measures each shape with transformers' decoder forward around the same kernels
 (runner/hybrid_layers.py off: the path before it, and the one models it does not fit take), in
@@ -128,8 +130,8 @@ class Meter:
         setattr(owner, name, timed)
 
 
-CALLS = ("fused Mamba-2 blocks", "fused gated delta-net layers", "fused stateful middle", "causal_conv1d", "gated_delta_rule", "selective_scan",
-         "gated_rms_norm",
+CALLS = ("fused Mamba-2 blocks", "fused gated delta-net layers", "fused stateful middle",
+         "causal_conv1d", "gated_delta_rule", "selective_scan", "gated_rms_norm",
          "packed linears", "moe_experts", "paged attention", "greedy head")
 
 

@@ -133,7 +133,8 @@ void bind_fused_hybrid(py::module_& m) {
   m.def(
       "gated_delta_net_workspace_bytes",
       [](const cbk::VarlenRowsArg& rows, const std::array<int64_t, 8>& size, int dtype) {
-        return cbk::cpu::gated_delta_net_workspace_bytes(gdn_params({}, rows, size, 1.0f, 0.0f, dtype));
+        return cbk::cpu::gated_delta_net_workspace_bytes(
+            gdn_params({}, rows, size, 1.0f, 0.0f, dtype));
       },
       "Workspace bytes of gated_delta_net for these rows and sizes.");
   m.def(

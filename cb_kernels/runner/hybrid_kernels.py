@@ -8,8 +8,9 @@ split from the step's plan, `VarlenRows`), then the layer's own norm and output 
 Where the layer fits (`why_not_fused` ""), all of it between the projections is one
 `ops.fused_hybrid` call (the split and the gates in C++ too), and runner/hybrid_layers.py runs
 the whole layer around it as one call (`block`: the norms and packed linears inside); `FUSED`
-off keeps the separate calls. Without this the slot wrappers (state_switch._Wrapped) run the layer's own forward once per
-prefill row plus once for the decode batch, on gathered copies of the slots.
+off keeps the separate calls. Without this the slot wrappers (state_switch._Wrapped) run the
+layer's own forward once per prefill row plus once for the decode batch, on gathered copies of
+the slots.
 
 `kernel_for(module, entry)` decides per module when a StateSwitch with a pool is built: a known
 class on CPU, fp32 or bf16, SiLU conv, fp32 recurrent slots of the kernels' layout; then one
