@@ -168,14 +168,15 @@ def reference(model, prompts, new):
 def wrapper_share(model, prompts, new) -> dict:
     """Seconds inside the stateful layers (their kernels' forward, called by
     runner/hybrid_layers.py or by the wrappers, or the wrappers running transformers' layer
-    code) vs the whole generate (one run)."""
+    code; where hybrid_layers.py runs a layer as one fused block, the block, which holds the
+    layer's norms and projections too) vs the whole generate (one run)."""
     from cb_kernels import Engine, SamplingParams
     from cb_kernels.runner import hybrid_kernels, state_switch
 
     spent = {"wrapped": 0.0}
     kinds = (hybrid_kernels.GatedDeltaNetKernels, hybrid_kernels.Mamba2Kernels)
-    originals = [(state_switch._Wrapped, state_switch._Wrapped.__call__)] + \
-        [(k, k.__call__) for k in kinds]
+    originals = [(state_switch._Wrapped, "__call__", state_switch._Wrapped.__call__)] + \
+        [(k, name, getattr(k, name)) for k in kinds for name in ("__call__", "block")]
 
     def timer(original, wrapper: bool):
         def timed(self, *a, **k):
@@ -189,15 +190,15 @@ def wrapper_share(model, prompts, new) -> dict:
         return timed
 
     engine = Engine(model)
-    for owner, original in originals:
-        owner.__call__ = timer(original, owner is state_switch._Wrapped)
+    for owner, name, original in originals:
+        setattr(owner, name, timer(original, owner is state_switch._Wrapped))
     try:
         t0 = time.perf_counter()
         engine.generate(prompts, SamplingParams(max_new_tokens=new, ignore_eos=True))
         total = time.perf_counter() - t0
     finally:
-        for owner, original in originals:
-            owner.__call__ = original
+        for owner, name, original in originals:
+            setattr(owner, name, original)
     return {"total_s": total, "stateful_layers_s": spent["wrapped"],
             "stateful_share": spent["wrapped"] / total}
 

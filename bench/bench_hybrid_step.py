@@ -4,7 +4,7 @@ OpenMP parallel regions a step opens (each a fork/join of the thread team).
 
     python bench/bench_hybrid_step.py [--threads 1,2] [--dtype bfloat16]
         [--shapes qwen3-next-hd128,mamba2-ds128] [--repeats 3] [--json out.json]
-        [--baseline]
+        [--baseline] [--separate]
 
 Same models and workload as bench_hybrid.py (16 requests, 16..128-token prompts, 32 new tokens,
 greedy, EOS off). One Engine per shape and thread count, a warm-up generate, then `--repeats`
@@ -15,13 +15,21 @@ best run's, split into its decode steps (every row one token) and the rest. Part
   inputs (runner.prepare)          the step's tensors: positions, slots, block tables, state plan
   forward, torch glue              runner.execute minus every call below (embeddings, norms,
                                    residuals, transformers' module code, router softmax/top-k)
-  the calls                        ops.causal_conv1d / gated_delta_rule / selective_scan /
-                                   gated_rms_norm, packed linears (ops.PackedLinear: the layers'
-                                   projections, the router's logits), ops.moe_experts, paged
+  the calls                        the fused Mamba-2 blocks (ops.fused_hybrid: norm, in_proj,
+                                   conv, scan, gated norm, out_proj, residual in one call),
+                                   the fused gated delta-net layers (the same up to the MLP,
+                                   with both norms),
+                                   the fused stateful middle (conv + scan + gated norm), or
+                                   ops.causal_conv1d / gated_delta_rule / selective_scan /
+                                   gated_rms_norm apart, packed linears (ops.PackedLinear:
+                                   the layers' projections, the router's logits),
+                                   ops.moe_experts, paged
                                    attention, the greedy head
 --baseline also measures each shape with transformers' decoder forward around the same kernels
 (runner/hybrid_layers.py off: the path before it, and the one models it does not fit take), in
-the same run, rows "<shape>/<threads>/transformers".
+the same run, rows "<shape>/<threads>/transformers"; --separate the stateful layers' kernels as
+separate calls with the split and gates in torch (hybrid_kernels.FUSED off), rows
+"<shape>/<threads>/separate".
 OpenMP regions are counted by a libgomp shim (LD_PRELOAD, compiled here from the C below with the
 system's cc: GOMP_parallel is what every `#pragma omp parallel` of torch, MKL and cb_kernels._C
 calls); the script re-executes itself with it. Without a C compiler the counts are left out.
@@ -122,7 +130,8 @@ class Meter:
         setattr(owner, name, timed)
 
 
-CALLS = ("causal_conv1d", "gated_delta_rule", "selective_scan", "gated_rms_norm",
+CALLS = ("fused Mamba-2 blocks", "fused gated delta-net layers", "fused stateful middle",
+         "causal_conv1d", "gated_delta_rule", "selective_scan", "gated_rms_norm",
          "packed linears", "moe_experts", "paged attention", "greedy head")
 
 
@@ -136,6 +145,10 @@ def instrument(meter: Meter) -> None:
     meter.wrap(ops, "gated_delta_rule_unchecked", "gated_delta_rule")
     meter.wrap(ops, "selective_scan", "selective_scan")
     meter.wrap(hybrid_kernels, "gated_rms_norm_unchecked", "gated_rms_norm")
+    meter.wrap(hybrid_kernels, "gated_delta_net_unchecked", "fused stateful middle")
+    meter.wrap(hybrid_kernels, "mamba2_mixer_unchecked", "fused stateful middle")
+    meter.wrap(hybrid_kernels, "mamba2_block_unchecked", "fused Mamba-2 blocks")
+    meter.wrap(hybrid_kernels, "gated_delta_net_block_unchecked", "fused gated delta-net layers")
     meter.wrap(linear.PackedLinear, "run_unchecked", "packed linears")
     meter.wrap(moe.PackedExperts, "run_unchecked", "moe_experts")
     meter.wrap(attention.ops, "paged_attention", "paged attention")
@@ -196,14 +209,15 @@ def split(steps: list) -> dict:
 
 
 def measure(shape: str, dtype, threads: int, repeats: int, meter: Meter,
-            ours: bool = True) -> dict:
+            ours: bool = True, fused: bool = True) -> dict:
     import torch
     from bench_hybrid import build, workload
     from cb_kernels import Engine, SamplingParams
-    from cb_kernels.runner import hybrid_layers
+    from cb_kernels.runner import hybrid_kernels, hybrid_layers
 
     torch.set_num_threads(threads)
     hybrid_layers.ENABLED = ours
+    hybrid_kernels.FUSED = fused
     model = build(shape).to(dtype)
     prompts = workload(16, 16, 128)
     params = SamplingParams(max_new_tokens=32, ignore_eos=True)
@@ -240,6 +254,9 @@ def main(argv=None) -> int:
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--baseline", action="store_true",
                    help="also run transformers' decoder forward (hybrid_layers off)")
+    p.add_argument("--separate", action="store_true",
+                   help="also run the stateful layers' conv / scan / norm as separate calls "
+                        "(hybrid_kernels.FUSED off: the path before ops.fused_hybrid)")
     args = p.parse_args(argv)
     counts = [int(t) for t in args.threads.split(",")]
     if any(t < 1 for t in counts) or args.repeats < 1:
@@ -252,10 +269,15 @@ def main(argv=None) -> int:
     results = {"dtype": args.dtype, "omp_counted": meter.omp.lib is not None}
     for shape in args.shapes.split(","):
         for t in counts:
-            for ours in (True, False) if args.baseline else (True,):
-                key = f"{shape}/{t}" + ("" if ours else "/transformers")
+            variants = [("", True, True)]
+            if args.separate:
+                variants.append(("/separate", True, False))
+            if args.baseline:
+                variants.append(("/transformers", False, True))
+            for suffix, ours, fused in variants:
+                key = f"{shape}/{t}{suffix}"
                 row = results[key] = measure(shape, getattr(torch, args.dtype), t,
-                                             args.repeats, meter, ours)
+                                             args.repeats, meter, ours, fused)
                 show(key, t, row)
     if args.json:
         with open(args.json, "w") as f:

@@ -8,6 +8,7 @@ from cb_kernels.ops._backend import available_backends
 from cb_kernels.ops.causal_conv1d import causal_conv1d, causal_conv1d_unchecked
 from cb_kernels.ops.copy_blocks import copy_blocks
 from cb_kernels.ops.fused_decoder import FusedDecoder
+from cb_kernels.ops.fused_hybrid import gated_delta_net, mamba2_mixer
 from cb_kernels.ops.gated_delta_rule import gated_delta_rule, gated_delta_rule_unchecked
 from cb_kernels.ops.gated_rms_norm import gated_rms_norm
 from cb_kernels.ops.greedy_head import GreedyHead
@@ -32,4 +33,4 @@ __all__ = ["available_backends", "paged_attention", "paged_attention_unchecked",
            "rope_write_kv_", "rope_write_kv_unchecked", "FusedDecoder", "gated_delta_rule",
            "gated_delta_rule_unchecked", "causal_conv1d", "causal_conv1d_unchecked", "selective_scan",
            "PackedExperts", "moe_experts", "gated_rms_norm", "sample_tokens",
-           "offset_rms_norm", "moe_route"]
+           "offset_rms_norm", "moe_route", "gated_delta_net", "mamba2_mixer"]

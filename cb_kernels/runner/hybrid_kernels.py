@@ -5,8 +5,12 @@ Granite-MoE-hybrid, Nemotron-H) runs as one call per step for all its rows, deco
 mixed: its projections over the packed row once, then `ops.causal_conv1d` and
 `ops.gated_delta_rule` / `ops.selective_scan` on the state slots in place (the rows' varlen
 split from the step's plan, `VarlenRows`), then the layer's own norm and output projection.
-Without this the slot wrappers (state_switch._Wrapped) run the layer's own forward once per
-prefill row plus once for the decode batch, on gathered copies of the slots.
+Where the layer fits (`why_not_fused` ""), all of it between the projections is one
+`ops.fused_hybrid` call (the split and the gates in C++ too), and runner/hybrid_layers.py runs
+the whole layer around it as one call (`block`: the norms and packed linears inside); `FUSED`
+off keeps the separate calls. Without this the slot wrappers (state_switch._Wrapped) run the
+layer's own forward once per prefill row plus once for the decode batch, on gathered copies of
+the slots.
 
 `kernel_for(module, entry)` decides per module when a StateSwitch with a pool is built: a known
 class on CPU, fp32 or bf16, SiLU conv, fp32 recurrent slots of the kernels' layout; then one
@@ -17,13 +21,24 @@ runner logs which path each class takes (`describe`).
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from cb_kernels import ops
+from cb_kernels.ops.fused_hybrid import (gated_delta_net_block_unchecked,
+                                        gated_delta_net_unchecked, mamba2_block_unchecked,
+                                        mamba2_mixer_unchecked)
 from cb_kernels.ops.gated_rms_norm import gated_rms_norm_fast, gated_rms_norm_unchecked
+
+logger = logging.getLogger("cb_kernels")
+
+# False: every layer keeps the conv, scan and norm as separate calls with the split and gates in
+# torch (the path before ops.fused_hybrid; tests and benchmarks compare the two).
+FUSED = True
+
 
 def _linear(runs, module, x):
     """module(x), or the packed GEMM `runs` maps it to (runner/hybrid_layers.py calls the kernels
@@ -122,6 +137,29 @@ class GatedDeltaNetKernels:
         self.scale = module.head_k_dim ** -0.5
         # transformers' -A_log.float().exp(), the decay's factor
         self.neg_a = _Derived(module, ("A_log",), lambda m: -m.A_log.float().exp())
+        try:
+            self.why_not_fused = self._why_not_fused(module)
+        except AttributeError as e:      # a mixer class that names its parts otherwise
+            self.why_not_fused = f"it lacks {e}"
+        if self.why_not_fused:
+            logger.info("%s: conv, scan and norm as separate calls (%s)", type(module).__name__,
+                        self.why_not_fused)
+
+    @staticmethod
+    def _why_not_fused(m) -> str:
+        """"" when ops.gated_delta_net computes this layer's middle, else why not."""
+        dtype = m.conv1d.weight.dtype
+        if not hasattr(m, "in_proj_qkvz"):
+            return "its projections are not Qwen3-Next's fused qkvz / ba"
+        if not _fused_norm(m.norm, dtype, m.head_v_dim, grouped=False):
+            return "its gated norm is not the one ops.gated_rms_norm computes fast here"
+        dt_bias = m._parameters.get("dt_bias")
+        if not isinstance(dt_bias, torch.Tensor) or dt_bias.dtype != dtype or \
+                tuple(dt_bias.shape) != (m.num_v_heads,):
+            return "its dt_bias is not a [num_v_heads] tensor of the layer's dtype"
+        if m.conv1d.bias is not None and m.conv1d.bias.dtype != dtype:
+            return "its conv bias has another dtype"
+        return ""
 
     def __call__(self, hidden_states: torch.Tensor, rows, runs: Optional[dict] = None
                  ) -> torch.Tensor:
@@ -130,6 +168,15 @@ class GatedDeltaNetKernels:
         Returns [1, num_tokens, hidden]."""
         m = self.module
         n = hidden_states.shape[1]
+        if FUSED and not self.why_not_fused:
+            qkvz = _linear(runs, m.in_proj_qkvz, hidden_states)[0]
+            ba = _linear(runs, m.in_proj_ba, hidden_states)[0]
+            normed = gated_delta_net_unchecked(
+                qkvz, ba, m.conv1d.weight.squeeze(1), m.conv1d.bias, self.conv_state,
+                self.state, m.dt_bias, self.neg_a.get(), m.norm.weight, rows.slots,
+                rows.cu_seqlens, rows.has_state, m.num_k_heads, m.num_v_heads, m.head_k_dim,
+                m.head_v_dim, self.scale, m.norm.variance_epsilon)
+            return _linear(runs, m.out_proj, normed[None])
         mixed, z, b, a = self.project(m, hidden_states, runs)
         conv = ops.causal_conv1d_unchecked(mixed, m.conv1d.weight.squeeze(1), m.conv1d.bias,
                                            self.conv_state, rows.slots, rows.cu_seqlens,
@@ -154,6 +201,20 @@ class GatedDeltaNetKernels:
         else:
             normed = m.norm(core.reshape(-1, m.head_v_dim), zt.reshape(-1, m.head_v_dim))
         return _linear(runs, m.out_proj, normed.reshape(1, n, -1))
+
+    def block(self, x, pending, rows, in_norm, post_norm, qkvz, ba, out_proj) -> torch.Tensor:
+        """Qwen3NextDecoderLayer up to its MLP in one call (runner/hybrid_layers.py, where
+        `why_not_fused` is ""): x [num_tokens, hidden] (contiguous) += pending, then += the
+        mixer's output, in place; returns the post norm's [num_tokens, hidden]. in_norm,
+        post_norm: the layer's Qwen3NextRMSNorm modules; qkvz, ba, out_proj: the projections'
+        ops.PackedLinear."""
+        m = self.module
+        return gated_delta_net_block_unchecked(
+            x, pending, in_norm.weight, in_norm.eps, post_norm.weight, post_norm.eps, qkvz, ba,
+            out_proj, m.conv1d.weight.squeeze(1), m.conv1d.bias, self.conv_state, self.state,
+            m.dt_bias, self.neg_a.get(), m.norm.weight, rows.slots, rows.cu_seqlens,
+            rows.has_state, m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim,
+            self.scale, m.norm.variance_epsilon)
 
     @staticmethod
     def state_shape(module) -> tuple:
@@ -209,12 +270,42 @@ class Mamba2Kernels:
         self.consts = _Derived(module, ("A_log", "D", "dt_bias"), lambda m: (
             -torch.exp(m.A_log.float()), m.D.float().contiguous(),
             m.dt_bias.float().contiguous()))
+        try:
+            self.why_not_fused = self._why_not_fused(module)
+        except AttributeError as e:      # a mixer class that names its parts otherwise
+            self.why_not_fused = f"it lacks {e}"
+        if self.why_not_fused:
+            logger.info("%s: conv, scan and norm as separate calls (%s)", type(module).__name__,
+                        self.why_not_fused)
+
+    @staticmethod
+    def _why_not_fused(m) -> str:
+        """"" when ops.mamba2_mixer computes this mixer's middle, else why not."""
+        dtype = m.conv1d.weight.dtype
+        width = m.in_proj.weight.shape[0]
+        if width != m.intermediate_size + m.conv_dim + m.num_heads:
+            return f"its in_proj width {width} is not gate + xBC + dt"
+        if not _fused_norm(m.norm, dtype, m.intermediate_size, grouped=True):
+            return "its gated norm is not the one ops.gated_rms_norm computes fast here"
+        if m.intermediate_size % m.norm.group_size or m.num_heads % m.n_groups:
+            return "its norm groups or head groups do not divide"
+        if m.conv1d.bias is not None and m.conv1d.bias.dtype != dtype:
+            return "its conv bias has another dtype"
+        return ""
 
     def __call__(self, hidden_states: torch.Tensor, rows, runs: Optional[dict] = None
                  ) -> torch.Tensor:
         m = self.module
         n = hidden_states.shape[1]
         projected = _linear(runs, m.in_proj, hidden_states)[0]
+        if FUSED and not self.why_not_fused and projected.dtype == m.conv1d.weight.dtype:
+            neg_a, d, dt_bias = self.consts.get()
+            y = mamba2_mixer_unchecked(
+                projected, m.conv1d.weight.squeeze(1), m.conv1d.bias, self.conv_state,
+                self.state, neg_a, d, dt_bias, m.norm.weight, rows.slots, rows.cu_seqlens,
+                rows.has_state, m.num_heads, m.head_dim, m.n_groups, m.ssm_state_size,
+                m.norm.group_size, m.norm.variance_epsilon)
+            return _linear(runs, m.out_proj, y[None])
         gate, xbc, dt = projected.split([m.intermediate_size, m.conv_dim, m.num_heads], dim=-1)
         conv = ops.causal_conv1d_unchecked(xbc, m.conv1d.weight.squeeze(1), m.conv1d.bias,
                                            self.conv_state, rows.slots, rows.cu_seqlens,
@@ -236,6 +327,19 @@ class Mamba2Kernels:
         else:
             y = m.norm(y[None], gate[None])[0]
         return _linear(runs, m.out_proj, y.to(hidden_states.dtype)[None])
+
+    def block(self, x: torch.Tensor, rows, norm, in_proj, out_proj) -> torch.Tensor:
+        """The whole Mamba2Block around this mixer in one call (runner/hybrid_layers.py, where
+        `why_not_fused` is ""): x [num_tokens, hidden] (contiguous; fp32 with the fp32
+        residual stream) += out_proj(mixer(in_proj(norm(x)))) in place; norm: the block's
+        RMSNorm module; in_proj, out_proj: their ops.PackedLinear."""
+        m = self.module
+        neg_a, d, dt_bias = self.consts.get()
+        return mamba2_block_unchecked(
+            x, norm.weight, norm.variance_epsilon, in_proj, out_proj, m.conv1d.weight.squeeze(1),
+            m.conv1d.bias, self.conv_state, self.state, neg_a, d, dt_bias, m.norm.weight,
+            rows.slots, rows.cu_seqlens, rows.has_state, m.num_heads, m.head_dim, m.n_groups,
+            m.ssm_state_size, m.norm.group_size, m.norm.variance_epsilon)
 
     @staticmethod
     def state_shape(module) -> tuple:

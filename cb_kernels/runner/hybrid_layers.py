@@ -11,7 +11,9 @@ each layer is a dozen calls on the step's packed row: the norms with the residua
 C++ pass (ops.rms_norm; Qwen3-Next's (1 + w) norm on ops.offset_rms_norm: fp32 math rounded
 once, as transformers computes it), the mixer kernels as before, the packed linears called directly,
 the router's softmax/top-k as one call (ops.moe_route) and the experts on their packed
-groups, attention through the paged kernels.
+groups, attention through the paged kernels. Where the linears are on our GEMM, a Mamba-2 block
+and a Qwen3-Next gated delta-net layer up to its MLP are each one C++ call (ops.fused_hybrid,
+the same bits as the calls apart): glue 1.21-1.26 -> 0.80-0.87 ms a step on the bench shape.
 
 Exactness: the same formulas as transformers' modules, rounded where they round (bf16: the
 residual adds in bf16 for Qwen3-Next, in fp32 for Mamba-2's `residual_in_fp32`); the sums of
@@ -138,8 +140,9 @@ class _Qwen3NextLayer:
             self.kernel = kernels.get(mixer)
             if self.kernel is None:
                 raise _Mismatch(f"layer {idx}'s gated delta-net is not on our kernels")
-            self.runs = {m: runs.single(m).run for m in (mixer.in_proj_qkvz, mixer.in_proj_ba,
-                                                          mixer.out_proj)}
+            self.groups = [runs.single(m) for m in (mixer.in_proj_qkvz, mixer.in_proj_ba,
+                                                     mixer.out_proj)]
+            self.runs = {g.members[0]: g.run for g in self.groups}
         elif layer.block_type == "full_attention":
             attn = _own(layer.self_attn, "Qwen3NextAttention", fam)
             self.qkv = runs.fused([attn.q_proj, attn.k_proj, attn.v_proj])
@@ -184,6 +187,15 @@ class _Qwen3NextLayer:
         if not _silu(dense.act_fn):
             raise _Mismatch(f"layer {idx}'s MLP activation is not SiLU")
 
+    def block_linears(self):
+        """(qkvz, ba, out_proj) as ops.PackedLinear when this gated delta-net layer up to its
+        MLP can run as one ops.fused_hybrid call (our GEMM packed all three, the mixer's middle
+        fits), else None."""
+        if not self.linear or not hybrid_kernels.FUSED or self.kernel.why_not_fused:
+            return None
+        lins = tuple(g.lin for g in self.groups)
+        return None if any(lin is None for lin in lins) else lins
+
     def attention(self, h, cos, sin, step) -> torch.Tensor:
         """Qwen3NextAttention on the paged cache: h [T, hidden] -> [T, hidden]."""
         n, hd = h.shape[0], self.head_dim
@@ -227,8 +239,17 @@ class _Mamba2Layer:
         self.kernel = kernels.get(mixer)
         if self.kernel is None:
             raise _Mismatch(f"layer {idx}'s mixer is not on our kernels")
-        self.runs = {m: runs.single(m).run for m in (mixer.in_proj, mixer.out_proj)}
+        self.in_group, self.out_group = runs.single(mixer.in_proj), runs.single(mixer.out_proj)
+        self.runs = {mixer.in_proj: self.in_group.run, mixer.out_proj: self.out_group.run}
         self.residual_in_fp32 = bool(block.residual_in_fp32)
+
+    def block_linears(self):
+        """(in_proj, out_proj) as ops.PackedLinear when the whole block can run as one
+        ops.fused_hybrid call (our GEMM packed both, the mixer's middle fits), else None."""
+        if not hybrid_kernels.FUSED or self.kernel.why_not_fused:
+            return None
+        lin_in, lin_out = self.in_group.lin, self.out_group.lin
+        return None if lin_in is None or lin_out is None else (lin_in, lin_out)
 
 
 class HybridForward:
@@ -238,6 +259,10 @@ class HybridForward:
     def __init__(self, model, family: str, embed, layers: list, final_norm, rotary, dtype):
         self.model, self.family, self.embed = model, family, embed
         self.layers, self.final_norm, self.dtype = layers, final_norm, dtype
+        # Mamba-2's final norm on the fp32 stream reads its weight in fp32: converted once, again
+        # when the weight changes (a .float() a step cost ~20-40 us in a decode step).
+        self.final_w32 = hybrid_kernels._Derived(final_norm.module, ("weight",),
+                                                 lambda m: m.weight.float())
         self.rotary = _RotaryTable(rotary) if rotary is not None else None
         self.modules = list(model.modules())
 
@@ -309,6 +334,12 @@ class HybridForward:
         cos, sin = self.rotary(x, positions)
         pending = None       # the last sublayer's output, added into x by the next norm
         for layer in self.layers:
+            lins = layer.block_linears()
+            if lins is not None:         # the layer up to its MLP in one C++ call
+                h = layer.kernel.block(x, pending, rows, layer.in_norm.module,
+                                       layer.post_norm.module, *lins)
+                pending = layer.mlp(h)
+                continue
             h = layer.in_norm(x, pending)
             if layer.linear:
                 o = layer.kernel(h[None], rows, layer.runs)[0]
@@ -322,12 +353,18 @@ class HybridForward:
         # transformers: residual = x (fp32 with residual_in_fp32), h = norm(x.to(norm dtype)),
         # x = residual + mixer(h); the final norm on the fp32 stream, cast for the LM head.
         for layer in self.layers:
+            lins = layer.block_linears()
+            if lins is not None:         # the whole block in one C++ call, x updated in place
+                if layer.residual_in_fp32 and x.dtype != torch.float32:
+                    x = x.float()
+                layer.kernel.block(x, rows, layer.norm.module, *lins)
+                continue
             h = layer.norm(x if x.dtype == self.dtype else x.to(self.dtype))
             if layer.residual_in_fp32:
                 x = x.float()            # a no-op from the second layer on
             o = layer.kernel(h[None], rows, layer.runs)[0]
             x = x.add_(o) if x.dtype == torch.float32 or x.dtype == o.dtype else x + o
         if x.dtype != self.dtype:
-            w = self.final_norm.module.weight.float()
+            w = self.final_w32.get()
             return ops.rms_norm_unchecked(x, w, self.final_norm.eps).to(self.dtype)
         return self.final_norm(x)

@@ -24,7 +24,7 @@ constexpr int64_t kBlock = 64;
 // Multiply-adds (outputs x width) a thread must get before a second one joins: 2^15. (2^17,
 // which kept a decode step's conv of 16 rows x 1024 channels x width 4 = 2^16 on one thread,
 // measured 160 us there against 99 us on two, fp32, Zen 4, with the SiLU's exp still scalar.)
-constexpr int64_t kWorkPerThread = int64_t{1} << 15;
+constexpr int64_t kWorkPerThread = int64_t{1} << 14;
 
 inline float load(const float* p, int64_t i) { return p[i]; }
 inline float load(const uint16_t* p, int64_t i) { return bf16_to_float(p[i]); }

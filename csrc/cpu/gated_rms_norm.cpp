@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "attention_vec.h"  // v8f, exp8, hsum
+#include "bf16_scalar.h"  // bits_to_float, rne, widen, put
 #include "threads.h"
 
 namespace cbk {
@@ -27,30 +28,8 @@ namespace {
 // Elements below which one thread does the call (~8 us of work at ~1 ns an element with its exp).
 constexpr int64_t kParallelElems = int64_t{1} << 13;
 
-// Branch-free conversions, so the loops below vectorise (the portable body's scalar
-// float_to_bf16, with its NaN branch, cost ~3 ns an element, 89 us for 16 x 512 bf16).
-inline float bits_to_float(uint32_t b) {
-  float f;
-  std::memcpy(&f, &b, 4);
-  return f;
-}
-inline uint32_t float_bits(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, 4);
-  return b;
-}
-// Round to nearest even into the high 16 bits, NaN kept quiet (as float_to_bf16).
-inline uint32_t rne(float f) {
-  const uint32_t b = float_bits(f);
-  const uint32_t r = (b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u;
-  return (b & 0x7fffffffu) > 0x7f800000u ? (b | 0x400000u) & 0xffff0000u : r;
-}
-inline float widen(float x) { return x; }
-inline float widen(uint16_t x) { return bits_to_float(static_cast<uint32_t>(x) << 16); }
 inline float round_as(const float*, float x) { return x; }
 inline float round_as(const uint16_t*, float x) { return bits_to_float(rne(x)); }
-inline void put(float* p, float x) { *p = x; }
-inline void put(uint16_t* p, float x) { *p = static_cast<uint16_t>(rne(x) >> 16); }
 
 // s[0, n) = silu(s[0, n)) in fp32, x * sigmoid(x) with sigmoid from e = exp(-|x|) (exp8's
 // relative error ~2e-7, the steps of elementwise.cpp's silu_mul).

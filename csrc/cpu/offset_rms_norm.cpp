@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "bf16_scalar.h"  // bits_to_float, rne, widen, put
 #include "threads.h"
 
 namespace cbk {
@@ -25,27 +26,6 @@ namespace {
 
 // Elements below which one thread does the call (a 16 x 256 decode row block is 4096).
 constexpr int64_t kParallelElems = int64_t{1} << 15;
-
-inline float bits_to_float(uint32_t b) {
-  float f;
-  std::memcpy(&f, &b, 4);
-  return f;
-}
-inline uint32_t float_bits(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, 4);
-  return b;
-}
-// Round to nearest even into the high 16 bits, NaN kept quiet (as gated_rms_norm.cpp).
-inline uint32_t rne(float f) {
-  const uint32_t b = float_bits(f);
-  const uint32_t r = (b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u;
-  return (b & 0x7fffffffu) > 0x7f800000u ? (b | 0x400000u) & 0xffff0000u : r;
-}
-inline float widen(float x) { return x; }
-inline float widen(uint16_t x) { return bits_to_float(static_cast<uint32_t>(x) << 16); }
-inline void put(float* p, float x) { *p = x; }
-inline void put(uint16_t* p, float x) { *p = static_cast<uint16_t>(rne(x) >> 16); }
 
 template <typename T>
 void run_row(const OffsetRmsNormParams& p, int64_t t) {

@@ -191,3 +191,39 @@ def test_sampled_rows_get_transformers_logits(case, monkeypatch):
                 va = a[t] if isinstance(a[t], float) else a[t].logprob
                 vb = b[t] if isinstance(b[t], float) else b[t].logprob
                 assert abs(va - vb) < 1e-4, (t, va, vb)
+
+
+@pytest.mark.parametrize("case", ["qwen3_next", "mamba2"])
+@pytest.mark.parametrize("why", ["switched-off", "norm-not-fast"])
+def test_separate_calls_where_the_fused_middle_does_not_fit(case, why, monkeypatch, caplog):
+    """The stateful layers' middle runs as one ops.fused_hybrid call by default; switched off,
+    or where a part does not fit (here: the gated norm's fast body reported absent, as on a CPU
+    without AVX-512), each layer keeps the separate conv / scan / norm calls, logged where it is
+    the layer's fit: generate's tokens on both paths."""
+    from cb_kernels.runner import hybrid_kernels
+
+    model = _model(case)
+    ps = _prompts([7, 2, 10], seed=11)
+    want = generate_tokens(model, ps, 5)
+    fused = _engine(model)
+    kernels = [w.kernel for _, w in fused.runner._states._wrapped]
+    assert kernels and all(k is not None and k.why_not_fused == "" for k in kernels)
+    # Mamba-2: each whole block in one call; Qwen3-Next: each gated delta-net layer up to its MLP
+    name = "mamba2_block_unchecked" if case == "mamba2" else "gated_delta_net_block_unchecked"
+    real, seen = getattr(hybrid_kernels, name), []
+    monkeypatch.setattr(hybrid_kernels, name, lambda *a, **k: seen.append(1) or real(*a, **k))
+    assert _run(fused, ps, 5) == want and seen
+    if why == "switched-off":
+        monkeypatch.setattr(hybrid_kernels, "FUSED", False)
+    else:
+        monkeypatch.setattr(hybrid_kernels, "gated_rms_norm_fast", lambda: False)
+    called = []
+    for name in ("gated_delta_net_unchecked", "mamba2_mixer_unchecked", "mamba2_block_unchecked",
+                 "gated_delta_net_block_unchecked"):
+        monkeypatch.setattr(hybrid_kernels, name, lambda *a, **k: called.append(a))
+    with caplog.at_level(logging.INFO, logger="cb_kernels"):
+        engine = _engine(model)
+    assert engine.runner.hybrid is not None
+    if why == "norm-not-fast":
+        assert "conv, scan and norm as separate calls (its gated norm" in caplog.text
+    assert _run(engine, ps, 5) == want and not called

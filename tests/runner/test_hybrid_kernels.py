@@ -80,17 +80,22 @@ def test_layers_without_a_kernel_keep_their_code():
     assert "slots are" in hybrid_kernels.why_not(module, bf16_state)
 
 
-def test_a_kernel_that_differs_is_refused_and_generate_tokens_kept(monkeypatch, caplog):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "separate"])
+def test_a_kernel_that_differs_is_refused_and_generate_tokens_kept(monkeypatch, caplog, fused):
     """The construction probe compares the kernels with the layer's own forward: a broken
-    gated delta rule is refused (logged) and the engine serves through transformers' code."""
-    real = ops.gated_delta_rule_unchecked
+    gated delta rule (the fused middle, or the separate op) is refused (logged) and the engine
+    serves through transformers' code."""
+    owner, name = (hybrid_kernels, "gated_delta_net_unchecked") if fused else \
+        (ops, "gated_delta_rule_unchecked")
+    real = getattr(owner, name)
 
     def off_by_a_bit(*args, **kw):
         out = real(*args, **kw)
         out.mul_(1.01)
         return out
 
-    monkeypatch.setattr(ops, "gated_delta_rule_unchecked", off_by_a_bit)
+    monkeypatch.setattr(hybrid_kernels, "FUSED", fused)
+    monkeypatch.setattr(owner, name, off_by_a_bit)
     model = tiny_model("qwen3_next", seed=3, **FAMILIES["qwen3_next"])
     with caplog.at_level("INFO", logger="cb_kernels"):
         engine = Engine(model, EngineConfig(block_size=4, num_blocks=32, max_num_seqs=2))
