@@ -111,7 +111,7 @@ inline v8f softcap8(v8f x, float cap) { return softcap_poly<v8f, v8i>(x, cap); }
 // score does not depend on R or on its place in the block. q: [R][q_stride]; k: [T] row
 // pointers, each [dim8]; s: [R][s_stride].
 template <int R>
-inline void dot_block(const float* q, int64_t q_stride, const float* const* k, int64_t dim8,
+inline __attribute__((always_inline)) void dot_block(const float* q, int64_t q_stride, const float* const* k, int64_t dim8,
                       float* s, int64_t s_stride) {
   constexpr int T = 8 / R;
   v8f acc[8] = {};
@@ -199,7 +199,7 @@ inline void tile_scores(const float* q, int64_t rows, const float* const* k, int
 // chunk loaded feeds R FMAs; accumulators stay in registers. A row's sums run in j order
 // whatever R is.
 template <int R, int NV>
-inline void pv_block(float* o, int64_t o_stride, const float* alpha, const float* p,
+inline __attribute__((always_inline)) void pv_block(float* o, int64_t o_stride, const float* alpha, const float* p,
                      int64_t p_stride, const float* const* v, int j0, int j1, int64_t c0) {
   v8f acc[R][NV];
   for (int r = 0; r < R; ++r)
