@@ -2,11 +2,13 @@
 
     python bench/profile_step.py --model smollm2-135m --dtype bfloat16 --rows 16,64 --threads 2
     python bench/profile_step.py --model llama-1b --dtype bfloat16 --rows 16,64 --json out.json
-    python bench/profile_step.py --dtype float32 --rows 512 --n 8 --prompt-len 38 --temperature 1
+    python bench/profile_step.py --dtype float32 --rows 512 --n 8 --prompt-len 38 --temperature 1 \
+        --decode-steps 28
 
 For each row count it builds an Engine, runs that many requests (64-token random prompts) into
 steady decode (with --n N: rows / N prompts of --prompt-len tokens, N samples each, whose rows
-share the prompt's full blocks as a GRPO round's do; --temperature samples instead of greedy), takes one decode step's inputs and one prefill chunk's (a fresh 512-token
+share the prompt's full blocks as a GRPO round's do; --temperature samples instead of greedy;
+--decode-steps K runs K more decode steps first, for longer contexts), takes one decode step's inputs and one prefill chunk's (a fresh 512-token
 prompt), and times, best of --repeats:
   step          engine.step() as the user's loop runs it (decode steps in flight; median)
   execute       the runner's step on the captured inputs: decoder + greedy head
@@ -188,7 +190,7 @@ def shared_rows(attn) -> int:
 
 
 def run_rows(model, num_rows: int, repeats: int, bw: float, peak: float, n: int = 1,
-             prompt_len: int = 64, temperature: float = 0.0) -> dict:
+             prompt_len: int = 64, temperature: float = 0.0, decode_steps: int = 0) -> dict:
     from cb_kernels import Engine, EngineConfig, SamplingParams
 
     engine = Engine(model, EngineConfig(cpu_offload_gib=0, max_num_seqs=max(num_rows, 16)))
@@ -204,6 +206,8 @@ def run_rows(model, num_rows: int, repeats: int, bw: float, peak: float, n: int 
             for _ in range(num_rows // n)]
     while seen["inputs"] is None or not seen["inputs"].is_decode or \
             seen["inputs"].num_seqs != num_rows:
+        engine.step()
+    for _ in range(decode_steps):     # deeper into the decode: longer contexts
         engine.step()
     step_times = []
     for _ in range(max(repeats, 8)):
@@ -261,6 +265,8 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=int, default=1, help="samples a prompt (rows / n prompts)")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--decode-steps", type=int, default=0,
+                   help="decode steps run before the measured ones (longer contexts)")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
     if args.threads:
@@ -268,9 +274,10 @@ def main(argv=None) -> int:
     rows = [int(r) for r in args.rows.split(",") if r]
     if not rows or min(rows) < 1 or args.repeats < 1:
         p.error("--rows must list positive ints and --repeats be >= 1")
-    if args.n < 1 or any(r % args.n for r in rows) or args.prompt_len < 1 or args.temperature < 0:
+    if args.n < 1 or any(r % args.n for r in rows) or args.prompt_len < 1 or args.temperature < 0 \
+            or args.decode_steps < 0:
         p.error("--n must be >= 1 and divide every --rows entry, --prompt-len >= 1, "
-                "--temperature >= 0")
+                "--temperature >= 0, --decode-steps >= 0")
     dtype = DTYPES[args.dtype]
     model, _, _ = load_model(args.model, dtype)
     bw = copy_gbps() * 1e9
@@ -281,10 +288,12 @@ def main(argv=None) -> int:
           + ", ".join(f"{k} {v / 1e12:.2f}" for k, v in peaks.items()) + " TFLOP/s")
     res = {"model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(),
            "n": args.n, "prompt_len": args.prompt_len, "temperature": args.temperature,
+           "decode_steps": args.decode_steps,
            "versions": versions(), "cpu_features": cpu_features(), "copy_gbps": bw / 1e9,
            "gemm_flops": peaks, "load_before": os.getloadavg(), "results": []}
     for n in rows:
-        r = run_rows(model, n, args.repeats, bw, peak, args.n, args.prompt_len, args.temperature)
+        r = run_rows(model, n, args.repeats, bw, peak, args.n, args.prompt_len, args.temperature,
+                     args.decode_steps)
         print(f"{n} rows:")
         report("decode", r["decode"])
         report("prefill", r["prefill"])
