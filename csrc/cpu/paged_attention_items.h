@@ -146,7 +146,7 @@ inline float denominator(const Ctx& c, const Item& it, int64_t r, float m, float
 // the tile are the ones a row at position pos sees; masking runs only where that is not the
 // whole tile.
 template <int kTile>
-inline void softmax_tile(const PagedAttentionParams& p, int64_t r0, int64_t r1, int64_t per_head,
+CBK_ALWAYS_INLINE void softmax_tile(const PagedAttentionParams& p, int64_t r0, int64_t r1, int64_t per_head,
                          int64_t group, int32_t pos0, int32_t t0, int32_t lo, int32_t hi,
                          float* ss, float* ms, float* ls, float* alphas) {
   for (int64_t r8 = r0; r8 < r1; r8 += 8) {
