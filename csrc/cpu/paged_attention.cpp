@@ -312,8 +312,8 @@ int32_t shared_prefix(const PagedAttentionParams& p, int32_t a, int32_t b, int32
 }
 
 // Fills plan.lead and plan.links with the shared-prefix groups (run_group): runs of
-// consecutive decode rows, each sharing at least one tile with the row before, of one KV
-// partition and no sliding window, at most max_seqs long. Groups are cut shorter until the
+// consecutive decode rows of one KV partition and no sliding window, each sharing with the row
+// before at least the prefix (one tile or more) its first two rows share, at most max_seqs long. Groups are cut shorter until the
 // batch has 4 items a busy thread (base_items: its items without groups). Returns whether any.
 bool find_groups(const PagedAttentionParams& p, int32_t tile, int32_t part, int64_t base_items,
                  int64_t busy, Plan& plan) {
@@ -331,23 +331,27 @@ bool find_groups(const PagedAttentionParams& p, int32_t tile, int32_t part, int6
     }
   if (!any) return false;
   const int64_t need = busy > 1 ? 4 * busy : 1;
+  // The group starting at row s: the rows after it that share at least what s shares with
+  // s + 1. A row that shares less with the next than the next shares with the one after (the
+  // last sample of one prompt before another's, when all prompts begin with the same cached
+  // system prompt) stays alone, so the next prompt's samples group over their whole prefix.
+  auto run_at = [&](int32_t s, int64_t max_seqs) {
+    if (s + 1 >= n || plan.links[s + 1] == 0) return 1;
+    if (s + 2 < n && plan.links[s + 2] > plan.links[s + 1]) return 1;
+    int32_t len = 2;
+    while (s + len < n && len < max_seqs && plan.links[s + len] >= plan.links[s + 1]) ++len;
+    return len;
+  };
   for (int64_t max_seqs = std::max<int64_t>(1, kMaxGroupRows / p.num_heads); max_seqs > 1;
        max_seqs /= 2) {
     int64_t merged = 0;
-    for (int32_t s = 0; s < n;) {
-      int32_t len = 1;
-      while (s + len < n && len < max_seqs && plan.links[s + len] > 0) ++len;
-      merged += len - 1;
-      s += len;
-    }
+    for (int32_t s = 0; s < n; s += run_at(s, max_seqs)) merged += run_at(s, max_seqs) - 1;
     if (base_items - merged < need) continue;
     for (int32_t s = 0; s < n;) {
-      int32_t len = 1, shared = plan.links[s + 1 < n ? s + 1 : s];
-      while (s + len < n && len < max_seqs && plan.links[s + len] > 0)
-        shared = std::min(shared, plan.links[s + len++]);
+      const int32_t len = run_at(s, max_seqs);
       plan.lead[s] = len;
       for (int32_t i = 1; i < len; ++i) plan.lead[s + i] = 0;
-      plan.links[s] = len > 1 ? shared : 0;  // a leader's entry: its group's prefix
+      plan.links[s] = len > 1 ? plan.links[s + 1] : 0;  // a leader's entry: its group's prefix
       s += len;
     }
     return merged > 0;

@@ -35,6 +35,7 @@ class Layout:
     dtype: torch.dtype = torch.float32
     softcap: float | None = None
     sinks: bool = False
+    common: int = 0   # leading full blocks every prompt shares (a cached system prompt)
 
 
 LAYOUTS = [
@@ -57,6 +58,10 @@ LAYOUTS = [
     Layout("softcap-sinks", ((38, (1, 5, 9, 13)), (17, (2, 3))), softcap=20.0, sinks=True),
     Layout("past-one-partition", ((250, (1, 3, 9)), (40, (1, 1)))),
     Layout("many-groups", tuple((30 + 3 * i, (1, 2, 3, 4, 5, 6, 7, 8)) for i in range(12))),
+    Layout("system-prompt-block", tuple((40 + 5 * i, (1, 2, 3, 4, 5, 6, 7, 8)) for i in range(6))
+           + ((20, (3,)), (50, None), (36, (1, 2))), common=1),
+    Layout("system-prompt-d32", tuple((150 + 9 * i, (1, 5, 9)) for i in range(5)), num_heads=8,
+           num_kv_heads=2, head_dim=32, common=2),
 ]
 
 
@@ -67,6 +72,8 @@ def build(layout: Layout, shared: bool, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     bs, kvh, d = layout.block_size, layout.num_kv_heads, layout.head_dim
     rows = []   # per row: (list of block contents [bs, kvh, d] x2, seq_len, q_len)
+    common_k = torch.randn(layout.common * bs, kvh, d, generator=g)
+    common_v = torch.randn(layout.common * bs, kvh, d, generator=g)
     for plen, tails in layout.prompts:
         if tails is None:
             rows.append((plen, plen, None))
@@ -74,6 +81,7 @@ def build(layout: Layout, shared: bool, seed: int = 0):
         full = plen // bs
         prompt_k = torch.randn(plen, kvh, d, generator=g)
         prompt_v = torch.randn(plen, kvh, d, generator=g)
+        prompt_k[:layout.common * bs], prompt_v[:layout.common * bs] = common_k, common_v
         for t in tails:
             rows.append((plen + max(t, 1) if t else plen, 1, (full, prompt_k, prompt_v, plen)))
     blocks_k, blocks_v, tables = [], [], []
@@ -85,9 +93,13 @@ def build(layout: Layout, shared: bool, seed: int = 0):
         if src is not None:
             full, pk, pv, plen = src
             keys[:plen], values[:plen] = pk, pv
+            if shared and "common" not in prompt_blocks:
+                prompt_blocks["common"] = list(range(len(blocks_k), len(blocks_k) + layout.common))
+                blocks_k.extend(common_k[b * bs:(b + 1) * bs] for b in range(layout.common))
+                blocks_v.extend(common_v[b * bs:(b + 1) * bs] for b in range(layout.common))
             if shared and id(pk) not in prompt_blocks:
-                ids = []
-                for b in range(full):
+                ids = list(prompt_blocks["common"])
+                for b in range(layout.common, full):
                     ids.append(len(blocks_k))
                     blocks_k.append(pk[b * bs:(b + 1) * bs])
                     blocks_v.append(pv[b * bs:(b + 1) * bs])
@@ -163,6 +175,13 @@ def test_shared_blocks_give_the_unshared_bits(layout, isa, threads):
     q, k, v, bt, sl, cu, sinks = build(layout, shared=True)
     expected = ref_paged_attention(q, k, v, bt, sl, cu, softcap=layout.softcap, sinks=sinks)
     torch.testing.assert_close(grouped, expected, **tolerance(layout.dtype))
+
+
+def test_a_system_prompt_block_is_shared_by_every_prompt():
+    """The common-block layout shares its first block across prompts and two blocks within one."""
+    layout = next(x for x in LAYOUTS if x.id == "system-prompt-block")
+    _, _, _, bt, _, _, _ = build(layout, shared=True)
+    assert (bt[:48, 0] == bt[0, 0]).all() and bt[7, 1] != bt[8, 1] and bt[8, 1] == bt[15, 1]
 
 
 def test_one_thread_and_two_give_the_same_bits():
