@@ -2,9 +2,13 @@
 
     python bench/profile_step.py --model smollm2-135m --dtype bfloat16 --rows 16,64 --threads 2
     python bench/profile_step.py --model llama-1b --dtype bfloat16 --rows 16,64 --json out.json
+    python bench/profile_step.py --dtype float32 --rows 512 --n 8 --prompt-len 38 --temperature 1 \
+        --decode-steps 28
 
 For each row count it builds an Engine, runs that many requests (64-token random prompts) into
-steady decode, takes one decode step's inputs and one prefill chunk's (a fresh 512-token
+steady decode (with --n N: rows / N prompts of --prompt-len tokens, N samples each, whose rows
+share the prompt's full blocks as a GRPO round's do; --temperature samples instead of greedy;
+--decode-steps K runs K more decode steps first, for longer contexts), takes one decode step's inputs and one prefill chunk's (a fresh 512-token
 prompt), and times, best of --repeats:
   step          engine.step() as the user's loop runs it (decode steps in flight; median)
   execute       the runner's step on the captured inputs: decoder + greedy head
@@ -157,8 +161,8 @@ def floors(fused, head, inputs, bw: float, peak: float, kind: str) -> dict:
     seq_lens = inputs.attn.seq_lens.tolist()
     q_lens = torch.diff(inputs.attn.cu_seqlens_q).tolist()
     kv_row = l0.num_kv_heads * l0.head_dim * es * 2       # K and V of one token
-    if kind == "decode":
-        out["attention"] = 1e3 * len(layers) * sum(seq_lens) * kv_row / bw
+    if kind == "decode":    # a block shared by several rows (n samples) is read once
+        out["attention"] = 1e3 * len(layers) * kv_tokens(inputs.attn) * kv_row / bw
     else:       # causal: each query row sees its prefix
         pairs = sum(q * (s - q) + q * (q + 1) / 2 for q, s in zip(q_lens, seq_lens))
         out["attention"] = 1e3 * len(layers) * 4 * pairs * l0.num_heads * l0.head_dim / peak
@@ -169,7 +173,24 @@ def floors(fused, head, inputs, bw: float, peak: float, kind: str) -> dict:
     return out
 
 
-def run_rows(model, num_rows: int, repeats: int, bw: float, peak: float) -> dict:
+def kv_tokens(attn) -> int:
+    """K/V tokens a step reads, each block once: the distinct blocks of the rows' tables (full
+    blocks; the last block of a row counted whole)."""
+    bs = next(k for k in attn.layout.k_caches if k is not None).shape[1]
+    lens = attn.seq_lens.tolist()
+    tables = attn.block_tables.tolist()
+    used = {b for row, n in zip(tables, lens) for b in row[:-(-n // bs)]}
+    return len(used) * bs
+
+
+def shared_rows(attn) -> int:
+    """Rows whose table begins with the block of the row before (a shared-prefix group's)."""
+    t = attn.block_tables
+    return int((t[1:, 0] == t[:-1, 0]).sum()) if t.shape[0] > 1 else 0
+
+
+def run_rows(model, num_rows: int, repeats: int, bw: float, peak: float, n: int = 1,
+             prompt_len: int = 64, temperature: float = 0.0, decode_steps: int = 0) -> dict:
     from cb_kernels import Engine, EngineConfig, SamplingParams
 
     engine = Engine(model, EngineConfig(cpu_offload_gib=0, max_num_seqs=max(num_rows, 16)))
@@ -178,11 +199,15 @@ def run_rows(model, num_rows: int, repeats: int, bw: float, peak: float) -> dict
     seen, inner = capture(engine)
     gen = torch.Generator().manual_seed(num_rows)
     vocab = model.config.vocab_size
-    rids = [engine.add_request(torch.randint(1, vocab, (64,), generator=gen).tolist(),
-                               SamplingParams(max_new_tokens=1000, ignore_eos=True))
-            for _ in range(num_rows)]
+    params = SamplingParams(max_new_tokens=1000, ignore_eos=True, n=n, temperature=temperature,
+                            seed=0 if temperature > 0 else None)
+    rids = [engine.add_request(torch.randint(1, vocab, (prompt_len,), generator=gen).tolist(),
+                               params)
+            for _ in range(num_rows // n)]
     while seen["inputs"] is None or not seen["inputs"].is_decode or \
             seen["inputs"].num_seqs != num_rows:
+        engine.step()
+    for _ in range(decode_steps):     # deeper into the decode: longer contexts
         engine.step()
     step_times = []
     for _ in range(max(repeats, 8)):
@@ -191,6 +216,7 @@ def run_rows(model, num_rows: int, repeats: int, bw: float, peak: float) -> dict
         engine.step()
         step_times.append((time.perf_counter() - t0, sum(seen["times"])))
     decode = profile_inputs(engine, inner, seen["inputs"], repeats, bw, peak, "decode")
+    decode["shared_rows"] = shared_rows(seen["inputs"].attn)
     decode["step_ms"] = 1e3 * statistics.median(s for s, _ in step_times)
     decode["step_execute_ms"] = 1e3 * statistics.median(e for _, e in step_times)
     for rid in rids:
@@ -211,7 +237,9 @@ def report(name: str, r: dict) -> None:
     print(f"  {name}: {r['tokens']} tokens in {r['seqs']} seqs; execute {r['execute_ms']:.2f} ms"
           f" = decoder {r['decoder_ms']:.2f} ({'one call' if r['native'] else 'loop'}) + head; "
           f"op loop {r['loop_ms']:.2f} ms" + (f"; engine step {r['step_ms']:.2f} ms (runner "
-                                               f"{r['step_execute_ms']:.2f})" if "step_ms" in r else ""))
+                                               f"{r['step_execute_ms']:.2f})" if "step_ms" in r else "")
+          + (f"; {r['shared_rows']} rows share their first block with the row before"
+             if r.get("shared_rows") else ""))
     mul = r.get("multiply_floors_ms", {})
     for op, ms in ops_ms.items():
         floor = fl.get(op)
@@ -234,6 +262,11 @@ def main(argv=None) -> int:
     p.add_argument("--rows", default="16,64", help="decode batch sizes, comma list")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--n", type=int, default=1, help="samples a prompt (rows / n prompts)")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--decode-steps", type=int, default=0,
+                   help="decode steps run before the measured ones (longer contexts)")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
     if args.threads:
@@ -241,6 +274,10 @@ def main(argv=None) -> int:
     rows = [int(r) for r in args.rows.split(",") if r]
     if not rows or min(rows) < 1 or args.repeats < 1:
         p.error("--rows must list positive ints and --repeats be >= 1")
+    if args.n < 1 or any(r % args.n for r in rows) or args.prompt_len < 1 or args.temperature < 0 \
+            or args.decode_steps < 0:
+        p.error("--n must be >= 1 and divide every --rows entry, --prompt-len >= 1, "
+                "--temperature >= 0, --decode-steps >= 0")
     dtype = DTYPES[args.dtype]
     model, _, _ = load_model(args.model, dtype)
     bw = copy_gbps() * 1e9
@@ -250,10 +287,13 @@ def main(argv=None) -> int:
           f"{os.getloadavg()[0]:.1f}; copy {bw / 1e9:.1f} GB/s; GEMM peak measured "
           + ", ".join(f"{k} {v / 1e12:.2f}" for k, v in peaks.items()) + " TFLOP/s")
     res = {"model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(),
+           "n": args.n, "prompt_len": args.prompt_len, "temperature": args.temperature,
+           "decode_steps": args.decode_steps,
            "versions": versions(), "cpu_features": cpu_features(), "copy_gbps": bw / 1e9,
            "gemm_flops": peaks, "load_before": os.getloadavg(), "results": []}
     for n in rows:
-        r = run_rows(model, n, args.repeats, bw, peak)
+        r = run_rows(model, n, args.repeats, bw, peak, args.n, args.prompt_len, args.temperature,
+                     args.decode_steps)
         print(f"{n} rows:")
         report("decode", r["decode"])
         report("prefill", r["prefill"])

@@ -36,6 +36,17 @@
 // measured alongside, so it is bound by memory; in cache the FMAs alone take 16 of the ~44
 // cycles per (key, kv head), the rest spread over the add tree, exp, prefetch and pointer setup.
 //
+// Shared-prefix groups (run_group): the n samples of a prompt hold its full blocks in common
+// (BlockManager.fork) and sit side by side in the batch, so the plan compares each decode row's
+// table with the row before and makes runs of rows that begin with the same physical blocks one
+// item: each tile of the common prefix is read once and scored against every row of the run
+// (24 rows a kv head for SmolLM2's 3-query-head groups at n=8, against 3 alone), then each row
+// goes on over its own tail tiles. The prefix is cut to a tile edge, so every row sees the same
+// tiles in the same order as alone: the same bits (tests/ops/test_paged_attention_groups.py).
+// Measured (Zen 4, fp32 SmolLM2 shape, 512 rows of 64 prompts x 8, contexts ~45, 2 threads):
+// the engine step's attention 30-31 ms against 41-45 ms; at ~70-token contexts 66 against 70 ms
+// (the private tails, read from DRAM, dominate there).
+//
 // The shared steps live in paged_attention_items.h, the AVX512-BF16 runners in
 // paged_attention_bf16_items.h (their vdpbf16ps building blocks in paged_attention_bf16.h); this
 // file holds the fp32-math runner, the merge, the plan and the entry.
@@ -87,22 +98,53 @@ CBK_ALWAYS_INLINE void gather_tile(const Ctx& c, const char* const* krow, const 
   }
 }
 
-// P.V of one head's rows [h * per_head, (h + 1) * per_head) over keys [jl, jh) of the tile.
-// Blocks of 3 rows load each V chunk for 12 FMAs (prefill at d 32: 0.97x the time); a row's sums
-// run in the same order in any block, so this choice may depend on the item.
+// P.V of rows [r, r1), all of kv head h's, over keys [jl, jh) of the tile. Blocks of 3 rows load
+// each V chunk for 12 FMAs (prefill at d 32: 0.97x the time); a row's sums run in the same order
+// in any block, so this choice may depend on the item.
 template <int kTile>
-CBK_ALWAYS_INLINE void pv_head(const ItemScratch& s, int64_t dim8, int64_t per_head, int64_t h, int jl,
-                    int jh, Prefetcher& pf, int64_t pf_quota) {
+CBK_ALWAYS_INLINE void pv_span(const ItemScratch& s, int64_t dim8, int64_t r, int64_t r1, int64_t h,
+                               int jl, int jh, Prefetcher& pf, int64_t pf_quota) {
   const float* const* vp = s.vps + h * kTile;
-  const int64_t r1 = (h + 1) * per_head;
-  int64_t r = h * per_head;
-  if (dim8 == 32 && per_head > 4)
+  if (dim8 == 32 && r1 - r > 4)
     for (; r + 3 <= r1; r += 3, pf.step(pf_quota))
       pv_rows<3, 4>(s.os + r * dim8, dim8, s.alphas + r, s.ss + r * kTile, kTile, vp, jl, jh);
   for (; r + 2 <= r1; r += 2, pf.step(pf_quota))
     pv_rows<2, 4>(s.os + r * dim8, dim8, s.alphas + r, s.ss + r * kTile, kTile, vp, jl, jh);
   if (r < r1)
     pv_rows<1, 8>(s.os + r * dim8, dim8, s.alphas + r, s.ss + r * kTile, kTile, vp, jl, jh);
+}
+
+// One tile of rows laid out per head (head h's rows [h * per_head, (h + 1) * per_head) from
+// `first` on): gather the K/V rows, QK scores, online softmax, P.V, `step` heads at a time.
+// pos0: the position of the rows' first q token (see softmax_tile).
+template <int kTile>
+CBK_ALWAYS_INLINE void tile_step(const Ctx& c, const ItemScratch& s, int64_t heads, int64_t step,
+                                 int64_t per_head, int64_t stride, int64_t first, int32_t pos0,
+                                 int32_t t0, int32_t lo, int32_t hi, const char* const* krow,
+                                 const char* const* vrow, Prefetcher& pf, int64_t pf_quota) {
+  const int64_t dim8 = c.dim8;
+  const int jl = lo - t0, jh = hi - t0;  // the tile's keys inside this item's range
+  for (int64_t hb = 0; hb < heads; hb += step) {
+    const int64_t he = hb + step;
+    gather_tile<kTile>(c, krow, vrow, hb, he, jl, jh, s);
+    for (int64_t h = hb; h < he; ++h) {
+      const int64_t r0 = first + h * stride;
+      tile_scores<kTile>(s.qs + r0 * dim8, per_head, s.kps + h * kTile, jl / 4 * 4, jh, dim8,
+                         s.ss + r0 * kTile, pf, pf_quota);
+    }
+    // One call over the heads' rows where they follow each other (a row's result does not
+    // depend on the rows beside it in softmax_tile's blocks of 8).
+    for (int64_t h = hb; h < he; h += stride == per_head ? he - hb : 1) {
+      const int64_t r0 = first + h * stride;
+      const int64_t r1 = stride == per_head ? first + he * stride : r0 + per_head;
+      softmax_tile<kTile>(c.p, r0, r1, per_head, c.group, pos0, t0, lo, hi, s.ss, s.ms, s.ls,
+                          s.alphas);
+    }
+    for (int64_t h = hb; h < he; ++h) {
+      const int64_t r0 = first + h * stride;
+      pv_span<kTile>(s, dim8, r0, r0 + per_head, h, jl, jh, pf, pf_quota);
+    }
+  }
 }
 
 // One item: per tile, gather the K/V rows, QK scores, online softmax, P.V; meanwhile the next
@@ -129,19 +171,82 @@ void run_item(const Ctx& c, const Item& it, const Item* next, float* partials) {
   walk_tiles<kTile>(c, it, next, pf_calls, [&](int32_t t0, int32_t lo, int32_t hi,
                                                const char* const* krow, const char* const* vrow,
                                                Prefetcher& pf, int64_t pf_quota) {
-    const int jl = lo - t0, jh = hi - t0;  // the tile's keys inside this item's range
-    for (int64_t hb = 0; hb < heads; hb += step) {
-      const int64_t he = hb + step;
-      gather_tile<kTile>(c, krow, vrow, hb, he, jl, jh, s);
-      for (int64_t h = hb; h < he; ++h)
-        tile_scores<kTile>(s.qs + h * per_head * dim8, per_head, s.kps + h * kTile, jl / 4 * 4,
-                           jh, dim8, s.ss + h * per_head * kTile, pf, pf_quota);
-      softmax_tile<kTile>(p, hb * per_head, he * per_head, per_head, group, pos0, t0, lo, hi,
-                          s.ss, s.ms, s.ls, s.alphas);
-      for (int64_t h = hb; h < he; ++h) pv_head<kTile>(s, dim8, per_head, h, jl, jh, pf, pf_quota);
-    }
+    tile_step<kTile>(c, s, heads, step, per_head, per_head, 0, pos0, t0, lo, hi, krow, vrow, pf,
+                     pf_quota);
   });
   write_item(c, it, rows, s, partials);
+}
+
+// A shared-prefix group (Item::seqs > 1: decode rows of consecutive sequences whose tables
+// begin with the same blocks): each K/V tile of the shared prefix is read once for the query
+// rows of every sequence (8 samples x 3 query heads = 24 rows a kv head at SmolLM2's n=8), then
+// each sequence's rows go on over its own tail tiles. A row sees the same tiles in the same
+// order as in an item of its own (the prefix ends on a tile edge, see make_plan) and its
+// scores, softmax and P.V do not depend on the rows beside it, so its bits are the same.
+template <int kTile>
+void run_group(const Ctx& c, const Item& it, const Item* next) {
+  const PagedAttentionParams& p = c.p;
+  const int64_t dim8 = c.dim8, group = c.group, seqs = it.seqs, heads = it.h1 - it.h0;
+  const int64_t per_head = seqs * group, rows = per_head * heads;
+  const int64_t step = kTile == kSmallTile ? heads : 1;
+  const ItemScratch s = take_scratch<kTile>(rows, heads, step, dim8);
+  const char* qb = static_cast<const char*>(p.q);
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t i = 0; i < seqs; ++i)
+      for (int64_t gq = 0; gq < group; ++gq) {
+        float* qr = s.qs + ((h * seqs + i) * group + gq) * dim8;
+        const int64_t tok = p.cu_seqlens_q[it.seq + i], head = h * group + gq;
+        to_float(qb + (tok * p.q_stride_token + head * p.q_stride_head) * c.esize, p.dtype,
+                 p.head_dim, qr);
+        for (int64_t d = 0; d < p.head_dim; ++d) qr[d] *= p.scale;
+        std::fill(qr + p.head_dim, qr + dim8, 0.0f);
+      }
+  std::fill(s.os, s.os + rows * dim8, 0.0f);
+  std::fill(s.ms, s.ms + rows, kNegInf);
+  std::fill(s.ls, s.ls + rows, 0.0f);
+  // Sequence i's tail as an item of its own (empty where its length is the prefix's).
+  auto tail = [&](int64_t i) {
+    const int32_t seq = static_cast<int32_t>(it.seq + i);
+    return Item{seq, it.h0, it.h1, 0, 1, it.kv_end, p.seq_lens[seq], -1};
+  };
+  auto next_after = [&](int64_t i) {  // the item run after tail i-1: the next tail, or `next`
+    for (; i < seqs; ++i)
+      if (p.seq_lens[it.seq + i] > it.kv_end) return i;
+    return seqs;
+  };
+  // Every row's position is past the prefix, so no shared tile is masked: pos0 = kv_end.
+  int64_t nt = next_after(0);
+  Item nx = nt < seqs ? tail(nt) : Item{};
+  walk_tiles<kTile>(c, it, nt < seqs ? &nx : next, prefetch_calls<kTile>({per_head, heads, rows, 0}),
+                    [&](int32_t t0, int32_t lo, int32_t hi, const char* const* krow,
+                        const char* const* vrow, Prefetcher& pf, int64_t pf_quota) {
+    tile_step<kTile>(c, s, heads, step, per_head, per_head, 0, it.kv_end, t0, lo, hi, krow, vrow,
+                     pf, pf_quota);
+  });
+  const int64_t tail_calls = prefetch_calls<kTile>({group, heads, group * heads, 0});
+  for (int64_t i = nt; i < seqs; i = nt) {
+    const Item ti = tail(i);
+    nt = next_after(i + 1);
+    nx = nt < seqs ? tail(nt) : Item{};
+    walk_tiles<kTile>(c, ti, nt < seqs ? &nx : next, tail_calls,
+                      [&](int32_t t0, int32_t lo, int32_t hi, const char* const* krow,
+                          const char* const* vrow, Prefetcher& pf, int64_t pf_quota) {
+      tile_step<kTile>(c, s, heads, step, group, per_head, i * group, ti.kv_end - 1, t0, lo, hi,
+                       krow, vrow, pf, pf_quota);
+    });
+  }
+  char* ob = static_cast<char*>(p.out);
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t i = 0; i < seqs; ++i)
+      for (int64_t gq = 0; gq < group; ++gq) {
+        const int64_t r = (h * seqs + i) * group + gq, head = h * group + gq;
+        float* o = s.os + r * dim8;
+        const float inv = 1.0f / head_denominator(c, head, s.ms[r], s.ls[r]);
+        for (int64_t d = 0; d < p.head_dim; ++d) o[d] *= inv;
+        from_float(o, p.head_dim, p.dtype,
+                   ob + (p.cu_seqlens_q[it.seq + i] * p.out_stride_token +
+                         head * p.out_stride_head) * c.esize);
+      }
 }
 
 // The partials of one (q chunk, kv heads) over its partitions into `out`; acc: [head_dim] scratch.
@@ -189,12 +294,78 @@ void for_each_chunk(const PagedAttentionParams& p, int64_t group, F f) {
   }
 }
 
+// Shared-prefix groups hold at most this many query rows (sequences x num_heads): 72 at SmolLM2
+// with n=8 (8 x 9); bounds the scratch of a group (rows x (2 head_dim + 19) floats) to ~150 KiB
+// at head_dim 128.
+constexpr int64_t kMaxGroupRows = 128;
+
+// Positions [0, n) that sequences a and b read from the same physical blocks (so the same K/V),
+// n cut to the shorter sequence and then down to a multiple of `tile`.
+int32_t shared_prefix(const PagedAttentionParams& p, int32_t a, int32_t b, int32_t tile) {
+  const int32_t len = std::min(p.seq_lens[a], p.seq_lens[b]);
+  const int32_t* ta = p.block_tables + a * p.block_table_stride;
+  const int32_t* tb = p.block_tables + b * p.block_table_stride;
+  int64_t n = 0;
+  for (int64_t k = 0; n < len && ta[k] == tb[k]; ++k)
+    n = std::min<int64_t>(len, (k + 1) * p.block_size);
+  return static_cast<int32_t>(n / tile * tile);
+}
+
+// Fills plan.lead and plan.links with the shared-prefix groups (run_group): runs of
+// consecutive decode rows of one KV partition and no sliding window, each sharing with the row
+// before at least the prefix (one tile or more) its first two rows share, at most max_seqs long. Groups are cut shorter until the
+// batch has 4 items a busy thread (base_items: its items without groups). Returns whether any.
+bool find_groups(const PagedAttentionParams& p, int32_t tile, int32_t part, int64_t base_items,
+                 int64_t busy, Plan& plan) {
+  const int32_t n = p.num_seqs;
+  plan.links.assign(n, 0);
+  plan.lead.assign(n, 1);
+  auto single = [&](int32_t s) {
+    return p.cu_seqlens_q[s + 1] - p.cu_seqlens_q[s] == 1 && p.seq_lens[s] <= part;
+  };
+  bool any = false;
+  for (int32_t s = 1; s < n; ++s)
+    if (single(s) && single(s - 1)) {
+      plan.links[s] = shared_prefix(p, s - 1, s, tile);
+      any = any || plan.links[s] > 0;
+    }
+  if (!any) return false;
+  const int64_t need = busy > 1 ? 4 * busy : 1;
+  // The group starting at row s: the rows after it that share at least what s shares with
+  // s + 1. A row that shares less with the next than the next shares with the one after (the
+  // last sample of one prompt before another's, when all prompts begin with the same cached
+  // system prompt) stays alone, so the next prompt's samples group over their whole prefix.
+  auto run_at = [&](int32_t s, int64_t max_seqs) {
+    if (s + 1 >= n || plan.links[s + 1] == 0) return 1;
+    if (s + 2 < n && plan.links[s + 2] > plan.links[s + 1]) return 1;
+    int32_t len = 2;
+    while (s + len < n && len < max_seqs && plan.links[s + len] >= plan.links[s + 1]) ++len;
+    return len;
+  };
+  for (int64_t max_seqs = std::max<int64_t>(1, kMaxGroupRows / p.num_heads); max_seqs > 1;
+       max_seqs /= 2) {
+    int64_t merged = 0;
+    for (int32_t s = 0; s < n; s += run_at(s, max_seqs)) merged += run_at(s, max_seqs) - 1;
+    if (base_items - merged < need) continue;
+    for (int32_t s = 0; s < n;) {
+      const int32_t len = run_at(s, max_seqs);
+      plan.lead[s] = len;
+      for (int32_t i = 1; i < len; ++i) plan.lead[s + i] = 0;
+      plan.links[s] = len > 1 ? plan.links[s + 1] : 0;  // a leader's entry: its group's prefix
+      s += len;
+    }
+    return merged > 0;
+  }
+  return false;
+}
+
 // Splits the batch into items, ordered (sequence, q chunk, partition, kv heads). An item takes
 // as many kv heads as fit kMaxRows rows: decode then reads each token's K/V rows of all heads
 // together (1 KiB runs at 4 kv heads x 64 fp32) instead of 256-byte rows 1 KiB apart, which
 // read DRAM ~1.5x slower on one core (measured without compute: 30 against 20 ns per key and
 // head). Fewer heads per item when there would be under 4 items per thread.
-void make_plan(const PagedAttentionParams& p, int64_t group, int threads, Plan& plan) {
+void make_plan(const PagedAttentionParams& p, int64_t group, int threads, bool groupable,
+               Plan& plan) {
   plan.items.clear();
   plan.merges.clear();
   plan.work = 0;
@@ -210,17 +381,30 @@ void make_plan(const PagedAttentionParams& p, int64_t group, int threads, Plan& 
     plan.work += (i1 - i0) * group * (hi - lo) * heads;
   });
   const int64_t busy = std::min<int64_t>(threads, std::max<int64_t>(1, plan.work / kGrainWork));
-  int64_t cap = heads;
-  for (; cap > 1; cap = (cap + 1) / 2) {
+  auto count_items = [&](int64_t cap) {
     int64_t count = 0;
     for_each_chunk(p, group, [&](int32_t, int32_t i0, int32_t i1, int32_t lo, int32_t hi) {
       const int64_t per = std::min(cap, fit(i0, i1));
       count += parts_of(lo, hi) * ((heads + per - 1) / per);
     });
-    if (count >= 4 * busy) break;
-  }
+    return count;
+  };
+  int64_t cap = heads;
+  for (; cap > 1; cap = (cap + 1) / 2)
+    if (count_items(cap) >= 4 * busy) break;
+  // Groups take all kv heads of their rows: only where a decode row's item does.
+  const int32_t tile = p.head_dim <= kSmallDim ? kSmallTile : kTile;
+  const bool grouped = groupable && p.sliding_window <= 0 && std::min(cap, fit(0, 1)) >= heads &&
+                       find_groups(p, tile, part, count_items(cap), busy, plan);
   int64_t offset = 0;
   for_each_chunk(p, group, [&](int32_t s, int32_t i0, int32_t i1, int32_t lo, int32_t hi) {
+    if (grouped && plan.lead[s] != 1) {
+      if (plan.lead[s] == 0) return;  // inside the group before it
+      Item it{s, 0, static_cast<int32_t>(heads), 0, 1, 0, plan.links[s], -1};
+      it.seqs = plan.lead[s];
+      plan.items.push_back(it);
+      return;
+    }
     const int32_t k0 = lo / part, k1 = (hi - 1) / part, parts = k1 - k0 + 1;
     const int32_t per = static_cast<int32_t>(std::min(cap, fit(i0, i1)));
     const int32_t groups = static_cast<int32_t>((heads + per - 1) / per);
@@ -271,7 +455,12 @@ Status paged_attention(const PagedAttentionParams& p) {
   // Small calls stay on one thread: a parallel region costs ~5 us idle and, when the machine is
   // oversubscribed, waits for a descheduled worker (a 1-token decode took 33 ms on 2 threads
   // against 7 us on one, on the shared 2-core box).
-  make_plan(p, group, cpu::max_threads(), plan);
+  // Shared-prefix groups run on the fp32-math runner (run_group), not the bf16 one.
+#if defined(__AVX512BF16__)
+  make_plan(p, group, cpu::max_threads(), !bf16_body, plan);
+#else
+  make_plan(p, group, cpu::max_threads(), true, plan);
+#endif
   float* partials = plan.partials.data();
   const int64_t num_items = static_cast<int64_t>(plan.items.size());
   const int64_t num_merges = static_cast<int64_t>(plan.merges.size());
@@ -293,7 +482,11 @@ Status paged_attention(const PagedAttentionParams& p) {
         run_item_bf16<kTile>(c, plan.items[i], nx, partials);
       else
 #endif
-      if (p.head_dim <= kSmallDim)
+      if (plan.items[i].seqs > 1 && p.head_dim <= kSmallDim)
+        run_group<kSmallTile>(c, plan.items[i], nx);
+      else if (plan.items[i].seqs > 1)
+        run_group<kTile>(c, plan.items[i], nx);
+      else if (p.head_dim <= kSmallDim)
         run_item<kSmallTile>(c, plan.items[i], nx, partials);
       else
         run_item<kTile>(c, plan.items[i], nx, partials);

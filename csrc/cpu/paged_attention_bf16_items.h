@@ -137,6 +137,31 @@ CBK_ALWAYS_INLINE void decode_tile_bf16(const PagedAttentionParams& p, const bf1
   pf.step(pf_quota);
 }
 
+// Head h's K/V rows of a 16-key tile as the runners read them: row j at k[j] + koff (v[j] +
+// voff). A whole tile reads the cache rows themselves (koff/voff: the head's offset); a tile cut
+// by the item's range [jl, jh) reads kz/vz, filled with the head's rows inside the range and
+// `zero` (a zero row) outside it.
+struct HeadRows {
+  const char* const* k;
+  const char* const* v;
+  int64_t koff, voff;
+};
+
+CBK_ALWAYS_INLINE HeadRows head_rows(const Ctx& c, const char* const* krow,
+                                     const char* const* vrow, int64_t h, int jl, int jh,
+                                     bool whole, const void* zero, const char** kz,
+                                     const char** vz) {
+  const int64_t koff = h * c.k_head, voff = h * c.v_head;
+  if (whole) return HeadRows{krow, vrow, koff, voff};
+  const char* z = static_cast<const char*>(zero);
+  for (int j = 0; j < 16; ++j) {
+    const bool in = j >= jl && j < jh;
+    kz[j] = in ? krow[j] + koff : z;
+    vz[j] = in ? vrow[j] + voff : z;
+  }
+  return HeadRows{kz, vz, 0, 0};
+}
+
 // The decode item of 16-key tiles and up to 4 rows a head (decode_tile_bf16 per head and tile).
 template <int R>
 void run_item_decode_bf16(const Ctx& c, const Item& it, const Item* next, const ItemRows& g,
@@ -160,20 +185,10 @@ void run_item_decode_bf16(const Ctx& c, const Item& it, const Item* next, const 
     const char* kz[16];
     const char* vz[16];
     for (int64_t h = 0; h < heads; ++h) {
-      const char* const* kr = krow;
-      const char* const* vr = vrow;
-      int64_t koff = h * c.k_head, voff = h * c.v_head;
-      if (!whole) {    // keys outside the item's range read a zero row
-        const char* zero = reinterpret_cast<const char*>(s.zero);
-        for (int j = 0; j < 16; ++j) {
-          const bool in = j >= jl && j < jh;
-          kz[j] = in ? krow[j] + koff : zero;
-          vz[j] = in ? vrow[j] + voff : zero;
-        }
-        kr = kz;
-        vr = vz;
-        koff = voff = 0;
-      }
+      const HeadRows hr = head_rows(c, krow, vrow, h, jl, jh, whole, s.zero, kz, vz);
+      const char* const* kr = hr.k;
+      const char* const* vr = hr.v;
+      const int64_t koff = hr.koff, voff = hr.voff;
       decode_tile_bf16<R>(p, qpack + h * 4 * d, kr, koff, vr, voff, jl / 4 * 4, jh, jl / 2,
                           (jh + 1) / 2, tm, ml + h * 32, s.f.os + h * R * d, pf, pf_quota);
     }
@@ -379,20 +394,10 @@ void run_item_prefill_bf16(const Ctx& c, const Item& it, const Item* next, const
     for (int64_t b = 0; b < blocks; ++b)
       bms[b] = block_mask(p, brs[b], t0, lo, hi);
     for (int64_t h = 0; h < heads; ++h) {
-      const char* const* kr = krow;
-      const char* const* vr = vrow;
-      int64_t koff = h * c.k_head, voff = h * c.v_head;
-      if (!whole) {
-        const char* zero = reinterpret_cast<const char*>(s.zero);
-        for (int j = 0; j < 16; ++j) {
-          const bool in = j >= jl && j < jh;
-          kz[j] = in ? krow[j] + koff : zero;
-          vz[j] = in ? vrow[j] + voff : zero;
-        }
-        kr = kz;
-        vr = vz;
-        koff = voff = 0;
-      }
+      const HeadRows hr = head_rows(c, krow, vrow, h, jl, jh, whole, s.zero, kz, vz);
+      const char* const* kr = hr.k;
+      const char* const* vr = hr.v;
+      const int64_t koff = hr.koff, voff = hr.voff;
       for (int64_t b = 0; b < blocks; ++b) {
         const uint32_t* q = qt.data() + (h * blocks + b) * d * 8;
         for (int j = jl / 8 * 8; j < jh; j += 8, pf.step(16 * pf_quota))

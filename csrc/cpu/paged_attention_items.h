@@ -31,9 +31,15 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // times the query heads of kv heads [h0, h1), over KV positions [kv_begin, kv_end). Row r is
 // kv head h0 + r / rows_per_head, then q token i0 + (r % rows_per_head) / group, then query head
 // r % group of that kv head's group.
+//
+// A shared-prefix group (seqs > 1, fp32-math runner only): the decode rows of sequences
+// [seq, seq + seqs), all kv heads, whose block tables hold positions [kv_begin = 0, kv_end) in
+// the same physical blocks; each sequence then goes on over its own tail [kv_end, seq_len).
+// Row (h * seqs + i) * group + gq is query head h * group + gq of sequence seq + i.
 struct Item {
   int32_t seq, h0, h1, i0, i1, kv_begin, kv_end;
   int64_t partial;  // offset of this item's partial result in the workspace; -1: write `out`
+  int32_t seqs = 1;
 };
 
 // Items that split one (chunk, kv heads) across partitions: first, first+stride, ...
@@ -47,6 +53,10 @@ struct Plan {
   std::vector<Merge> merges;
   std::vector<float> partials;  // grows to the largest batch seen, never shrinks
   int64_t work = 0;  // sum over items of rows x keys
+  // Per sequence: the prefix it reads from the same blocks as the sequence before it (0: none
+  // or not groupable), and its shared-prefix group's size where it leads one (1: no group,
+  // 0: inside another's).
+  std::vector<int32_t> links, lead;
 };
 
 // Per-thread scratch, reused across calls: query rows, outputs, scores, K/V tiles.
@@ -118,14 +128,17 @@ inline int64_t prefetch_calls(const ItemRows& g) {
   return g.heads * ((g.per_head + 1) / 2) * (kTile / 4 + 1);
 }
 
-// The softmax denominator of row r of item `it`: its running sum, plus the row's sink term
-// exp(sink - max) where attention sinks are on (the sink's value row is zero, so only the
-// denominator changes; max is the row's running max, which the sink need not raise).
+// The softmax denominator of a row of query head `head` (head_denominator) or of row r of item
+// `it`: its running sum, plus the row's sink term exp(sink - max) where attention sinks are on
+// (the sink's value row is zero, so only the denominator changes; max is the row's running max,
+// which the sink need not raise).
+inline float head_denominator(const Ctx& c, int64_t head, float m, float l) {
+  return c.p.sinks == nullptr ? l : l + std::exp(c.p.sinks[head] - m);
+}
+
 inline float denominator(const Ctx& c, const Item& it, int64_t r, float m, float l) {
-  if (c.p.sinks == nullptr) return l;
   const int64_t per_head = (it.i1 - it.i0) * c.group;
-  const int64_t head = (it.h0 + r / per_head) * c.group + r % per_head % c.group;
-  return l + std::exp(c.p.sinks[head] - m);
+  return head_denominator(c, (it.h0 + r / per_head) * c.group + r % per_head % c.group, m, l);
 }
 
 // Online-softmax step of rows [r0, r1) over one tile: scores in ss become probabilities,
@@ -133,7 +146,7 @@ inline float denominator(const Ctx& c, const Item& it, int64_t r, float m, float
 // the tile are the ones a row at position pos sees; masking runs only where that is not the
 // whole tile.
 template <int kTile>
-inline void softmax_tile(const PagedAttentionParams& p, int64_t r0, int64_t r1, int64_t per_head,
+CBK_ALWAYS_INLINE void softmax_tile(const PagedAttentionParams& p, int64_t r0, int64_t r1, int64_t per_head,
                          int64_t group, int32_t pos0, int32_t t0, int32_t lo, int32_t hi,
                          float* ss, float* ms, float* ls, float* alphas) {
   for (int64_t r8 = r0; r8 < r1; r8 += 8) {
