@@ -109,18 +109,25 @@ class _Derived:
 def _fused_norm(norm, dtype, weight_len: int, grouped: bool) -> bool:
     """Whether `norm` is transformers' RMSNormGated that ops.gated_rms_norm computes: Qwen3-Next's
     (grouped False: per value head, SiLU gate after the norm) or the Mamba-2 mixers' (grouped:
-    `group_size`, the gate first), its weight [weight_len] of the layer's dtype. Else the layer
-    keeps calling it (the construction probe checks the result either way), as it does where
-    the op's fast body does not run (`gated_rms_norm_fast`)."""
+    the gate first, over `_norm_group(norm)` elements), its weight [weight_len] of the layer's
+    dtype. Else the layer keeps calling it (the construction probe checks the result either
+    way), as it does where the op's fast body does not run (`gated_rms_norm_fast`)."""
     weight = getattr(norm, "weight", None)
     return (gated_rms_norm_fast()
             and type(norm).__name__.endswith("RMSNormGated")
-            and hasattr(norm, "group_size") == grouped
+            and (grouped or not hasattr(norm, "group_size"))
             and getattr(norm, "activation", "silu") == "silu"
             and isinstance(getattr(norm, "variance_epsilon", None), float)
             and isinstance(weight, torch.Tensor) and weight.dtype == dtype
             and tuple(weight.shape) == (weight_len,))
 
+
+
+def _norm_group(norm) -> int:
+    """Elements a Mamba-2 mixer's gated norm normalises together: its `group_size` where it has
+    one (transformers 5.24: intermediate_size // n_groups); transformers 5.17's
+    MambaRMSNormGated has none and normalises the whole row."""
+    return getattr(norm, "group_size", norm.weight.shape[0])
 
 class GatedDeltaNetKernels:
     """The replacement forward of one gated delta-net module on its pool entry (conv state 0
@@ -287,7 +294,7 @@ class Mamba2Kernels:
             return f"its in_proj width {width} is not gate + xBC + dt"
         if not _fused_norm(m.norm, dtype, m.intermediate_size, grouped=True):
             return "its gated norm is not the one ops.gated_rms_norm computes fast here"
-        if m.intermediate_size % m.norm.group_size or m.num_heads % m.n_groups:
+        if m.intermediate_size % _norm_group(m.norm) or m.num_heads % m.n_groups:
             return "its norm groups or head groups do not divide"
         if m.conv1d.bias is not None and m.conv1d.bias.dtype != dtype:
             return "its conv bias has another dtype"
@@ -304,7 +311,7 @@ class Mamba2Kernels:
                 projected, m.conv1d.weight.squeeze(1), m.conv1d.bias, self.conv_state,
                 self.state, neg_a, d, dt_bias, m.norm.weight, rows.slots, rows.cu_seqlens,
                 rows.has_state, m.num_heads, m.head_dim, m.n_groups, m.ssm_state_size,
-                m.norm.group_size, m.norm.variance_epsilon)
+                _norm_group(m.norm), m.norm.variance_epsilon)
             return _linear(runs, m.out_proj, y[None])
         gate, xbc, dt = projected.split([m.intermediate_size, m.conv_dim, m.num_heads], dim=-1)
         conv = ops.causal_conv1d_unchecked(xbc, m.conv1d.weight.squeeze(1), m.conv1d.bias,
@@ -322,7 +329,7 @@ class Mamba2Kernels:
         if gate.dtype == y.dtype and _fused_norm(m.norm, y.dtype, m.intermediate_size,
                                                  grouped=True):
             y = gated_rms_norm_unchecked(y, gate, m.norm.weight, m.norm.variance_epsilon,
-                                         torch.empty_like(y), m.norm.group_size, False,
+                                         torch.empty_like(y), _norm_group(m.norm), False,
                                          gate_token_stride=gate.stride(0))
         else:
             y = m.norm(y[None], gate[None])[0]
@@ -339,7 +346,7 @@ class Mamba2Kernels:
             x, norm.weight, norm.variance_epsilon, in_proj, out_proj, m.conv1d.weight.squeeze(1),
             m.conv1d.bias, self.conv_state, self.state, neg_a, d, dt_bias, m.norm.weight,
             rows.slots, rows.cu_seqlens, rows.has_state, m.num_heads, m.head_dim, m.n_groups,
-            m.ssm_state_size, m.norm.group_size, m.norm.variance_epsilon)
+            m.ssm_state_size, _norm_group(m.norm), m.norm.variance_epsilon)
 
     @staticmethod
     def state_shape(module) -> tuple:

@@ -313,8 +313,9 @@ int32_t shared_prefix(const PagedAttentionParams& p, int32_t a, int32_t b, int32
 
 // Fills plan.lead and plan.links with the shared-prefix groups (run_group): runs of
 // consecutive decode rows of one KV partition and no sliding window, each sharing with the row
-// before at least the prefix (one tile or more) its first two rows share, at most max_seqs long. Groups are cut shorter until the
-// batch has 4 items a busy thread (base_items: its items without groups). Returns whether any.
+// before at least the prefix (one tile or more) its first two rows share, at most max_seqs
+// long. Groups are cut shorter until the batch has 4 items a busy thread (base_items: its items
+// without groups). Returns whether any.
 bool find_groups(const PagedAttentionParams& p, int32_t tile, int32_t part, int64_t base_items,
                  int64_t busy, Plan& plan) {
   const int32_t n = p.num_seqs;
