@@ -56,5 +56,6 @@ PYBIND11_MODULE(_C, m) {
   bind_gated_rms_norm(m);
   bind_offset_rms_norm(m);
   bind_fused_hybrid(m);
+  bind_fused_gated_attention(m);
   bind_paged_attention_cuda(m);
 }

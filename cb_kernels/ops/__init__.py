@@ -9,6 +9,7 @@ from cb_kernels.ops.causal_conv1d import causal_conv1d, causal_conv1d_unchecked
 from cb_kernels.ops.copy_blocks import copy_blocks
 from cb_kernels.ops.fused_decoder import FusedDecoder
 from cb_kernels.ops.fused_hybrid import gated_delta_net, mamba2_mixer
+from cb_kernels.ops.gated_attention import gated_attention_block
 from cb_kernels.ops.gated_delta_rule import gated_delta_rule, gated_delta_rule_unchecked
 from cb_kernels.ops.gated_rms_norm import gated_rms_norm
 from cb_kernels.ops.greedy_head import GreedyHead
@@ -33,4 +34,5 @@ __all__ = ["available_backends", "paged_attention", "paged_attention_unchecked",
            "rope_write_kv_", "rope_write_kv_unchecked", "FusedDecoder", "gated_delta_rule",
            "gated_delta_rule_unchecked", "causal_conv1d", "causal_conv1d_unchecked", "selective_scan",
            "PackedExperts", "moe_experts", "gated_rms_norm", "sample_tokens",
-           "offset_rms_norm", "moe_route", "gated_delta_net", "mamba2_mixer"]
+           "offset_rms_norm", "moe_route", "gated_delta_net", "mamba2_mixer",
+           "gated_attention_block"]

@@ -1,0 +1,287 @@
+// Qwen3-Next's full-attention layer up to its MLP in one call (cb_kernels/fused_gated_attention.h
+// says what it computes).
+//
+// Why: runner/hybrid_layers.py ran this layer as ~15 calls from Python a step: the input norm,
+// the packed q(+gate)/k/v GEMM, the split, q_norm and k_norm (each after a reshape copy), rotary
+// on q and on k, the KV write, paged attention, the gate's reshape copy, sigmoid and multiply,
+// o_proj and the post norm. At 16 decode rows each costs ~8-25 us of wrapper, allocation or
+// torch dispatch whatever its size, serial at any thread count: with two threads that glue
+// does not shrink, and it bounded the step's 2-thread speed-up (bench/RESULTS.md "Where a step
+// goes"). Here the kernels run back to back on a workspace the caller owns; the copies and the
+// gate are loops over a few thousand elements.
+//
+// Built portable only: the loops here are copies and one multiply per element; the kernels
+// inside dispatch to their own AVX-512 bodies (`isa` caps them all, for tests).
+#include "cb_kernels/fused_gated_attention.h"
+
+#include <cstring>
+
+#include "bf16_scalar.h"  // widen, rne
+#include "cb_kernels/cache_ops.h"
+#include "cb_kernels/elementwise.h"
+#include "cb_kernels/linear.h"
+#include "cb_kernels/offset_rms_norm.h"
+#include "cb_kernels/paged_attention.h"
+
+namespace cbk {
+namespace cpu {
+namespace {
+
+using cpu_portable::rne;
+using cpu_portable::widen;
+
+constexpr int64_t align64(int64_t n) { return (n + 63) / 64 * 64; }
+
+// The workspace, in this order (qkv first: the caller reads it between the two halves).
+struct Buffers {
+  char *qkv, *h, *q_in, *q, *k_in, *k, *attn, *o;
+};
+
+struct Widths {
+  int64_t q, kv, qkv;  // q: num_heads head_dim; kv: num_kv_heads head_dim; qkv: the GEMM's
+};
+
+Widths widths(const GatedAttentionParams& p) {
+  const int64_t q = p.num_heads * p.head_dim, kv = p.num_kv_heads * p.head_dim;
+  return {q, kv, 2 * q + 2 * kv};
+}
+
+Buffers buffers(const GatedAttentionParams& p) {
+  const int64_t n = p.num_tokens, es = dtype_size(p.dtype);
+  const Widths w = widths(p);
+  Buffers b;
+  b.qkv = static_cast<char*>(p.workspace);
+  b.h = b.qkv + align64(n * w.qkv * es);
+  b.q_in = b.h + align64(n * p.hidden * es);
+  b.q = b.q_in + align64(n * w.q * es);
+  b.k_in = b.q + align64(n * w.q * es);
+  b.k = b.k_in + align64(n * w.kv * es);
+  b.attn = b.k + align64(n * w.kv * es);
+  b.o = b.attn + align64(n * w.q * es);
+  return b;
+}
+
+// y [m, n] = x [m, k] @ W^T (+ bias) on a packed weight of the dtype, rows packed.
+Status packed_linear(DType dt, const void* x, int64_t m, int64_t k, const void* packed, int64_t n,
+                     const float* bias, void* y, Isa isa) {
+  if (dt == DType::kBFloat16)
+    return linear_bf16(linear_params<LinearBf16Params, uint16_t>(x, m, k, k, packed, n, bias, y, n),
+                       isa);
+  return linear(linear_params<LinearParams, float>(x, m, k, k, packed, n, bias, y, n), isa);
+}
+
+// out [rows, dim] packed = offset_rms_norm(x) (x += residual first, when given).
+Status norm(const GatedAttentionParams& p, void* x, const void* residual, const void* weight,
+            float eps, void* out, int64_t rows, int64_t dim, Isa isa) {
+  OffsetRmsNormParams r;
+  r.x = x;
+  r.residual = residual;
+  r.weight = weight;
+  r.out = out;
+  r.rows = rows, r.dim = dim, r.x_stride = r.residual_stride = dim;
+  r.eps = eps;
+  r.dtype = p.dtype;
+  return offset_rms_norm(r, isa);
+}
+
+// dst [tokens, heads, len] packed = src's rows: token t, head h at src + t * token_stride +
+// h * head_stride (elements). The separate calls' reshape copies before q_norm / k_norm.
+void gather_heads(char* dst, const char* src, int64_t tokens, int64_t heads, int64_t len,
+                  int64_t token_stride, int64_t head_stride, int64_t es) {
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t h = 0; h < heads; ++h)
+      std::memcpy(dst + (t * heads + h) * len * es, src + (t * token_stride + h * head_stride) * es,
+                  len * es);
+}
+
+Status rope_heads(const GatedAttentionParams& p, void* x, int64_t heads, Isa isa) {
+  RopeParams r;
+  r.x = x;
+  r.cos = p.cos;
+  r.sin = p.sin;
+  r.tokens = p.num_tokens;
+  r.heads = heads;
+  r.head_dim = p.rotary_dim;
+  r.token_stride = heads * p.head_dim;
+  r.head_stride = p.head_dim;
+  r.dtype = p.dtype;
+  return rope(r, isa);
+}
+
+// attn [n, num_heads head_dim] *= sigmoid(gate), in the dtype (torch's mul_: the product of the
+// two values in fp32, rounded once). The gate of token t, head h: qkv + t * qkv width +
+// h * 2 head_dim + head_dim.
+Status apply_gate(const GatedAttentionParams& p, const Buffers& b) {
+  const int64_t n = p.num_tokens, hd = p.head_dim, heads = p.num_heads;
+  const Widths w = widths(p);
+  if (p.dtype == DType::kFloat32) {
+    if (!p.gate_sigmoid) return Status::Error("gated_attention: fp32 needs gate_sigmoid");
+    float* a = reinterpret_cast<float*>(b.attn);
+    const float* s = static_cast<const float*>(p.gate_sigmoid);
+    for (int64_t i = 0; i < n * w.q; ++i) a[i] *= s[i];
+    return Status::Ok();
+  }
+  uint16_t* a = reinterpret_cast<uint16_t*>(b.attn);
+  if (p.gate_sigmoid) {
+    const uint16_t* s = static_cast<const uint16_t*>(p.gate_sigmoid);
+    for (int64_t i = 0; i < n * w.q; ++i)
+      a[i] = static_cast<uint16_t>(rne(widen(a[i]) * widen(s[i])) >> 16);
+    return Status::Ok();
+  }
+  if (!p.sigmoid_table) return Status::Error("gated_attention: need gate_sigmoid or sigmoid_table");
+  const uint16_t* table = p.sigmoid_table;
+  const uint16_t* qkv = reinterpret_cast<const uint16_t*>(b.qkv);
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t h = 0; h < heads; ++h) {
+      const uint16_t* g = qkv + t * w.qkv + h * 2 * hd + hd;
+      uint16_t* at = a + (t * heads + h) * hd;
+      for (int64_t i = 0; i < hd; ++i)
+        at[i] = static_cast<uint16_t>(rne(widen(at[i]) * widen(table[g[i]])) >> 16);
+    }
+  return Status::Ok();
+}
+
+// The paged attention call of the separate path: q and out packed [n, num_heads, head_dim].
+PagedAttentionParams attention_params(const GatedAttentionParams& p, const Buffers& b) {
+  PagedAttentionParams a;
+  a.q = b.q;
+  a.out = b.attn;
+  a.k_cache = p.k_cache;
+  a.v_cache = p.v_cache;
+  a.block_tables = p.block_tables;
+  a.seq_lens = p.seq_lens;
+  a.cu_seqlens_q = p.cu_seqlens_q;
+  a.num_tokens = p.num_tokens;
+  a.num_seqs = p.num_seqs;
+  a.num_heads = p.num_heads;
+  a.num_kv_heads = p.num_kv_heads;
+  a.head_dim = p.head_dim;
+  a.block_size = p.block_size;
+  a.num_blocks = p.num_blocks;
+  a.max_blocks_per_seq = p.max_blocks_per_seq;
+  a.block_table_stride = p.block_table_stride;
+  a.q_stride_token = a.out_stride_token = p.num_heads * p.head_dim;
+  a.q_stride_head = a.out_stride_head = p.head_dim;
+  a.k_stride_block = p.k_stride[0];
+  a.k_stride_token = p.k_stride[1];
+  a.k_stride_head = p.k_stride[2];
+  a.v_stride_block = p.v_stride[0];
+  a.v_stride_token = p.v_stride[1];
+  a.v_stride_head = p.v_stride[2];
+  a.dtype = p.dtype;
+  a.scale = p.scale;
+  return a;
+}
+
+// The index tensors the attention trusts (ops/gated_attention.py checks them with messages;
+// this keeps a bad index on the engine's unchecked path from reading out of bounds, and runs
+// before anything is written).
+Status check_indices(const GatedAttentionParams& p, const Buffers& b) {
+  if (p.num_seqs <= 0 || !paged_attention_index_error(attention_params(p, b)).empty())
+    return Status::Error("gated_attention: invalid block_tables, seq_lens or cu_seqlens_q");
+  return Status::Ok();
+}
+
+Status check(const GatedAttentionParams& p) {
+  if (p.dtype != DType::kFloat32 && p.dtype != DType::kBFloat16)
+    return Status::Error("gated_attention: dtype must be float32 or bfloat16");
+  if (p.num_tokens < 0 || p.hidden <= 0 || p.num_heads <= 0 || p.num_kv_heads <= 0 ||
+      p.num_heads % p.num_kv_heads || p.head_dim <= 0 || p.rotary_dim < 0 || p.rotary_dim % 2 ||
+      p.rotary_dim > p.head_dim)
+    return Status::Error("gated_attention: need hidden, head_dim > 0, num_heads a multiple of "
+                         "num_kv_heads > 0, rotary_dim even in [0, head_dim]");
+  if (p.num_tokens > 0 &&
+      (!p.x || !p.in_norm_weight || !p.post_norm_weight || !p.q_norm_weight || !p.k_norm_weight ||
+       !p.qkv_packed || !p.o_packed || !p.k_cache || !p.v_cache || !p.slot_mapping ||
+       !p.block_tables || !p.seq_lens || !p.cu_seqlens_q || !p.h_out || !p.workspace ||
+       (p.rotary_dim > 0 && (!p.cos || !p.sin))))
+    return Status::Error("gated_attention: null pointer");
+  return Status::Ok();
+}
+
+}  // namespace
+
+int64_t gated_attention_workspace_bytes(const GatedAttentionParams& p) {
+  const int64_t n = p.num_tokens, es = dtype_size(p.dtype);
+  const Widths w = widths(p);
+  return align64(n * w.qkv * es) + 2 * align64(n * p.hidden * es) + 3 * align64(n * w.q * es) +
+         2 * align64(n * w.kv * es);
+}
+
+Status gated_attention_qkv(const GatedAttentionParams& p, Isa isa) {
+  if (const Status s = check(p); !s.ok()) return s;
+  if (p.num_tokens == 0) return Status::Ok();
+  const Buffers b = buffers(p);
+  if (const Status s = check_indices(p, b); !s.ok()) return s;
+  if (const Status s = norm(p, p.x, p.pending, p.in_norm_weight, p.in_norm_eps, b.h, p.num_tokens,
+                            p.hidden, isa);
+      !s.ok())
+    return s;
+  return packed_linear(p.dtype, b.h, p.num_tokens, p.hidden, p.qkv_packed, widths(p).qkv,
+                       p.qkv_bias, b.qkv, isa);
+}
+
+Status gated_attention_rest(const GatedAttentionParams& p, Isa isa) {
+  if (const Status s = check(p); !s.ok()) return s;
+  const int64_t n = p.num_tokens, hd = p.head_dim, es = dtype_size(p.dtype);
+  if (n == 0) return Status::Ok();
+  const Buffers b = buffers(p);
+  const Widths w = widths(p);
+
+  if (const Status s = check_indices(p, b); !s.ok()) return s;
+
+  // q and k out of the GEMM's rows, packed (the separate calls' reshape copies), normed per head.
+  gather_heads(b.q_in, b.qkv, n, p.num_heads, hd, w.qkv, 2 * hd, es);
+  gather_heads(b.k_in, b.qkv + 2 * w.q * es, n, p.num_kv_heads, hd, w.qkv, hd, es);
+  if (const Status s = norm(p, b.q_in, nullptr, p.q_norm_weight, p.q_norm_eps, b.q,
+                            n * p.num_heads, hd, isa);
+      !s.ok())
+    return s;
+  if (const Status s = norm(p, b.k_in, nullptr, p.k_norm_weight, p.k_norm_eps, b.k,
+                            n * p.num_kv_heads, hd, isa);
+      !s.ok())
+    return s;
+  if (p.rotary_dim > 0) {
+    if (const Status s = rope_heads(p, b.q, p.num_heads, isa); !s.ok()) return s;
+    if (const Status s = rope_heads(p, b.k, p.num_kv_heads, isa); !s.ok()) return s;
+  }
+
+  WriteKvParams kv;
+  kv.key = b.k;
+  kv.value = b.qkv + (2 * w.q + w.kv) * es;
+  kv.k_cache = static_cast<char*>(p.k_cache);
+  kv.v_cache = static_cast<char*>(p.v_cache);
+  kv.slot_mapping = p.slot_mapping;
+  kv.num_tokens = n;
+  kv.num_kv_heads = p.num_kv_heads;
+  kv.block_size = p.block_size;
+  kv.num_slots = p.num_blocks * p.block_size;
+  kv.row_bytes = hd * es;
+  kv.key_stride[0] = w.kv * es;
+  kv.key_stride[1] = hd * es;
+  kv.value_stride[0] = w.qkv * es;
+  kv.value_stride[1] = hd * es;
+  for (int i = 0; i < 3; ++i) {
+    kv.k_cache_stride[i] = p.k_stride[i] * es;
+    kv.v_cache_stride[i] = p.v_stride[i] * es;
+  }
+  if (const Status s = write_kv(kv); !s.ok()) return s;
+  if (const Status s = paged_attention(attention_params(p, b), isa); !s.ok()) return s;
+  if (const Status s = apply_gate(p, b); !s.ok()) return s;
+  if (const Status s = packed_linear(p.dtype, b.attn, n, w.q, p.o_packed, p.hidden, p.o_bias, b.o,
+                                     isa);
+      !s.ok())
+    return s;
+  return norm(p, p.x, b.o, p.post_norm_weight, p.post_norm_eps, p.h_out, n, p.hidden, isa);
+}
+
+Status gated_attention_block(const GatedAttentionParams& p, Isa isa) {
+  if (p.dtype != DType::kBFloat16 || !p.sigmoid_table)
+    return Status::Error("gated_attention_block: one call needs bf16 and sigmoid_table (fp32: "
+                         "gated_attention_qkv, the gate's sigmoid, gated_attention_rest)");
+  if (const Status s = gated_attention_qkv(p, isa); !s.ok()) return s;
+  return gated_attention_rest(p, isa);
+}
+
+}  // namespace cpu
+}  // namespace cbk
