@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from cb_kernels import ops
+from cb_kernels.ops.gated_attention import gated_attention_block_unchecked
 from cb_kernels.ops.moe import moe_route_unchecked
 from cb_kernels.ops.offset_rms_norm import offset_rms_norm_unchecked
 from cb_kernels.runner import hybrid_kernels
@@ -46,6 +47,9 @@ logger = logging.getLogger("cb_kernels")
 
 # False: every step keeps transformers' forward (benchmarks and tests compare the two).
 ENABLED = True
+# False: Qwen3-Next's attention layers run as separate calls, not one ops.gated_attention_block
+# call each (benchmarks and tests compare the two).
+FUSED_ATTENTION = True
 
 
 class _Mismatch(Exception):
@@ -161,6 +165,12 @@ class _Qwen3NextLayer:
             self.splits = [2 * q_size, kv_size, kv_size]
             if self.qkv.splits != self.splits:
                 raise _Mismatch(f"layer {idx}'s q/k/v widths {self.qkv.splits}")
+            # Up to its MLP in one call where both projections are on our GEMM (their packed
+            # weights are what the call reads), else the separate calls.
+            self.why_not_fused = "" if self.qkv.lin is not None and self.o.lin is not None \
+                else "its projections are not on ops.PackedLinear"
+            if self.why_not_fused:
+                logger.info("layer %d's attention: separate calls (%s)", idx, self.why_not_fused)
         else:
             raise _Mismatch(f"layer type {layer.block_type!r}")
         mlp = layer.mlp
@@ -196,8 +206,23 @@ class _Qwen3NextLayer:
         lins = tuple(g.lin for g in self.groups)
         return None if any(lin is None for lin in lins) else lins
 
-    def attention(self, h, cos, sin, step) -> torch.Tensor:
-        """Qwen3NextAttention on the paged cache: h [T, hidden] -> [T, hidden]."""
+    def attention(self, x, pending, cos, sin, step) -> torch.Tensor:
+        """Qwen3NextDecoderLayer up to its MLP on the paged cache: x [T, hidden] += pending,
+        then += Qwen3NextAttention(in_norm(x)), in place; returns post_norm(x) [T, hidden]. One
+        ops.gated_attention_block call where it fits (the same bits as the calls below)."""
+        k_cache, v_cache = step.layout.k_caches[self.idx], step.layout.v_caches[self.idx]
+        qkv, o = self.qkv.lin, self.o.lin
+        if FUSED_ATTENTION and not self.why_not_fused and qkv is not None and o is not None:
+            norms = [n.module._parameters["weight"] for n in (self.in_norm, self.post_norm,
+                                                               self.q_norm, self.k_norm)]
+            norms = [w if w.is_contiguous() else w.contiguous() for w in norms]
+            return gated_attention_block_unchecked(
+                x, pending, norms[0], norms[1], qkv.packed, qkv.bias, o.packed, o.bias, norms[2],
+                norms[3], cos, sin, k_cache, v_cache, step.slot_mapping, step.block_tables,
+                step.seq_lens, step.cu_seqlens_q, self.num_heads,
+                (self.in_norm.eps, self.post_norm.eps, self.q_norm.eps, self.k_norm.eps),
+                self.scaling)
+        h = self.in_norm(x, pending)
         n, hd = h.shape[0], self.head_dim
         qg, k, v = self.qkv.run(h).split(self.splits, dim=-1)
         qg = qg.view(n, self.num_heads, 2 * hd)
@@ -207,12 +232,11 @@ class _Qwen3NextLayer:
         rd = cos.shape[-1]       # partial rotary: the first rd dims of each head
         ops.rope_(q[..., :rd], cos, sin)
         ops.rope_(k[..., :rd], cos, sin)
-        k_cache, v_cache = step.layout.k_caches[self.idx], step.layout.v_caches[self.idx]
         ops.write_kv_unchecked(k, v, k_cache, v_cache, step.slot_mapping)
         out = ops.paged_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens,
                                   step.cu_seqlens_q, scale=self.scaling, backend="cpu")
         out = out.view(n, -1).mul_(qg[..., hd:].reshape(n, -1).sigmoid())
-        return self.o.run(out)
+        return self.post_norm(x, self.o.run(out))
 
     def mlp(self, h) -> torch.Tensor:
         shared = self.down.run(ops.silu_mul(self.gate_up.run(h)))
@@ -340,11 +364,11 @@ class HybridForward:
                                        layer.post_norm.module, *lins)
                 pending = layer.mlp(h)
                 continue
+            if not layer.linear:         # up to its MLP (one C++ call where it fits)
+                pending = layer.mlp(layer.attention(x, pending, cos, sin, step))
+                continue
             h = layer.in_norm(x, pending)
-            if layer.linear:
-                o = layer.kernel(h[None], rows, layer.runs)[0]
-            else:
-                o = layer.attention(h, cos, sin, step)
+            o = layer.kernel(h[None], rows, layer.runs)[0]
             h = layer.post_norm(x, o)
             pending = layer.mlp(h)
         return self.final_norm(x, pending)

@@ -227,3 +227,67 @@ def test_separate_calls_where_the_fused_middle_does_not_fit(case, why, monkeypat
     if why == "norm-not-fast":
         assert "conv, scan and norm as separate calls (its gated norm" in caplog.text
     assert _run(engine, ps, 5) == want and not called
+
+
+def _count_calls(monkeypatch, module, name):
+    real, seen = getattr(module, name), []
+    monkeypatch.setattr(module, name, lambda *a, **k: seen.append(1) or real(*a, **k))
+    return seen
+
+
+def test_attention_layer_is_one_call_with_generates_tokens(monkeypatch):
+    """Qwen3-Next's full-attention layer up to its MLP runs as one ops.gated_attention_block
+    call a step (chunked prefills beside decodes): generate's tokens."""
+    model = _model("qwen3_next")
+    engine = _engine(model)
+    seen = _count_calls(monkeypatch, hybrid_layers, "gated_attention_block_unchecked")
+    ps = _prompts([3, 14, 6, 19], seed=12)
+    assert _run(engine, ps, 6) == generate_tokens(model, ps, 6)
+    assert len(seen) == engine.stats()["steps"]      # one attention layer in this model
+
+
+@pytest.mark.parametrize("why", ["switched-off", "projections-on-onednn"])
+def test_attention_separate_calls_where_the_one_call_does_not_fit(why, monkeypatch, caplog):
+    """Switched off, or with the projections off our GEMM (the call reads their packed
+    weights), the attention layer keeps the separate calls, logged where it is the layer's
+    fit: generate's tokens."""
+    from cb_kernels.runner import packed_linears
+
+    model = _model("qwen3_next")
+    ps = _prompts([9, 2, 15], seed=13)
+    want = generate_tokens(model, ps, 5)
+    if why == "switched-off":
+        monkeypatch.setattr(hybrid_layers, "FUSED_ATTENTION", False)
+    else:
+        monkeypatch.setattr(packed_linears, "GEMM", "onednn")
+    with caplog.at_level(logging.INFO, logger="cb_kernels"):
+        engine = _engine(model)
+    assert engine.runner.hybrid is not None
+    if why != "switched-off":
+        assert "layer 1's attention: separate calls (its projections are not on " \
+               "ops.PackedLinear)" in caplog.text
+    seen = _count_calls(monkeypatch, hybrid_layers, "gated_attention_block_unchecked")
+    assert _run(engine, ps, 5) == want and not seen
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_attention_one_call_is_the_separate_calls_bits_in_bf16(threads, monkeypatch):
+    """bf16 (the bench's dtype): the one call and the separate calls give the same logprobs
+    bit for bit over decodes and chunked prefills, at one and two threads."""
+    model = _model("qwen3_next").to(torch.bfloat16)
+    ps = _prompts([4, 17, 9, 1], seed=14)
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True, logprobs=3)
+    saved = torch.get_num_threads()
+    runs = []
+    try:
+        torch.set_num_threads(threads)
+        for on in (True, False):
+            monkeypatch.setattr(hybrid_layers, "FUSED_ATTENTION", on)
+            engine = _engine(model)
+            assert engine.runner.hybrid is not None
+            seen = _count_calls(monkeypatch, hybrid_layers, "gated_attention_block_unchecked")
+            runs.append([(o.token_ids, o.outputs[0].logprobs) for o in engine.generate(ps, params)])
+            assert bool(seen) == on
+    finally:
+        torch.set_num_threads(saved)
+    assert runs[0] == runs[1]
