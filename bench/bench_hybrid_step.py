@@ -4,7 +4,7 @@ OpenMP parallel regions a step opens (each a fork/join of the thread team).
 
     python bench/bench_hybrid_step.py [--threads 1,2] [--dtype bfloat16]
         [--shapes qwen3-next-hd128,mamba2-ds128] [--repeats 3] [--json out.json]
-        [--baseline] [--separate]
+        [--baseline] [--separate] [--separate-attention] [--rounds N]
 
 Same models and workload as bench_hybrid.py (16 requests, 16..128-token prompts, 32 new tokens,
 greedy, EOS off). One Engine per shape and thread count, a warm-up generate, then `--repeats`
@@ -29,7 +29,10 @@ best run's, split into its decode steps (every row one token) and the rest. Part
 (runner/hybrid_layers.py off: the path before it, and the one models it does not fit take), in
 the same run, rows "<shape>/<threads>/transformers"; --separate the stateful layers' kernels as
 separate calls with the split and gates in torch (hybrid_kernels.FUSED off), rows
-"<shape>/<threads>/separate".
+"<shape>/<threads>/separate"; --separate-attention Qwen3-Next's attention layers as separate
+calls (hybrid_layers.FUSED_ATTENTION off: the path before ops.gated_attention_block), rows
+"<shape>/<threads>/separate-attention". --rounds N runs the variants N times, alternating (rows
+"...#i"), and ends with each variant's best decode step against the first variant's.
 OpenMP regions are counted by a libgomp shim (LD_PRELOAD, compiled here from the C below with the
 system's cc: GOMP_parallel is what every `#pragma omp parallel` of torch, MKL and cb_kernels._C
 calls); the script re-executes itself with it. Without a C compiler the counts are left out.
@@ -130,7 +133,8 @@ class Meter:
         setattr(owner, name, timed)
 
 
-CALLS = ("fused Mamba-2 blocks", "fused gated delta-net layers", "fused stateful middle",
+CALLS = ("fused Mamba-2 blocks", "fused gated delta-net layers", "fused attention layers",
+         "fused stateful middle",
          "causal_conv1d", "gated_delta_rule", "selective_scan", "gated_rms_norm",
          "packed linears", "moe_experts", "paged attention", "greedy head")
 
@@ -139,7 +143,8 @@ def instrument(meter: Meter) -> None:
     from cb_kernels import ops
     from cb_kernels.engine import step_loop
     from cb_kernels.ops import linear, moe
-    from cb_kernels.runner import attention, hybrid_kernels, lm_head, transformers_runner
+    from cb_kernels.runner import (attention, hybrid_kernels, hybrid_layers, lm_head,
+                                   transformers_runner)
 
     meter.wrap(ops, "causal_conv1d_unchecked", "causal_conv1d")
     meter.wrap(ops, "gated_delta_rule_unchecked", "gated_delta_rule")
@@ -149,6 +154,7 @@ def instrument(meter: Meter) -> None:
     meter.wrap(hybrid_kernels, "mamba2_mixer_unchecked", "fused stateful middle")
     meter.wrap(hybrid_kernels, "mamba2_block_unchecked", "fused Mamba-2 blocks")
     meter.wrap(hybrid_kernels, "gated_delta_net_block_unchecked", "fused gated delta-net layers")
+    meter.wrap(hybrid_layers, "gated_attention_block_unchecked", "fused attention layers")
     meter.wrap(linear.PackedLinear, "run_unchecked", "packed linears")
     meter.wrap(moe.PackedExperts, "run_unchecked", "moe_experts")
     meter.wrap(attention.ops, "paged_attention", "paged attention")
@@ -209,7 +215,7 @@ def split(steps: list) -> dict:
 
 
 def measure(shape: str, dtype, threads: int, repeats: int, meter: Meter,
-            ours: bool = True, fused: bool = True) -> dict:
+            ours: bool = True, fused: bool = True, fused_attention: bool = True) -> dict:
     import torch
     from bench_hybrid import build, workload
     from cb_kernels import Engine, SamplingParams
@@ -218,6 +224,7 @@ def measure(shape: str, dtype, threads: int, repeats: int, meter: Meter,
     torch.set_num_threads(threads)
     hybrid_layers.ENABLED = ours
     hybrid_kernels.FUSED = fused
+    hybrid_layers.FUSED_ATTENTION = fused_attention
     model = build(shape).to(dtype)
     prompts = workload(16, 16, 128)
     params = SamplingParams(max_new_tokens=32, ignore_eos=True)
@@ -244,6 +251,20 @@ def show(shape: str, threads: int, row: dict) -> None:
             print(f"    {part:34s} {v['ms']:8.3f} {v['omp_regions']:8.1f}")
 
 
+def summarize(results: dict) -> None:
+    """Each variant's best decode step over the rounds, and its ratio to the first variant's."""
+    best = {}
+    for key, row in results.items():
+        if "#" in key and "decode" in row:
+            ms = row["decode"]["parts"]["whole step"]["ms"]
+            name = key.split("#")[0]
+            best[name] = min(best.get(name, ms), ms)
+    print("best decode step over the rounds (ms; the first variant's / this one's):")
+    for name, ms in best.items():
+        base = best[name.split("/")[0] + "/" + name.split("/")[1]]
+        print(f"  {name:44s} {ms:8.3f} {base / ms:6.3f}x")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -257,10 +278,16 @@ def main(argv=None) -> int:
     p.add_argument("--separate", action="store_true",
                    help="also run the stateful layers' conv / scan / norm as separate calls "
                         "(hybrid_kernels.FUSED off: the path before ops.fused_hybrid)")
+    p.add_argument("--separate-attention", action="store_true",
+                   help="also run Qwen3-Next's attention layers as separate calls "
+                        "(hybrid_layers.FUSED_ATTENTION off: the path before "
+                        "ops.gated_attention_block)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the variants this many times, alternating (A/B on a noisy host)")
     args = p.parse_args(argv)
     counts = [int(t) for t in args.threads.split(",")]
-    if any(t < 1 for t in counts) or args.repeats < 1:
-        p.error("--threads must be positive counts and --repeats >= 1")
+    if any(t < 1 for t in counts) or args.repeats < 1 or args.rounds < 1:
+        p.error("--threads must be positive counts, --repeats and --rounds >= 1")
     _reexec_with_shim()
     import torch
 
@@ -269,16 +296,22 @@ def main(argv=None) -> int:
     results = {"dtype": args.dtype, "omp_counted": meter.omp.lib is not None}
     for shape in args.shapes.split(","):
         for t in counts:
-            variants = [("", True, True)]
+            variants = [("", True, True, True)]
             if args.separate:
-                variants.append(("/separate", True, False))
+                variants.append(("/separate", True, False, True))
+            if args.separate_attention and shape.startswith("qwen3-next"):
+                variants.append(("/separate-attention", True, True, False))
             if args.baseline:
-                variants.append(("/transformers", False, True))
-            for suffix, ours, fused in variants:
-                key = f"{shape}/{t}{suffix}"
-                row = results[key] = measure(shape, getattr(torch, args.dtype), t,
-                                             args.repeats, meter, ours, fused)
-                show(key, t, row)
+                variants.append(("/transformers", False, True, True))
+            for r in range(args.rounds):
+                for suffix, ours, fused, fused_attention in variants:
+                    key = f"{shape}/{t}{suffix}" + (f"#{r}" if args.rounds > 1 else "")
+                    row = results[key] = measure(shape, getattr(torch, args.dtype), t,
+                                                 args.repeats, meter, ours, fused,
+                                                 fused_attention)
+                    show(key, t, row)
+    if args.rounds > 1:
+        summarize(results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
