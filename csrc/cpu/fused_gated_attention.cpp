@@ -14,6 +14,8 @@
 // inside dispatch to their own AVX-512 bodies (`isa` caps them all, for tests).
 #include "cb_kernels/fused_gated_attention.h"
 
+#include <omp.h>
+
 #include <cstring>
 
 #include "bf16_scalar.h"  // widen, rne
@@ -22,6 +24,7 @@
 #include "cb_kernels/linear.h"
 #include "cb_kernels/offset_rms_norm.h"
 #include "cb_kernels/paged_attention.h"
+#include "threads.h"
 
 namespace cbk {
 namespace cpu {
@@ -35,6 +38,7 @@ constexpr int64_t align64(int64_t n) { return (n + 63) / 64 * 64; }
 // The workspace, in this order (qkv first: the caller reads it between the two halves).
 struct Buffers {
   char *qkv, *h, *q_in, *q, *k_in, *k, *attn, *o;
+  int32_t* cu;  // [num_seqs + 1]: the second part's cu_seqlens_q when the attention is split
 };
 
 struct Widths {
@@ -58,6 +62,7 @@ Buffers buffers(const GatedAttentionParams& p) {
   b.k = b.k_in + align64(n * w.kv * es);
   b.attn = b.k + align64(n * w.kv * es);
   b.o = b.attn + align64(n * w.q * es);
+  b.cu = reinterpret_cast<int32_t*>(b.o + align64(n * p.hidden * es));
   return b;
 }
 
@@ -182,6 +187,49 @@ Status check_indices(const GatedAttentionParams& p, const Buffers& b) {
   return Status::Ok();
 }
 
+// The paged attention kernel keeps a call under 2 x 4096 (query row, key) pairs on one thread
+// (kGrainWork, csrc/cpu/paged_attention_items.h: ~40 us a grain at head_dim 64). At the bench's
+// 16-row decode over ~100-token contexts (4 q heads x 128) that is ~6400 pairs, ~0.3 ms a step
+// in the engine on one thread at any thread count. Its result for a sequence does not depend on
+// the rest of the batch (paged_attention.cpp's contract), so two calls over the two halves of the
+// sequences, one a thread, give the same bits. Below kSplitWork pairs the fork costs more than
+// the half it saves.
+constexpr int64_t kKernelSerialWork = 2 * 4096;
+constexpr int64_t kSplitWork = 1024;
+
+Status run_attention(const GatedAttentionParams& p, const Buffers& b, Isa isa) {
+  const PagedAttentionParams a = attention_params(p, b);
+  const int32_t* cu = p.cu_seqlens_q;
+  int64_t work = 0;
+  for (int64_t i = 0; i < p.num_seqs; ++i)
+    work += int64_t{cu[i + 1] - cu[i]} * p.num_heads * p.seq_lens[i];
+  if (max_threads() < 2 || p.num_seqs < 2 || work < kSplitWork || work >= kKernelSerialWork)
+    return paged_attention(a, isa);
+  int64_t s = 1, done = int64_t{cu[1] - cu[0]} * p.num_heads * p.seq_lens[0];
+  for (; s < p.num_seqs - 1 && 2 * done < work; ++s)
+    done += int64_t{cu[s + 1] - cu[s]} * p.num_heads * p.seq_lens[s];
+  PagedAttentionParams second = a;
+  const int64_t t0 = cu[s], es = dtype_size(p.dtype);
+  for (int64_t i = s; i <= p.num_seqs; ++i) b.cu[i - s] = cu[i] - cu[s];
+  second.q = static_cast<const char*>(a.q) + t0 * a.q_stride_token * es;
+  second.out = static_cast<char*>(a.out) + t0 * a.out_stride_token * es;
+  second.block_tables = a.block_tables + s * a.block_table_stride;
+  second.seq_lens = a.seq_lens + s;
+  second.cu_seqlens_q = b.cu;
+  second.num_seqs = p.num_seqs - s;
+  second.num_tokens = p.num_tokens - t0;
+  PagedAttentionParams first = a;
+  first.num_seqs = s;
+  first.num_tokens = t0;
+  Status st[2];
+#pragma omp parallel num_threads(2)
+  {  // (a team of one, where OpenMP gives no second thread, runs both parts)
+    for (int part = omp_get_thread_num(); part < 2; part += omp_get_num_threads())
+      st[part] = paged_attention(part == 0 ? first : second, isa);
+  }
+  return st[0].ok() ? st[1] : st[0];
+}
+
 Status check(const GatedAttentionParams& p) {
   if (p.dtype != DType::kFloat32 && p.dtype != DType::kBFloat16)
     return Status::Error("gated_attention: dtype must be float32 or bfloat16");
@@ -205,7 +253,7 @@ int64_t gated_attention_workspace_bytes(const GatedAttentionParams& p) {
   const int64_t n = p.num_tokens, es = dtype_size(p.dtype);
   const Widths w = widths(p);
   return align64(n * w.qkv * es) + 2 * align64(n * p.hidden * es) + 3 * align64(n * w.q * es) +
-         2 * align64(n * w.kv * es);
+         2 * align64(n * w.kv * es) + align64((p.num_seqs + 1) * 4);
 }
 
 Status gated_attention_qkv(const GatedAttentionParams& p, Isa isa) {
@@ -266,7 +314,7 @@ Status gated_attention_rest(const GatedAttentionParams& p, Isa isa) {
     kv.v_cache_stride[i] = p.v_stride[i] * es;
   }
   if (const Status s = write_kv(kv); !s.ok()) return s;
-  if (const Status s = paged_attention(attention_params(p, b), isa); !s.ok()) return s;
+  if (const Status s = run_attention(p, b, isa); !s.ok()) return s;
   if (const Status s = apply_gate(p, b); !s.ok()) return s;
   if (const Status s = packed_linear(p.dtype, b.attn, n, w.q, p.o_packed, p.hidden, p.o_bias, b.o,
                                      isa);

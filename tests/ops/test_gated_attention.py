@@ -25,6 +25,9 @@ CASES = {
     "bench-decode-16": (256, 4, 2, 128, 32, 16, False, [(1, 17 + 9 * i) for i in range(16)]),
     "gqa3-mixed-awkward": (72, 6, 2, 40, 10, 4, False, [(7, 0), (1, 13), (5, 6), (1, 2)]),
     "one-row-full-rotary-bias": (64, 2, 1, 16, 16, 8, True, [(1, 5)]),
+    # ~1950 (query row, key) pairs: at two threads the attention runs as two calls of two and
+    # three sequences, prefill chunks on both sides
+    "split-mixed-rows": (64, 4, 2, 32, 16, 4, False, [(9, 20), (1, 40), (1, 7), (12, 0), (1, 33)]),
 }
 EPS = 1e-6
 
@@ -141,17 +144,21 @@ def test_matches_reference(case, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_same_at_one_and_two_threads(dtype):
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_threads_are_the_separate_calls_at_one(case, dtype):
+    """At two threads (the attention split in two calls where it would run on one thread) the
+    call gives the bits of the separate calls at one thread."""
     saved = torch.get_num_threads()
-    outs = []
     try:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            t, _, lins, _ = make("bench-decode-16", dtype, seed=3)
-            outs.append((t, _fused(t, lins)))
+        torch.set_num_threads(1)
+        t, _, lins, heads = make(case, dtype, seed=3)
+        sep = _clone(t)
+        want = _separate(sep, lins, heads)
+        torch.set_num_threads(2)
+        got = _fused(t, lins)
     finally:
         torch.set_num_threads(saved)
-    _assert_same(outs[0][0], outs[1][0], outs[0][1], outs[1][1])
+    _assert_same(t, sep, got, want)
 
 
 def test_sigmoid_table_is_torchs_sigmoid_of_every_bf16_value():
