@@ -221,6 +221,13 @@ def test_registered_op_matches_the_call():
         op["v_cache"], op["slot_mapping"], op["block_tables"], op["seq_lens"],
         op["cu_seqlens_q"], heads, EPS, 0.1)
     _assert_same(t, op, want, got)
+    args = (op["x"], op["pending"], op["in_w"], op["post_w"], lins[0].packed, lins[0].bias,
+            lins[1].packed, lins[1].bias, op["q_w"], op["k_w"], op["cos"], op["sin"],
+            op["k_cache"], op["v_cache"], op["slot_mapping"], op["block_tables"], op["seq_lens"],
+            op["cu_seqlens_q"], heads, EPS, 0.1)
+    result = torch.library.opcheck(torch.ops.cb_kernels.gated_attention_block.default, args,
+                                   test_utils=("test_schema", "test_faketensor"))
+    assert set(result.values()) == {"SUCCESS"}
 
 
 def test_empty_step_returns_empty_rows():
