@@ -32,7 +32,7 @@ struct GatedAttentionParams {
   const void* q_norm_weight = nullptr;    // [head_dim]
   const void* k_norm_weight = nullptr;    // [head_dim]
   float in_norm_eps = 0.0f, post_norm_eps = 0.0f, q_norm_eps = 0.0f, k_norm_eps = 0.0f;
-  const void* qkv_packed = nullptr;       // packed [(2 num_heads + 2 num_kv_heads) head_dim, hidden]
+  const void* qkv_packed = nullptr;       // packed [(2 heads + 2 kv_heads) head_dim, hidden]
   const float* qkv_bias = nullptr;        // fp32 [that many rows] or nullptr
   const void* o_packed = nullptr;         // packed [hidden, num_heads head_dim]
   const float* o_bias = nullptr;          // fp32 [hidden] or nullptr
