@@ -32,7 +32,7 @@ separate calls with the split and gates in torch (hybrid_kernels.FUSED off), row
 "<shape>/<threads>/separate"; --separate-attention Qwen3-Next's attention layers as separate
 calls (hybrid_layers.FUSED_ATTENTION off: the path before ops.gated_attention_block), rows
 "<shape>/<threads>/separate-attention". --rounds N runs the variants N times, alternating (rows
-"...#i"), and ends with each variant's best decode step against the first variant's.
+"...#i"), and ends with each variant's best and median decode step against the first variant's.
 OpenMP regions are counted by a libgomp shim (LD_PRELOAD, compiled here from the C below with the
 system's cc: GOMP_parallel is what every `#pragma omp parallel` of torch, MKL and cb_kernels._C
 calls); the script re-executes itself with it. Without a C compiler the counts are left out.
@@ -43,6 +43,7 @@ import argparse
 import ctypes
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -252,17 +253,19 @@ def show(shape: str, threads: int, row: dict) -> None:
 
 
 def summarize(results: dict) -> None:
-    """Each variant's best decode step over the rounds, and its ratio to the first variant's."""
-    best = {}
+    """Each variant's best and median decode step over the rounds, and their ratios to the first
+    variant's (on a shared host the median is the steadier)."""
+    steps = {}
     for key, row in results.items():
         if "#" in key and "decode" in row:
-            ms = row["decode"]["parts"]["whole step"]["ms"]
-            name = key.split("#")[0]
-            best[name] = min(best.get(name, ms), ms)
-    print("best decode step over the rounds (ms; the first variant's / this one's):")
-    for name, ms in best.items():
-        base = best[name.split("/")[0] + "/" + name.split("/")[1]]
-        print(f"  {name:44s} {ms:8.3f} {base / ms:6.3f}x")
+            steps.setdefault(key.split("#")[0], []).append(
+                row["decode"]["parts"]["whole step"]["ms"])
+    print("decode step over the rounds, ms (best, median; the first variant's / this one's):")
+    for name, ms in steps.items():
+        base = steps["/".join(name.split("/")[:2])]
+        best, med = min(ms), statistics.median(ms)
+        print(f"  {name:44s} {best:8.3f} {med:8.3f} {min(base) / best:6.3f}x "
+              f"{statistics.median(base) / med:6.3f}x")
 
 
 def main(argv=None) -> int:
