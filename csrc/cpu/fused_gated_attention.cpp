@@ -20,6 +20,7 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "bf16_scalar.h"  // widen, rne
@@ -42,7 +43,7 @@ constexpr int64_t align64(int64_t n) { return (n + 63) / 64 * 64; }
 // The workspace, in this order (qkv first: the caller reads it between the two halves).
 struct Buffers {
   char *qkv, *h, *q_in, *q, *k_in, *k, *attn, *o;
-  int32_t* cu;  // [num_seqs + 1]: the second part's cu_seqlens_q when the attention is split
+  int32_t* cu;  // [num_seqs + kMaxParts]: the parts' cu_seqlens_q when the attention is split
 };
 
 struct Widths {
@@ -195,43 +196,55 @@ Status check_indices(const GatedAttentionParams& p, const Buffers& b) {
 // (kGrainWork, csrc/cpu/paged_attention_items.h: ~40 us a grain at head_dim 64). At the bench's
 // 16-row decode over ~100-token contexts (4 q heads x 128) that is ~6400 pairs, ~0.3 ms a step
 // in the engine on one thread at any thread count. Its result for a sequence does not depend on
-// the rest of the batch (paged_attention.cpp's contract), so two calls over the two halves of the
-// sequences, one a thread, give the same bits. Below kSplitWork pairs the fork costs more than
-// the half it saves.
+// the rest of the batch (paged_attention.cpp's contract), so calls over consecutive runs of the
+// sequences, one a thread, give the same bits. A part gets at least kPartWork pairs: below that
+// the fork costs about what the part saves.
 constexpr int64_t kKernelSerialWork = 2 * 4096;
-constexpr int64_t kSplitWork = 1024;
+constexpr int64_t kPartWork = 512;
+constexpr int64_t kMaxParts = kKernelSerialWork / kPartWork;
+
+int64_t seq_work(const GatedAttentionParams& p, int64_t i) {
+  return int64_t{p.cu_seqlens_q[i + 1] - p.cu_seqlens_q[i]} * p.num_heads * p.seq_lens[i];
+}
 
 Status run_attention(const GatedAttentionParams& p, const Buffers& b, Isa isa) {
   const PagedAttentionParams a = attention_params(p, b);
-  const int32_t* cu = p.cu_seqlens_q;
   int64_t work = 0;
-  for (int64_t i = 0; i < p.num_seqs; ++i)
-    work += int64_t{cu[i + 1] - cu[i]} * p.num_heads * p.seq_lens[i];
-  if (max_threads() < 2 || p.num_seqs < 2 || work < kSplitWork || work >= kKernelSerialWork)
-    return paged_attention(a, isa);
-  int64_t s = 1, done = int64_t{cu[1] - cu[0]} * p.num_heads * p.seq_lens[0];
-  for (; s < p.num_seqs - 1 && 2 * done < work; ++s)
-    done += int64_t{cu[s + 1] - cu[s]} * p.num_heads * p.seq_lens[s];
-  PagedAttentionParams second = a;
-  const int64_t t0 = cu[s], es = dtype_size(p.dtype);
-  for (int64_t i = s; i <= p.num_seqs; ++i) b.cu[i - s] = cu[i] - cu[s];
-  second.q = static_cast<const char*>(a.q) + t0 * a.q_stride_token * es;
-  second.out = static_cast<char*>(a.out) + t0 * a.out_stride_token * es;
-  second.block_tables = a.block_tables + s * a.block_table_stride;
-  second.seq_lens = a.seq_lens + s;
-  second.cu_seqlens_q = b.cu;
-  second.num_seqs = p.num_seqs - s;
-  second.num_tokens = p.num_tokens - t0;
-  PagedAttentionParams first = a;
-  first.num_seqs = s;
-  first.num_tokens = t0;
-  Status st[2];
-#pragma omp parallel num_threads(2)
-  {  // (a team of one, where OpenMP gives no second thread, runs both parts)
-    for (int part = omp_get_thread_num(); part < 2; part += omp_get_num_threads())
-      st[part] = paged_attention(part == 0 ? first : second, isa);
+  for (int64_t i = 0; i < p.num_seqs; ++i) work += seq_work(p, i);
+  const int64_t parts = std::min<int64_t>({max_threads(), p.num_seqs, work / kPartWork});
+  if (parts < 2 || work >= kKernelSerialWork) return paged_attention(a, isa);
+  // Part k: sequences cut[k] .. cut[k + 1] - 1, cut where the running work passes k / parts.
+  int64_t cut[kMaxParts + 1] = {0};
+  int64_t count = 1, done = 0;
+  for (int64_t i = 0; i + 1 < p.num_seqs && count < parts; ++i) {
+    done += seq_work(p, i);
+    if (done * parts >= count * work) cut[count++] = i + 1;
   }
-  return st[0].ok() ? st[1] : st[0];
+  cut[count] = p.num_seqs;
+  PagedAttentionParams part[kMaxParts];
+  const int64_t es = dtype_size(p.dtype);
+  for (int64_t k = 0; k < count; ++k) {
+    const int64_t s0 = cut[k], s1 = cut[k + 1], t0 = p.cu_seqlens_q[s0];
+    int32_t* cu = b.cu + s0 + k;  // this part's cu_seqlens_q, from 0
+    for (int64_t i = s0; i <= s1; ++i) cu[i - s0] = p.cu_seqlens_q[i] - static_cast<int32_t>(t0);
+    part[k] = a;
+    part[k].q = static_cast<const char*>(a.q) + t0 * a.q_stride_token * es;
+    part[k].out = static_cast<char*>(a.out) + t0 * a.out_stride_token * es;
+    part[k].block_tables = a.block_tables + s0 * a.block_table_stride;
+    part[k].seq_lens = a.seq_lens + s0;
+    part[k].cu_seqlens_q = cu;
+    part[k].num_seqs = s1 - s0;
+    part[k].num_tokens = p.cu_seqlens_q[s1] - t0;
+  }
+  Status st[kMaxParts];
+#pragma omp parallel num_threads(static_cast<int>(count))
+  {  // (a smaller team, where OpenMP gives fewer threads, runs the parts in turn)
+    for (int64_t k = omp_get_thread_num(); k < count; k += omp_get_num_threads())
+      st[k] = paged_attention(part[k], isa);
+  }
+  for (int64_t k = 0; k < count; ++k)
+    if (!st[k].ok()) return st[k];
+  return Status::Ok();
 }
 
 Status check(const GatedAttentionParams& p) {
@@ -257,7 +270,7 @@ int64_t gated_attention_workspace_bytes(const GatedAttentionParams& p) {
   const int64_t n = p.num_tokens, es = dtype_size(p.dtype);
   const Widths w = widths(p);
   return align64(n * w.qkv * es) + 2 * align64(n * p.hidden * es) + 3 * align64(n * w.q * es) +
-         2 * align64(n * w.kv * es) + align64((p.num_seqs + 1) * 4);
+         2 * align64(n * w.kv * es) + align64((p.num_seqs + kMaxParts) * 4);
 }
 
 Status gated_attention_qkv(const GatedAttentionParams& p, Isa isa) {

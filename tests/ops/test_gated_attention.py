@@ -25,8 +25,8 @@ CASES = {
     "bench-decode-16": (256, 4, 2, 128, 32, 16, False, [(1, 17 + 9 * i) for i in range(16)]),
     "gqa3-mixed-awkward": (72, 6, 2, 40, 10, 4, False, [(7, 0), (1, 13), (5, 6), (1, 2)]),
     "one-row-full-rotary-bias": (64, 2, 1, 16, 16, 8, True, [(1, 5)]),
-    # ~1950 (query row, key) pairs: at two threads the attention runs as two calls of two and
-    # three sequences, prefill chunks on both sides
+    # ~1950 (query row, key) pairs: at two threads the attention runs as two calls (three at
+    # four threads) over runs of the sequences, prefill chunks on both sides of a cut
     "split-mixed-rows": (64, 4, 2, 32, 16, 4, False, [(9, 20), (1, 40), (1, 7), (12, 0), (1, 33)]),
 }
 EPS = 1e-6
@@ -143,18 +143,20 @@ def test_matches_reference(case, dtype):
         torch.testing.assert_close(t[key], ref[key], **TOL[dtype])
 
 
+@pytest.mark.parametrize("threads", [2, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_two_threads_are_the_separate_calls_at_one(case, dtype):
-    """At two threads (the attention split in two calls where it would run on one thread) the
-    call gives the bits of the separate calls at one thread."""
+def test_more_threads_are_the_separate_calls_at_one(case, dtype, threads):
+    """At two and four threads (the attention split into a call a thread over runs of the
+    sequences where the kernel would keep it on one thread: 2-4 parts here) the call gives the
+    bits of the separate calls at one thread."""
     saved = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         t, _, lins, heads = make(case, dtype, seed=3)
         sep = _clone(t)
         want = _separate(sep, lins, heads)
-        torch.set_num_threads(2)
+        torch.set_num_threads(threads)
         got = _fused(t, lins)
     finally:
         torch.set_num_threads(saved)
