@@ -9,10 +9,11 @@
 // does not shrink, and it bounded the step's 2-thread speed-up (bench/RESULTS.md "Where a step
 // goes"). Here the kernels run back to back on a workspace the caller owns; the copies and the
 // gate are loops over a few thousand elements. Measured (bench/bench_hybrid_step.py
-// --separate-attention --rounds 5, Qwen3-Next hd128, bf16 16-row decode, Zen 4 AVX-512/VNNI/
-// AVX512-BF16, 2 cores shared, load ~2): the step's torch glue 1.08-1.24 -> 0.80-0.98 ms at one
-// thread; best decode step 5.45 -> 5.28 ms at one thread, 4.36 -> 4.00 ms at two (with the
-// attention split below; the layer's call 0.45 ms at one thread, 0.31-0.36 at two).
+// --separate-attention --rounds 5 and 6, Qwen3-Next hd128, bf16 16-row decode, Zen 4 AVX-512/
+// VNNI/AVX512-BF16, 2 cores shared, load 1.3-2.1; medians of the rounds, two runs): the step's
+// torch glue 1.12-1.34 -> 0.90-0.95 ms at one thread, 1.12-1.26 -> 0.86 at two; the decode step
+// 5.67-6.35 -> 5.58-5.64 ms at one thread, 4.62-4.97 -> 4.19-4.41 ms at two (with the attention
+// split below; the layer's call 0.45 ms at one thread, 0.31-0.36 at two).
 //
 // Built portable only: the loops here are copies and one multiply per element; the kernels
 // inside dispatch to their own AVX-512 bodies (`isa` caps them all, for tests).
@@ -124,8 +125,7 @@ Status rope_heads(const GatedAttentionParams& p, void* x, int64_t heads, Isa isa
 Status apply_gate(const GatedAttentionParams& p, const Buffers& b) {
   const int64_t n = p.num_tokens, hd = p.head_dim, heads = p.num_heads;
   const Widths w = widths(p);
-  if (p.dtype == DType::kFloat32) {
-    if (!p.gate_sigmoid) return Status::Error("gated_attention: fp32 needs gate_sigmoid");
+  if (p.dtype == DType::kFloat32) {  // (gated_attention_rest checked that a sigmoid is given)
     float* a = reinterpret_cast<float*>(b.attn);
     const float* s = static_cast<const float*>(p.gate_sigmoid);
     for (int64_t i = 0; i < n * w.q; ++i) a[i] *= s[i];
@@ -138,7 +138,6 @@ Status apply_gate(const GatedAttentionParams& p, const Buffers& b) {
       a[i] = static_cast<uint16_t>(rne(widen(a[i]) * widen(s[i])) >> 16);
     return Status::Ok();
   }
-  if (!p.sigmoid_table) return Status::Error("gated_attention: need gate_sigmoid or sigmoid_table");
   const uint16_t* table = p.sigmoid_table;
   const uint16_t* qkv = reinterpret_cast<const uint16_t*>(b.qkv);
   for (int64_t t = 0; t < n; ++t)
@@ -288,6 +287,8 @@ Status gated_attention_qkv(const GatedAttentionParams& p, Isa isa) {
 
 Status gated_attention_rest(const GatedAttentionParams& p, Isa isa) {
   if (const Status s = check(p); !s.ok()) return s;
+  if (!p.gate_sigmoid && (p.dtype != DType::kBFloat16 || !p.sigmoid_table))
+    return Status::Error("gated_attention_rest: need gate_sigmoid (or bf16 and sigmoid_table)");
   const int64_t n = p.num_tokens, hd = p.head_dim, es = dtype_size(p.dtype);
   if (n == 0) return Status::Ok();
   const Buffers b = buffers(p);

@@ -211,6 +211,12 @@ def test_bf16_gate_from_the_table_equals_a_given_sigmoid():
     _assert_same(t, two, got, h)
     with pytest.raises(RuntimeError, match="one call needs bf16 and sigmoid_table"):
         _C.gated_attention_block(ptr, size, f, "auto", 0)
+    ptr[12] = 0      # no sigmoid at all: refused before anything is written
+    before = _clone(two)
+    with pytest.raises(RuntimeError, match="need gate_sigmoid"):
+        _C.gated_attention_rest(ptr, size, f, "auto", 2)
+    for key in ("x", "k_cache", "v_cache"):
+        assert torch.equal(two[key], before[key])
 
 
 def test_registered_op_matches_the_call():
