@@ -4,7 +4,7 @@ OpenMP parallel regions a step opens (each a fork/join of the thread team).
 
     python bench/bench_hybrid_step.py [--threads 1,2] [--dtype bfloat16]
         [--shapes qwen3-next-hd128,mamba2-ds128] [--repeats 3] [--json out.json]
-        [--baseline] [--separate]
+        [--baseline] [--separate] [--blocks] [--rounds 1]
 
 Same models and workload as bench_hybrid.py (16 requests, 16..128-token prompts, 32 new tokens,
 greedy, EOS off). One Engine per shape and thread count, a warm-up generate, then `--repeats`
@@ -15,7 +15,9 @@ best run's, split into its decode steps (every row one token) and the rest. Part
   inputs (runner.prepare)          the step's tensors: positions, slots, block tables, state plan
   forward, torch glue              runner.execute minus every call below (embeddings, norms,
                                    residuals, transformers' module code, router softmax/top-k)
-  the calls                        the fused Mamba-2 blocks (ops.fused_hybrid: norm, in_proj,
+  the calls                        the Mamba-2 stack (ops.Mamba2Stack: the embedding, every
+                                   block, the final norm of the sampled rows in one call),
+                                   the fused Mamba-2 blocks (ops.fused_hybrid: norm, in_proj,
                                    conv, scan, gated norm, out_proj, residual in one call),
                                    the fused gated delta-net layers (the same up to the MLP,
                                    with both norms),
@@ -29,7 +31,9 @@ best run's, split into its decode steps (every row one token) and the rest. Part
 (runner/hybrid_layers.py off: the path before it, and the one models it does not fit take), in
 the same run, rows "<shape>/<threads>/transformers"; --separate the stateful layers' kernels as
 separate calls with the split and gates in torch (hybrid_kernels.FUSED off), rows
-"<shape>/<threads>/separate".
+"<shape>/<threads>/separate"; --blocks Mamba-2 with one call per block instead of the stack
+(hybrid_stack.STACK off), rows "<shape>/<threads>/blocks". --rounds N alternates the variants N
+times and keeps each one's best.
 OpenMP regions are counted by a libgomp shim (LD_PRELOAD, compiled here from the C below with the
 system's cc: GOMP_parallel is what every `#pragma omp parallel` of torch, MKL and cb_kernels._C
 calls); the script re-executes itself with it. Without a C compiler the counts are left out.
@@ -130,15 +134,15 @@ class Meter:
         setattr(owner, name, timed)
 
 
-CALLS = ("fused Mamba-2 blocks", "fused gated delta-net layers", "fused stateful middle",
-         "causal_conv1d", "gated_delta_rule", "selective_scan", "gated_rms_norm",
+CALLS = ("fused Mamba-2 stack", "fused Mamba-2 blocks", "fused gated delta-net layers",
+         "fused stateful middle", "causal_conv1d", "gated_delta_rule", "selective_scan", "gated_rms_norm",
          "packed linears", "moe_experts", "paged attention", "greedy head")
 
 
 def instrument(meter: Meter) -> None:
     from cb_kernels import ops
     from cb_kernels.engine import step_loop
-    from cb_kernels.ops import linear, moe
+    from cb_kernels.ops import linear, mamba2_stack, moe
     from cb_kernels.runner import attention, hybrid_kernels, lm_head, transformers_runner
 
     meter.wrap(ops, "causal_conv1d_unchecked", "causal_conv1d")
@@ -148,6 +152,7 @@ def instrument(meter: Meter) -> None:
     meter.wrap(hybrid_kernels, "gated_delta_net_unchecked", "fused stateful middle")
     meter.wrap(hybrid_kernels, "mamba2_mixer_unchecked", "fused stateful middle")
     meter.wrap(hybrid_kernels, "mamba2_block_unchecked", "fused Mamba-2 blocks")
+    meter.wrap(mamba2_stack.Mamba2Stack, "run_unchecked", "fused Mamba-2 stack")
     meter.wrap(hybrid_kernels, "gated_delta_net_block_unchecked", "fused gated delta-net layers")
     meter.wrap(linear.PackedLinear, "run_unchecked", "packed linears")
     meter.wrap(moe.PackedExperts, "run_unchecked", "moe_experts")
@@ -209,15 +214,16 @@ def split(steps: list) -> dict:
 
 
 def measure(shape: str, dtype, threads: int, repeats: int, meter: Meter,
-            ours: bool = True, fused: bool = True) -> dict:
+            ours: bool = True, fused: bool = True, stack: bool = True) -> dict:
     import torch
     from bench_hybrid import build, workload
     from cb_kernels import Engine, SamplingParams
-    from cb_kernels.runner import hybrid_kernels, hybrid_layers
+    from cb_kernels.runner import hybrid_kernels, hybrid_layers, hybrid_stack
 
     torch.set_num_threads(threads)
     hybrid_layers.ENABLED = ours
     hybrid_kernels.FUSED = fused
+    hybrid_stack.STACK = stack
     model = build(shape).to(dtype)
     prompts = workload(16, 16, 128)
     params = SamplingParams(max_new_tokens=32, ignore_eos=True)
@@ -257,10 +263,16 @@ def main(argv=None) -> int:
     p.add_argument("--separate", action="store_true",
                    help="also run the stateful layers' conv / scan / norm as separate calls "
                         "(hybrid_kernels.FUSED off: the path before ops.fused_hybrid)")
+    p.add_argument("--blocks", action="store_true",
+                   help="also run Mamba-2 with one call per block (hybrid_stack.STACK off: the "
+                        "path before ops.Mamba2Stack)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="the variants alternated this many times (a fresh Engine each), the "
+                        "best generate kept")
     args = p.parse_args(argv)
     counts = [int(t) for t in args.threads.split(",")]
-    if any(t < 1 for t in counts) or args.repeats < 1:
-        p.error("--threads must be positive counts and --repeats >= 1")
+    if any(t < 1 for t in counts) or args.repeats < 1 or args.rounds < 1:
+        p.error("--threads must be positive counts, --repeats and --rounds >= 1")
     _reexec_with_shim()
     import torch
 
@@ -269,16 +281,21 @@ def main(argv=None) -> int:
     results = {"dtype": args.dtype, "omp_counted": meter.omp.lib is not None}
     for shape in args.shapes.split(","):
         for t in counts:
-            variants = [("", True, True)]
+            variants = [("", True, True, True)]
+            if args.blocks:
+                variants.append(("/blocks", True, True, False))
             if args.separate:
-                variants.append(("/separate", True, False))
+                variants.append(("/separate", True, False, True))
             if args.baseline:
-                variants.append(("/transformers", False, True))
-            for suffix, ours, fused in variants:
-                key = f"{shape}/{t}{suffix}"
-                row = results[key] = measure(shape, getattr(torch, args.dtype), t,
-                                             args.repeats, meter, ours, fused)
-                show(key, t, row)
+                variants.append(("/transformers", False, True, True))
+            for _ in range(args.rounds):
+                for suffix, ours, fused, stack in variants:
+                    key = f"{shape}/{t}{suffix}"
+                    row = measure(shape, getattr(torch, args.dtype), t, args.repeats, meter,
+                                  ours, fused, stack)
+                    if key not in results or row["seconds"] < results[key]["seconds"]:
+                        results[key] = row
+                    show(key, t, row)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

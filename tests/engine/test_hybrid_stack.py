@@ -122,3 +122,25 @@ def test_follows_weights_written_replaced_and_a_moved_pool(monkeypatch):
     engine.wake_up()
     assert [o.token_ids for o in _run(engine, ps, 4)] == generate_tokens(model, ps, 4)
     assert engine.runner.hybrid.stack.stack is not second
+
+
+def test_bf16_greedy_steps_take_the_greedy_head(monkeypatch):
+    """bf16 Mamba-2 on the engine's forward: all-greedy steps take the int8 greedy head on the
+    stack's rows (transformers' decoder returns the fp32 stream's norm, so the decoder probe
+    alone had turned it off), with the tokens of the bf16 logits' argmax (greedy_head off)."""
+    from cb_kernels.runner import lm_head
+
+    model = _model("residual-fp32").to(torch.bfloat16)
+    ps = _prompts([4, 9, 15], seed=12)
+    engine = _engine(model)
+    assert isinstance(engine.runner.head, lm_head.GreedyTokensHead)
+    assert engine.runner._decoder is None          # transformers' path keeps full logits
+    calls, real = [], lm_head.GreedyTokensHead.tokens
+    monkeypatch.setattr(lm_head.GreedyTokensHead, "tokens",
+                        lambda *a: calls.append(1) or real(*a))
+    got = [o.token_ids for o in _run(engine, ps, 6)]
+    assert calls
+    plain = Engine(model, EngineConfig(block_size=4, num_blocks=64, max_batch_tokens=8,
+                                       max_num_seqs=4, greedy_head=False))
+    assert not isinstance(plain.runner.head, lm_head.GreedyTokensHead)
+    assert got == [o.token_ids for o in _run(plain, ps, 6)]
