@@ -22,6 +22,7 @@ runner logs which path each class takes (`describe`).
 from __future__ import annotations
 
 import logging
+from itertools import accumulate
 from typing import Optional
 
 import torch
@@ -122,12 +123,24 @@ def _fused_norm(norm, dtype, weight_len: int, grouped: bool) -> bool:
             and tuple(weight.shape) == (weight_len,))
 
 
+def _fit(module, why_not_fused) -> str:
+    """why_not_fused(module): "" where the layer's middle runs as one ops.fused_hybrid call,
+    else why not (logged)."""
+    try:
+        why = why_not_fused(module)
+    except AttributeError as e:      # a mixer class that names its parts otherwise
+        why = f"it lacks {e}"
+    if why:
+        logger.info("%s: conv, scan and norm as separate calls (%s)", type(module).__name__, why)
+    return why
+
 
 def _norm_group(norm) -> int:
     """Elements a Mamba-2 mixer's gated norm normalises together: its `group_size` where it has
     one (transformers 5.24: intermediate_size // n_groups); transformers 5.17's
     MambaRMSNormGated has none and normalises the whole row."""
     return getattr(norm, "group_size", norm.weight.shape[0])
+
 
 class GatedDeltaNetKernels:
     """The replacement forward of one gated delta-net module on its pool entry (conv state 0
@@ -144,13 +157,7 @@ class GatedDeltaNetKernels:
         self.scale = module.head_k_dim ** -0.5
         # transformers' -A_log.float().exp(), the decay's factor
         self.neg_a = _Derived(module, ("A_log",), lambda m: -m.A_log.float().exp())
-        try:
-            self.why_not_fused = self._why_not_fused(module)
-        except AttributeError as e:      # a mixer class that names its parts otherwise
-            self.why_not_fused = f"it lacks {e}"
-        if self.why_not_fused:
-            logger.info("%s: conv, scan and norm as separate calls (%s)", type(module).__name__,
-                        self.why_not_fused)
+        self.why_not_fused = _fit(module, self._why_not_fused)
 
     @staticmethod
     def _why_not_fused(m) -> str:
@@ -249,9 +256,10 @@ class VarlenRows:
             else:
                 rows += [(r, 1, s, True) for r, s in zip(g.rows.tolist(), g.slots.tolist())]
         rows.sort()
-        lengths = [0] + [n for _, n, _, _ in rows]
+        # the offsets summed here: a cumsum and a cast in torch were two more ops a step
         self.slots = torch.tensor([s for _, _, s, _ in rows], dtype=torch.int64)
-        self.cu_seqlens = torch.tensor(lengths, dtype=torch.int32).cumsum(0).to(torch.int32)
+        self.cu_seqlens = torch.tensor(list(accumulate((n for _, n, _, _ in rows), initial=0)),
+                                       dtype=torch.int32)
         self.has_state = torch.tensor([c for _, _, _, c in rows], dtype=torch.bool)
 
 
@@ -277,13 +285,7 @@ class Mamba2Kernels:
         self.consts = _Derived(module, ("A_log", "D", "dt_bias"), lambda m: (
             -torch.exp(m.A_log.float()), m.D.float().contiguous(),
             m.dt_bias.float().contiguous()))
-        try:
-            self.why_not_fused = self._why_not_fused(module)
-        except AttributeError as e:      # a mixer class that names its parts otherwise
-            self.why_not_fused = f"it lacks {e}"
-        if self.why_not_fused:
-            logger.info("%s: conv, scan and norm as separate calls (%s)", type(module).__name__,
-                        self.why_not_fused)
+        self.why_not_fused = _fit(module, self._why_not_fused)
 
     @staticmethod
     def _why_not_fused(m) -> str:
