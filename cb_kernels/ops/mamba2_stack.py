@@ -159,13 +159,12 @@ class Mamba2Stack:
         if logits_indices.numel() and not (
                 0 <= int(logits_indices.min()) and int(logits_indices.max()) < n):
             raise ValueError(f"logits_indices must lie in [0, {n}) (num_tokens)")
-        return self.run_unchecked(input_ids, logits_indices,
-                                  rows_arg(slots, cu_seqlens, has_state, self.num_slots), isa)
+        return self.run_unchecked(input_ids, logits_indices, slots, cu_seqlens, has_state, isa)
 
-    def run_unchecked(self, input_ids: torch.Tensor, logits_indices: torch.Tensor, rows: tuple,
-                      isa: str = "auto") -> torch.Tensor:
-        """The engine's hot path (runner/hybrid_layers.py): __call__ without the checks; rows:
-        ops._varlen.rows_arg of the step's rows."""
+    def run_unchecked(self, input_ids: torch.Tensor, logits_indices: torch.Tensor, slots,
+                      cu_seqlens, has_state, isa: str = "auto") -> torch.Tensor:
+        """The engine's hot path (runner/hybrid_stack.py): __call__ without the checks."""
+        rows = rows_arg(slots, cu_seqlens, has_state, self.num_slots)
         n, s = input_ids.shape[0], logits_indices.shape[0]
         out = torch.empty((s, self.hidden), dtype=self.dtype)
         need = self._c.workspace_bytes(n, s)

@@ -27,7 +27,6 @@ from typing import Optional
 
 import torch
 
-from cb_kernels.ops._varlen import rows_arg
 from cb_kernels.ops.mamba2_stack import Mamba2Stack, Mamba2StackLayer
 from cb_kernels.runner import hybrid_kernels
 
@@ -148,5 +147,5 @@ class Mamba2StackRun:
         stack = self.get()
         if stack is None:
             return None
-        return stack.run_unchecked(input_ids, logits_indices, rows_arg(
-            rows.slots, rows.cu_seqlens, rows.has_state, stack.num_slots))
+        return stack.run_unchecked(input_ids, logits_indices, rows.slots, rows.cu_seqlens,
+                                   rows.has_state)
