@@ -4,7 +4,7 @@ OpenMP parallel regions a step opens (each a fork/join of the thread team).
 
     python bench/bench_hybrid_step.py [--threads 1,2] [--dtype bfloat16]
         [--shapes qwen3-next-hd128,mamba2-ds128] [--repeats 3] [--json out.json]
-        [--baseline] [--separate] [--blocks] [--rounds 1]
+        [--baseline] [--separate] [--blocks] [--logits-head] [--rounds 1]
 
 Same models and workload as bench_hybrid.py (16 requests, 16..128-token prompts, 32 new tokens,
 greedy, EOS off). One Engine per shape and thread count, a warm-up generate, then `--repeats`
@@ -32,8 +32,9 @@ best run's, split into its decode steps (every row one token) and the rest. Part
 the same run, rows "<shape>/<threads>/transformers"; --separate the stateful layers' kernels as
 separate calls with the split and gates in torch (hybrid_kernels.FUSED off), rows
 "<shape>/<threads>/separate"; --blocks Mamba-2 with one call per block instead of the stack
-(hybrid_stack.STACK off), rows "<shape>/<threads>/blocks". --rounds N alternates the variants N
-times and keeps each one's best.
+(hybrid_stack.STACK off), rows "<shape>/<threads>/blocks"; --logits-head that and the LM head's
+full logits (greedy_head=False), rows "<shape>/<threads>/blocks+logits". --rounds N alternates
+the variants N times and keeps each one's best.
 OpenMP regions are counted by a libgomp shim (LD_PRELOAD, compiled here from the C below with the
 system's cc: GOMP_parallel is what every `#pragma omp parallel` of torch, MKL and cb_kernels._C
 calls); the script re-executes itself with it. Without a C compiler the counts are left out.
@@ -214,10 +215,11 @@ def split(steps: list) -> dict:
 
 
 def measure(shape: str, dtype, threads: int, repeats: int, meter: Meter,
-            ours: bool = True, fused: bool = True, stack: bool = True) -> dict:
+            ours: bool = True, fused: bool = True, stack: bool = True,
+            greedy_head="auto") -> dict:
     import torch
     from bench_hybrid import build, workload
-    from cb_kernels import Engine, SamplingParams
+    from cb_kernels import Engine, EngineConfig, SamplingParams
     from cb_kernels.runner import hybrid_kernels, hybrid_layers, hybrid_stack
 
     torch.set_num_threads(threads)
@@ -227,7 +229,7 @@ def measure(shape: str, dtype, threads: int, repeats: int, meter: Meter,
     model = build(shape).to(dtype)
     prompts = workload(16, 16, 128)
     params = SamplingParams(max_new_tokens=32, ignore_eos=True)
-    engine = Engine(model)
+    engine = Engine(model, EngineConfig(greedy_head=greedy_head))
     engine.generate(prompts, params)
     best = None
     for _ in range(repeats):
@@ -266,6 +268,9 @@ def main(argv=None) -> int:
     p.add_argument("--blocks", action="store_true",
                    help="also run Mamba-2 with one call per block (hybrid_stack.STACK off: the "
                         "path before ops.Mamba2Stack)")
+    p.add_argument("--logits-head", action="store_true",
+                   help="also run with the stack off and the greedy head off (EngineConfig("
+                        "greedy_head=False): bf16 Mamba-2's path before ops.Mamba2Stack)")
     p.add_argument("--rounds", type=int, default=1,
                    help="the variants alternated this many times (a fresh Engine each), the "
                         "best generate kept")
@@ -281,18 +286,20 @@ def main(argv=None) -> int:
     results = {"dtype": args.dtype, "omp_counted": meter.omp.lib is not None}
     for shape in args.shapes.split(","):
         for t in counts:
-            variants = [("", True, True, True)]
+            variants = [("", True, True, True, "auto")]
             if args.blocks:
-                variants.append(("/blocks", True, True, False))
+                variants.append(("/blocks", True, True, False, "auto"))
+            if args.logits_head:
+                variants.append(("/blocks+logits", True, True, False, False))
             if args.separate:
-                variants.append(("/separate", True, False, True))
+                variants.append(("/separate", True, False, True, "auto"))
             if args.baseline:
-                variants.append(("/transformers", False, True, True))
+                variants.append(("/transformers", False, True, True, "auto"))
             for _ in range(args.rounds):
-                for suffix, ours, fused, stack in variants:
+                for suffix, ours, fused, stack, greedy in variants:
                     key = f"{shape}/{t}{suffix}"
                     row = measure(shape, getattr(torch, args.dtype), t, args.repeats, meter,
-                                  ours, fused, stack)
+                                  ours, fused, stack, greedy)
                     if key not in results or row["seconds"] < results[key]["seconds"]:
                         results[key] = row
                     show(key, t, row)
