@@ -21,6 +21,7 @@ runner logs which path each class takes (`describe`).
 """
 from __future__ import annotations
 
+import functools
 import logging
 from itertools import accumulate
 from typing import Optional
@@ -248,6 +249,16 @@ class VarlenRows:
     [num_seqs], cu_seqlens int32 [num_seqs + 1], has_state bool [num_seqs]."""
 
     def __init__(self, groups: list):
+        if len(groups) == 1 and not isinstance(groups[0].rows, slice):
+            # A decode-only step: its rows are usually the packed row's 0..n-1 in order, and
+            # then the plan's slots tensor is the kernels' as it is (two .tolist() and three
+            # tensors fewer a step); the offsets and flags of n rows are kept per n.
+            g = groups[0]
+            order, cu, ones = _decode_rows(g.rows.shape[0])
+            if torch.equal(g.rows, order) and g.slots.dtype == torch.int64 and \
+                    g.slots.is_contiguous():
+                self.slots, self.cu_seqlens, self.has_state = g.slots, cu, ones
+                return
         rows = []        # (start, length, slot, continuing)
         for g in groups:
             if isinstance(g.rows, slice):
@@ -261,6 +272,14 @@ class VarlenRows:
         self.cu_seqlens = torch.tensor(list(accumulate((n for _, n, _, _ in rows), initial=0)),
                                        dtype=torch.int32)
         self.has_state = torch.tensor([c for _, _, _, c in rows], dtype=torch.bool)
+
+
+@functools.lru_cache(maxsize=64)
+def _decode_rows(n: int) -> tuple:
+    """(rows 0..n-1 int64, cu_seqlens 0..n int32, has_state all True) of n decode rows (read
+    only: the kernels never write them)."""
+    return (torch.arange(n, dtype=torch.int64), torch.arange(n + 1, dtype=torch.int32),
+            torch.ones(n, dtype=torch.bool))
 
 
 def varlen_rows(step) -> VarlenRows:

@@ -144,3 +144,19 @@ def test_bf16_greedy_steps_take_the_greedy_head(monkeypatch):
                                        max_num_seqs=4, greedy_head=False))
     assert not isinstance(plain.runner.head, lm_head.GreedyTokensHead)
     assert got == [o.token_ids for o in _run(plain, ps, 6)]
+
+
+def test_varlen_rows_of_a_decode_step():
+    """A decode-only step's rows in packed order take the plan's slots tensor as it is; rows in
+    another order are sorted (the general path); both give each row its slot and one token."""
+    from cb_kernels.runner.hybrid_kernels import VarlenRows
+    from cb_kernels.runner.state_cache import _Group
+
+    slots = torch.tensor([7, 2, 5, 0], dtype=torch.int64)
+    rows = VarlenRows([_Group(torch.arange(4), slots, True)])
+    assert rows.slots is slots
+    assert rows.cu_seqlens.tolist() == [0, 1, 2, 3, 4] and rows.cu_seqlens.dtype == torch.int32
+    assert rows.has_state.tolist() == [True] * 4
+    mixed = VarlenRows([_Group(torch.tensor([2, 0, 3, 1]), slots, True)])
+    assert mixed.slots.tolist() == [2, 0, 7, 5]
+    assert mixed.cu_seqlens.tolist() == [0, 1, 2, 3, 4] and mixed.has_state.all()
