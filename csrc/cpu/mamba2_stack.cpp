@@ -5,10 +5,11 @@
 // Python around four such calls: the embedding, the cast of the residual stream to fp32, a
 // wrapper a layer (its derived constants' version check, the varlen argument, a workspace
 // allocation, ~15 pointers converted), the final norm on the fp32 stream, its cast and the
-// sampled rows' selection: ~0.5 ms of a 2.5 ms step at 2 threads on the bench's Mamba-2 ds128
-// shape (bench/RESULTS.md "Where a step goes"), none of it scaling with threads. Here the layers'
-// parameters are resolved once (runner/hybrid_layers.py keeps them until a weight changes) and a
-// step is one call with the token ids, the sampled rows and the step's varlen rows.
+// sampled rows' selection, none of it scaling with threads. Here the layers' parameters are
+// resolved once (runner/hybrid_stack.py keeps them until a weight changes) and a step is one
+// call with the token ids, the sampled rows and the step's varlen rows: the forward's glue of a
+// 16-row bf16 decode step on the bench's Mamba-2 ds128 shape from 0.32-0.40 to 0.18-0.23 ms
+// (bench/bench_hybrid_step.py --blocks, Zen 4, 1 and 2 threads, load ~2).
 //
 // The blocks are mamba2_block itself and the final norm is rms_norm, so the bits are those of the
 // calls apart; the embedding and the selection are copies. Built portable only: the copies are
