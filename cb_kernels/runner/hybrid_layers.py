@@ -256,6 +256,9 @@ class HybridForward:
     """Callable (input_ids [T], positions [T], logits_indices [S], AttentionMetadata,
     StateStep) -> the final-norm hidden rows [S, hidden] of the sampled tokens."""
 
+    # The CausalLM classes it is written for (their LM head reads these rows as they are).
+    CLASSES = ("Qwen3NextForCausalLM", "Mamba2ForCausalLM")
+
     def __init__(self, model, family: str, embed, layers: list, final_norm, rotary, dtype):
         self.model, self.family, self.embed = model, family, embed
         self.layers, self.final_norm, self.dtype = layers, final_norm, dtype

@@ -191,7 +191,9 @@ class TransformersRunner:
             and _head_is_plain(self.model, decoder, module))
         # The hybrid families' own forward (hybrid_layers.py) hands the head its exact input
         # rows; their decoder may not (bf16 Mamba-2's returns the fp32 residual stream's norm).
-        if not plain and not self.state_layers:
+        # Other models whose probe fails keep the logits head (no int8 copy they never read).
+        hybrid = bool(self.state_layers) and type(self.model).__name__ in HybridForward.CLASSES
+        if not plain and not hybrid:
             logger.info("greedy_head: off (the model's logits are not its LM head's output)")
             return LogitsHead(run, module), None
         head = choose_lm_head(module, run, mode)

@@ -160,3 +160,16 @@ def test_varlen_rows_of_a_decode_step():
     mixed = VarlenRows([_Group(torch.tensor([2, 0, 3, 1]), slots, True)])
     assert mixed.slots.tolist() == [2, 0, 7, 5]
     assert mixed.cu_seqlens.tolist() == [0, 1, 2, 3, 4] and mixed.has_state.all()
+
+
+def test_other_state_models_whose_head_is_not_plain_keep_the_logits_head():
+    """A hybrid model the engine's forward is not written for, whose logits are not its LM
+    head's output (Granite's logits scaling): the logits head, no int8 copy of the head."""
+    from cb_kernels.runner import lm_head
+
+    torch.manual_seed(0)
+    model = tiny_model("granitemoehybrid", seed=3)
+    model.config.logits_scaling = 2.0
+    engine = _engine(model)
+    assert engine.runner.hybrid is None and engine.runner.state_layers
+    assert type(engine.runner.head) is lm_head.LogitsHead and engine.runner._decoder is None
