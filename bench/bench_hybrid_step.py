@@ -4,7 +4,8 @@ OpenMP parallel regions a step opens (each a fork/join of the thread team).
 
     python bench/bench_hybrid_step.py [--threads 1,2] [--dtype bfloat16]
         [--shapes qwen3-next-hd128,mamba2-ds128] [--repeats 3] [--json out.json]
-        [--baseline] [--separate] [--separate-attention] [--rounds N]
+        [--baseline] [--separate] [--separate-attention] [--blocks] [--logits-head]
+        [--rounds N]
 
 Same models and workload as bench_hybrid.py (16 requests, 16..128-token prompts, 32 new tokens,
 greedy, EOS off). One Engine per shape and thread count, a warm-up generate, then `--repeats`
@@ -31,7 +32,9 @@ the same run, rows "<shape>/<threads>/transformers"; --separate the stateful lay
 separate calls with the split and gates in torch (hybrid_kernels.FUSED off), rows
 "<shape>/<threads>/separate"; --separate-attention Qwen3-Next's attention layers as separate
 calls (hybrid_layers.FUSED_ATTENTION off: the path before ops.gated_attention_block), rows
-"<shape>/<threads>/separate-attention". --rounds N runs the variants N times, alternating (rows
+"<shape>/<threads>/separate-attention"; --blocks Mamba-2 with one call per block instead of the
+stack (hybrid_stack.STACK off), rows "<shape>/<threads>/blocks"; --logits-head that and the LM
+head's full logits (greedy_head=False), rows "<shape>/<threads>/blocks+logits". --rounds N runs the variants N times, alternating (rows
 "...#i"), and ends with each variant's best and median decode step against the first variant's.
 OpenMP regions are counted by a libgomp shim (LD_PRELOAD, compiled here from the C below with the
 system's cc: GOMP_parallel is what every `#pragma omp parallel` of torch, MKL and cb_kernels._C
@@ -134,7 +137,7 @@ class Meter:
         setattr(owner, name, timed)
 
 
-CALLS = ("fused Mamba-2 blocks", "fused gated delta-net layers", "fused attention layers",
+CALLS = ("fused Mamba-2 stack", "fused Mamba-2 blocks", "fused gated delta-net layers", "fused attention layers",
          "fused stateful middle",
          "causal_conv1d", "gated_delta_rule", "selective_scan", "gated_rms_norm",
          "packed linears", "moe_experts", "paged attention", "greedy head")
@@ -143,7 +146,7 @@ CALLS = ("fused Mamba-2 blocks", "fused gated delta-net layers", "fused attentio
 def instrument(meter: Meter) -> None:
     from cb_kernels import ops
     from cb_kernels.engine import step_loop
-    from cb_kernels.ops import linear, moe
+    from cb_kernels.ops import linear, mamba2_stack, moe
     from cb_kernels.runner import (attention, hybrid_kernels, hybrid_layers, lm_head,
                                    transformers_runner)
 
@@ -154,6 +157,7 @@ def instrument(meter: Meter) -> None:
     meter.wrap(hybrid_kernels, "gated_delta_net_unchecked", "fused stateful middle")
     meter.wrap(hybrid_kernels, "mamba2_mixer_unchecked", "fused stateful middle")
     meter.wrap(hybrid_kernels, "mamba2_block_unchecked", "fused Mamba-2 blocks")
+    meter.wrap(mamba2_stack.Mamba2Stack, "run_unchecked", "fused Mamba-2 stack")
     meter.wrap(hybrid_kernels, "gated_delta_net_block_unchecked", "fused gated delta-net layers")
     meter.wrap(hybrid_layers, "gated_attention_block_unchecked", "fused attention layers")
     meter.wrap(linear.PackedLinear, "run_unchecked", "packed linears")
@@ -216,20 +220,22 @@ def split(steps: list) -> dict:
 
 
 def measure(shape: str, dtype, threads: int, repeats: int, meter: Meter,
-            ours: bool = True, fused: bool = True, fused_attention: bool = True) -> dict:
+            ours: bool = True, fused: bool = True, fused_attention: bool = True,
+            stack: bool = True, greedy_head="auto") -> dict:
     import torch
     from bench_hybrid import build, workload
-    from cb_kernels import Engine, SamplingParams
-    from cb_kernels.runner import hybrid_kernels, hybrid_layers
+    from cb_kernels import Engine, EngineConfig, SamplingParams
+    from cb_kernels.runner import hybrid_kernels, hybrid_layers, hybrid_stack
 
     torch.set_num_threads(threads)
     hybrid_layers.ENABLED = ours
     hybrid_kernels.FUSED = fused
     hybrid_layers.FUSED_ATTENTION = fused_attention
+    hybrid_stack.STACK = stack
     model = build(shape).to(dtype)
     prompts = workload(16, 16, 128)
     params = SamplingParams(max_new_tokens=32, ignore_eos=True)
-    engine = Engine(model)
+    engine = Engine(model, EngineConfig(greedy_head=greedy_head))
     engine.generate(prompts, params)
     best = None
     for _ in range(repeats):
@@ -285,6 +291,12 @@ def main(argv=None) -> int:
                    help="also run Qwen3-Next's attention layers as separate calls "
                         "(hybrid_layers.FUSED_ATTENTION off: the path before "
                         "ops.gated_attention_block)")
+    p.add_argument("--blocks", action="store_true",
+                   help="also run Mamba-2 with one call per block (hybrid_stack.STACK off: the "
+                        "path before ops.Mamba2Stack)")
+    p.add_argument("--logits-head", action="store_true",
+                   help="also run with the stack off and the greedy head off (EngineConfig("
+                        "greedy_head=False): bf16 Mamba-2's path before ops.Mamba2Stack)")
     p.add_argument("--rounds", type=int, default=1,
                    help="run the variants this many times, alternating (A/B on a noisy host)")
     args = p.parse_args(argv)
@@ -299,19 +311,22 @@ def main(argv=None) -> int:
     results = {"dtype": args.dtype, "omp_counted": meter.omp.lib is not None}
     for shape in args.shapes.split(","):
         for t in counts:
-            variants = [("", True, True, True)]
+            variants = [("", {})]
             if args.separate:
-                variants.append(("/separate", True, False, True))
+                variants.append(("/separate", {"fused": False}))
             if args.separate_attention and shape.startswith("qwen3-next"):
-                variants.append(("/separate-attention", True, True, False))
+                variants.append(("/separate-attention", {"fused_attention": False}))
+            if args.blocks and shape.startswith("mamba2"):
+                variants.append(("/blocks", {"stack": False}))
+            if args.logits_head:
+                variants.append(("/blocks+logits", {"stack": False, "greedy_head": False}))
             if args.baseline:
-                variants.append(("/transformers", False, True, True))
+                variants.append(("/transformers", {"ours": False}))
             for r in range(args.rounds):
-                for suffix, ours, fused, fused_attention in variants:
+                for suffix, switches in variants:
                     key = f"{shape}/{t}{suffix}" + (f"#{r}" if args.rounds > 1 else "")
                     row = results[key] = measure(shape, getattr(torch, args.dtype), t,
-                                                 args.repeats, meter, ours, fused,
-                                                 fused_attention)
+                                                 args.repeats, meter, **switches)
                     show(key, t, row)
     if args.rounds > 1:
         summarize(results)

@@ -6,6 +6,9 @@
 
 #include <array>
 #include <string>
+#include <tuple>
+#include <type_traits>
+#include <vector>
 
 #include "bindings.h"
 #include "cb_kernels/fused_hybrid.h"
@@ -15,31 +18,33 @@ namespace py = pybind11;
 
 namespace {
 using Ptrs11 = std::array<uintptr_t, 11>;
+using Sizes8 = std::array<int64_t, 8>;
+
+// values[i] into p.*fields[i], in order: pointer fields from Python ints (data_ptr(), 0 for
+// none), integer fields as they are.
+template <class P, class Values, class... T>
+void unpack(P& p, const Values& values, T P::*... fields) {
+  static_assert(sizeof...(T) == std::tuple_size<Values>::value, "one value a field");
+  size_t i = 0;
+  auto set = [&](auto field) {
+    using F = std::remove_reference_t<decltype(p.*field)>;
+    if constexpr (std::is_pointer_v<F>)
+      p.*field = reinterpret_cast<F>(values[i++]);
+    else
+      p.*field = static_cast<F>(values[i++]);
+  };
+  (set(fields), ...);
+}
 
 cbk::GatedDeltaNetParams gdn_params(const Ptrs11& ptr, const cbk::VarlenRowsArg& rows,
-                                    const std::array<int64_t, 8>& size, float scale, float eps,
-                                    int dtype) {
-  cbk::GatedDeltaNetParams p;
-  p.qkvz = cbk::as_ptr<const void>(ptr[0]);
-  p.ba = cbk::as_ptr<const void>(ptr[1]);
-  p.conv_weight = cbk::as_ptr<const void>(ptr[2]);
-  p.conv_bias = cbk::as_ptr<const void>(ptr[3]);
-  p.conv_state = cbk::as_ptr<void>(ptr[4]);
-  p.state = cbk::as_ptr<float>(ptr[5]);
-  p.dt_bias = cbk::as_ptr<const void>(ptr[6]);
-  p.neg_a = cbk::as_ptr<const float>(ptr[7]);
-  p.norm_weight = cbk::as_ptr<const void>(ptr[8]);
-  p.out = cbk::as_ptr<void>(ptr[9]);
-  p.workspace = cbk::as_ptr<void>(ptr[10]);
+                                    const Sizes8& size, float scale, float eps, int dtype) {
+  using P = cbk::GatedDeltaNetParams;
+  P p;
+  unpack(p, ptr, &P::qkvz, &P::ba, &P::conv_weight, &P::conv_bias, &P::conv_state, &P::state,
+         &P::dt_bias, &P::neg_a, &P::norm_weight, &P::out, &P::workspace);
+  unpack(p, size, &P::num_k_heads, &P::num_v_heads, &P::k_dim, &P::v_dim, &P::conv_width,
+         &P::state_len, &P::qkvz_stride, &P::ba_stride);
   p.rows = cbk::as_rows(rows);
-  p.num_k_heads = size[0];
-  p.num_v_heads = size[1];
-  p.k_dim = size[2];
-  p.v_dim = size[3];
-  p.conv_width = size[4];
-  p.state_len = size[5];
-  p.qkvz_stride = size[6];
-  p.ba_stride = size[7];
   p.scale = scale;
   p.norm_eps = eps;
   p.dtype = cbk::as_dtype(dtype);
@@ -47,67 +52,40 @@ cbk::GatedDeltaNetParams gdn_params(const Ptrs11& ptr, const cbk::VarlenRowsArg&
 }
 
 cbk::Mamba2MixerParams mamba2_params(const Ptrs11& ptr, const cbk::VarlenRowsArg& rows,
-                                     const std::array<int64_t, 8>& size, float eps, int dtype) {
-  cbk::Mamba2MixerParams p;
-  p.proj = cbk::as_ptr<const void>(ptr[0]);
-  p.conv_weight = cbk::as_ptr<const void>(ptr[1]);
-  p.conv_bias = cbk::as_ptr<const void>(ptr[2]);
-  p.conv_state = cbk::as_ptr<void>(ptr[3]);
-  p.state = cbk::as_ptr<float>(ptr[4]);
-  p.A = cbk::as_ptr<const float>(ptr[5]);
-  p.D = cbk::as_ptr<const float>(ptr[6]);
-  p.dt_bias = cbk::as_ptr<const float>(ptr[7]);
-  p.norm_weight = cbk::as_ptr<const void>(ptr[8]);
-  p.out = cbk::as_ptr<void>(ptr[9]);
-  p.workspace = cbk::as_ptr<void>(ptr[10]);
+                                     const Sizes8& size, float eps, int dtype) {
+  using P = cbk::Mamba2MixerParams;
+  P p;
+  unpack(p, ptr, &P::proj, &P::conv_weight, &P::conv_bias, &P::conv_state, &P::state, &P::A,
+         &P::D, &P::dt_bias, &P::norm_weight, &P::out, &P::workspace);
+  unpack(p, size, &P::num_heads, &P::head_dim, &P::num_groups, &P::d_state,
+         &P::norm_group_size, &P::conv_width, &P::state_len, &P::proj_stride);
   p.rows = cbk::as_rows(rows);
-  p.num_heads = size[0];
-  p.head_dim = size[1];
-  p.num_groups = size[2];
-  p.d_state = size[3];
-  p.norm_group_size = size[4];
-  p.conv_width = size[5];
-  p.state_len = size[6];
-  p.proj_stride = size[7];
   p.norm_eps = eps;
   p.dtype = cbk::as_dtype(dtype);
   return p;
 }
 cbk::Mamba2BlockParams block_params(const std::array<uintptr_t, 7>& ptr, const Ptrs11& mixer_ptr,
-                                    const cbk::VarlenRowsArg& rows,
-                                    const std::array<int64_t, 8>& size, int64_t hidden,
-                                    float norm_eps, float gate_norm_eps, int x_dtype, int dtype) {
-  cbk::Mamba2BlockParams p;
-  p.x = cbk::as_ptr<void>(ptr[0]);
-  p.norm_weight = cbk::as_ptr<const void>(ptr[1]);
-  p.in_packed = cbk::as_ptr<const void>(ptr[2]);
-  p.in_bias = cbk::as_ptr<const float>(ptr[3]);
-  p.out_packed = cbk::as_ptr<const void>(ptr[4]);
-  p.out_bias = cbk::as_ptr<const float>(ptr[5]);
-  p.workspace = cbk::as_ptr<void>(ptr[6]);
+                                    const cbk::VarlenRowsArg& rows, const Sizes8& size,
+                                    int64_t hidden, float norm_eps, float gate_norm_eps,
+                                    int x_dtype, int dtype) {
+  using P = cbk::Mamba2BlockParams;
+  P p;
+  unpack(p, ptr, &P::x, &P::norm_weight, &P::in_packed, &P::in_bias, &P::out_packed,
+         &P::out_bias, &P::workspace);
   p.x_dtype = cbk::as_dtype(x_dtype);
   p.norm_eps = norm_eps;
   p.hidden = hidden;
   p.mixer = mamba2_params(mixer_ptr, rows, size, gate_norm_eps, dtype);
   return p;
 }
-cbk::GatedDeltaNetBlockParams gdn_block_params(const std::array<uintptr_t, 11>& ptr,
-                                               const Ptrs11& mixer_ptr,
+cbk::GatedDeltaNetBlockParams gdn_block_params(const Ptrs11& ptr, const Ptrs11& mixer_ptr,
                                                const cbk::VarlenRowsArg& rows,
-                                               const std::array<int64_t, 8>& size, int64_t hidden,
+                                               const Sizes8& size, int64_t hidden,
                                                const std::array<float, 4>& f, int dtype) {
-  cbk::GatedDeltaNetBlockParams p;
-  p.x = cbk::as_ptr<void>(ptr[0]);
-  p.pending = cbk::as_ptr<const void>(ptr[1]);
-  p.in_norm_weight = cbk::as_ptr<const void>(ptr[2]);
-  p.post_norm_weight = cbk::as_ptr<const void>(ptr[3]);
-  p.qkvz_packed = cbk::as_ptr<const void>(ptr[4]);
-  p.qkvz_bias = cbk::as_ptr<const float>(ptr[5]);
-  p.ba_packed = cbk::as_ptr<const void>(ptr[6]);
-  p.ba_bias = cbk::as_ptr<const float>(ptr[7]);
-  p.out_packed = cbk::as_ptr<const void>(ptr[8]);
-  p.out_bias = cbk::as_ptr<const float>(ptr[9]);
-  p.h_out = cbk::as_ptr<void>(ptr[10]);
+  using P = cbk::GatedDeltaNetBlockParams;
+  P p;
+  unpack(p, ptr, &P::x, &P::pending, &P::in_norm_weight, &P::post_norm_weight, &P::qkvz_packed,
+         &P::qkvz_bias, &P::ba_packed, &P::ba_bias, &P::out_packed, &P::out_bias, &P::h_out);
   p.hidden = hidden;
   p.in_norm_eps = f[0];
   p.post_norm_eps = f[1];
@@ -115,12 +93,31 @@ cbk::GatedDeltaNetBlockParams gdn_block_params(const std::array<uintptr_t, 11>& 
   p.workspace = p.mixer.workspace;      // mixer_ptr[10]: the block's workspace
   return p;
 }
+
+// One layer of Mamba2Stack: mamba2_block's ptr (x and workspace unused), mixer_ptr, size, norm
+// eps, gated-norm eps.
+using StackLayer = std::tuple<std::array<uintptr_t, 7>, Ptrs11, Sizes8, float, float>;
+
+// The layers' parameters resolved once (runner/hybrid_layers.py rebuilds this when a weight
+// changes); a call passes only what changes each step.
+struct Mamba2Stack {
+  std::vector<cbk::Mamba2BlockParams> layers;
+  cbk::Mamba2StackParams p;
+
+  cbk::Mamba2StackParams at(int64_t num_sampled) const {
+    cbk::Mamba2StackParams q = p;
+    q.layers = layers.data();
+    q.num_layers = static_cast<int64_t>(layers.size());
+    q.num_sampled = num_sampled;
+    return q;
+  }
+};
 }  // namespace
 
 void bind_fused_hybrid(py::module_& m) {
   m.def(
       "gated_delta_net",
-      [](const Ptrs11& ptr, const cbk::VarlenRowsArg& rows, const std::array<int64_t, 8>& size,
+      [](const Ptrs11& ptr, const cbk::VarlenRowsArg& rows, const Sizes8& size,
          float scale, float eps, const std::string& isa, int dtype) {
         const cbk::GatedDeltaNetParams p = gdn_params(ptr, rows, size, scale, eps, dtype);
         const cbk::Isa body = cbk::as_isa(isa);
@@ -132,14 +129,14 @@ void bind_fused_hybrid(py::module_& m) {
       "num_v_heads, k_dim, v_dim, conv width, state_len, qkvz stride, ba stride).");
   m.def(
       "gated_delta_net_workspace_bytes",
-      [](const cbk::VarlenRowsArg& rows, const std::array<int64_t, 8>& size, int dtype) {
+      [](const cbk::VarlenRowsArg& rows, const Sizes8& size, int dtype) {
         return cbk::cpu::gated_delta_net_workspace_bytes(
             gdn_params({}, rows, size, 1.0f, 0.0f, dtype));
       },
       "Workspace bytes of gated_delta_net for these rows and sizes.");
   m.def(
       "mamba2_mixer",
-      [](const Ptrs11& ptr, const cbk::VarlenRowsArg& rows, const std::array<int64_t, 8>& size,
+      [](const Ptrs11& ptr, const cbk::VarlenRowsArg& rows, const Sizes8& size,
          float eps, const std::string& isa, int dtype) {
         const cbk::Mamba2MixerParams p = mamba2_params(ptr, rows, size, eps, dtype);
         const cbk::Isa body = cbk::as_isa(isa);
@@ -151,14 +148,14 @@ void bind_fused_hybrid(py::module_& m) {
       "d_state, norm group size, conv width, state_len, proj stride).");
   m.def(
       "mamba2_mixer_workspace_bytes",
-      [](const cbk::VarlenRowsArg& rows, const std::array<int64_t, 8>& size, int dtype) {
+      [](const cbk::VarlenRowsArg& rows, const Sizes8& size, int dtype) {
         return cbk::cpu::mamba2_mixer_workspace_bytes(mamba2_params({}, rows, size, 0.0f, dtype));
       },
       "Workspace bytes of mamba2_mixer for these rows and sizes.");
   m.def(
       "mamba2_block",
       [](const std::array<uintptr_t, 7>& ptr, const Ptrs11& mixer_ptr,
-         const cbk::VarlenRowsArg& rows, const std::array<int64_t, 8>& size, int64_t hidden,
+         const cbk::VarlenRowsArg& rows, const Sizes8& size, int64_t hidden,
          float norm_eps, float gate_norm_eps, const std::string& isa, int x_dtype, int dtype) {
         const cbk::Mamba2BlockParams p = block_params(ptr, mixer_ptr, rows, size, hidden, norm_eps,
                                                       gate_norm_eps, x_dtype, dtype);
@@ -171,7 +168,7 @@ void bind_fused_hybrid(py::module_& m) {
       "mamba2_mixer's, its proj, out and workspace unused).");
   m.def(
       "mamba2_block_workspace_bytes",
-      [](const cbk::VarlenRowsArg& rows, const std::array<int64_t, 8>& size, int64_t hidden,
+      [](const cbk::VarlenRowsArg& rows, const Sizes8& size, int64_t hidden,
          int dtype) {
         return cbk::cpu::mamba2_block_workspace_bytes(
             block_params({}, {}, rows, size, hidden, 0.0f, 0.0f, dtype, dtype));
@@ -180,7 +177,7 @@ void bind_fused_hybrid(py::module_& m) {
   m.def(
       "gated_delta_net_block",
       [](const std::array<uintptr_t, 11>& ptr, const Ptrs11& mixer_ptr,
-         const cbk::VarlenRowsArg& rows, const std::array<int64_t, 8>& size, int64_t hidden,
+         const cbk::VarlenRowsArg& rows, const Sizes8& size, int64_t hidden,
          const std::array<float, 4>& f, const std::string& isa, int dtype) {
         const cbk::GatedDeltaNetBlockParams p =
             gdn_block_params(ptr, mixer_ptr, rows, size, hidden, f, dtype);
@@ -194,10 +191,55 @@ void bind_fused_hybrid(py::module_& m) {
       "f: in-norm eps, post-norm eps, scale, gated-norm eps).");
   m.def(
       "gated_delta_net_block_workspace_bytes",
-      [](const cbk::VarlenRowsArg& rows, const std::array<int64_t, 8>& size, int64_t hidden,
+      [](const cbk::VarlenRowsArg& rows, const Sizes8& size, int64_t hidden,
          int dtype) {
         return cbk::cpu::gated_delta_net_block_workspace_bytes(
             gdn_block_params({}, {}, rows, size, hidden, {0, 0, 1, 0}, dtype));
       },
       "Workspace bytes of gated_delta_net_block for these rows and sizes.");
+  py::class_<Mamba2Stack>(m, "Mamba2Stack",
+                         "A Mamba2ForCausalLM backbone: embedding, every block, the final norm "
+                         "of the sampled rows (cb_kernels/fused_hybrid.h, Mamba2StackParams).")
+      .def(py::init([](const std::vector<StackLayer>& layers, uintptr_t embed, int64_t vocab,
+                       int64_t hidden, uintptr_t final_norm_weight, float final_norm_eps,
+                       int x_dtype, int dtype) {
+             Mamba2Stack s;
+             for (const StackLayer& l : layers)
+               s.layers.push_back(block_params(std::get<0>(l), std::get<1>(l), {}, std::get<2>(l),
+                                               hidden, std::get<3>(l), std::get<4>(l), x_dtype,
+                                               dtype));
+             s.p.embed = cbk::as_ptr<const void>(embed);
+             s.p.vocab = vocab;
+             s.p.hidden = hidden;
+             s.p.final_norm_weight = cbk::as_ptr<const void>(final_norm_weight);
+             s.p.final_norm_eps = final_norm_eps;
+             s.p.x_dtype = cbk::as_dtype(x_dtype);
+             s.p.dtype = cbk::as_dtype(dtype);
+             return s;
+           }),
+           "layers: per layer (mamba2_block's ptr, mixer_ptr, size, norm eps, gated-norm eps); "
+           "embed [vocab, hidden]; final_norm_weight [hidden] of x_dtype.")
+      .def(
+          "workspace_bytes",
+          [](const Mamba2Stack& s, int64_t num_tokens, int64_t num_sampled) {
+            return cbk::cpu::mamba2_stack_workspace_bytes(s.at(num_sampled), num_tokens);
+          },
+          "Workspace bytes of a call over num_tokens tokens and num_sampled sampled rows.")
+      .def(
+          "__call__",
+          [](const Mamba2Stack& s, uintptr_t input_ids, uintptr_t logits_indices,
+             int64_t num_sampled, uintptr_t out, uintptr_t workspace,
+             const cbk::VarlenRowsArg& rows, const std::string& isa) {
+            cbk::Mamba2StackParams p = s.at(num_sampled);
+            p.input_ids = cbk::as_ptr<const int64_t>(input_ids);
+            p.logits_indices = cbk::as_ptr<const int64_t>(logits_indices);
+            p.out = cbk::as_ptr<void>(out);
+            p.workspace = cbk::as_ptr<void>(workspace);
+            p.rows = cbk::as_rows(rows);
+            const cbk::Isa body = cbk::as_isa(isa);
+            py::gil_scoped_release nogil;
+            cbk::throw_if_error(cbk::cpu::mamba2_stack(p, body));
+          },
+          "One step: input_ids int64 [num_tokens], logits_indices int64 [num_sampled], out "
+          "[num_sampled, hidden], workspace, rows (the step's varlen rows), isa.");
 }

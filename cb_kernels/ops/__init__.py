@@ -16,6 +16,7 @@ from cb_kernels.ops.greedy_head import GreedyHead
 from cb_kernels.ops.greedy_tokens import greedy_tokens
 from cb_kernels.ops.host_pool import HostPool
 from cb_kernels.ops.linear import PackedLinear
+from cb_kernels.ops.mamba2_stack import Mamba2Stack, Mamba2StackLayer
 from cb_kernels.ops.moe import PackedExperts, moe_experts, moe_route
 from cb_kernels.ops.offset_rms_norm import offset_rms_norm
 from cb_kernels.ops.paged_attention import paged_attention, paged_attention_unchecked
@@ -35,4 +36,4 @@ __all__ = ["available_backends", "paged_attention", "paged_attention_unchecked",
            "gated_delta_rule_unchecked", "causal_conv1d", "causal_conv1d_unchecked", "selective_scan",
            "PackedExperts", "moe_experts", "gated_rms_norm", "sample_tokens",
            "offset_rms_norm", "moe_route", "gated_delta_net", "mamba2_mixer",
-           "gated_attention_block"]
+           "gated_attention_block", "Mamba2Stack", "Mamba2StackLayer"]

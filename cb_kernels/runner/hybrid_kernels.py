@@ -21,7 +21,9 @@ runner logs which path each class takes (`describe`).
 """
 from __future__ import annotations
 
+import functools
 import logging
+from itertools import accumulate
 from typing import Optional
 
 import torch
@@ -122,12 +124,24 @@ def _fused_norm(norm, dtype, weight_len: int, grouped: bool) -> bool:
             and tuple(weight.shape) == (weight_len,))
 
 
+def _fit(module, why_not_fused) -> str:
+    """why_not_fused(module): "" where the layer's middle runs as one ops.fused_hybrid call,
+    else why not (logged)."""
+    try:
+        why = why_not_fused(module)
+    except AttributeError as e:      # a mixer class that names its parts otherwise
+        why = f"it lacks {e}"
+    if why:
+        logger.info("%s: conv, scan and norm as separate calls (%s)", type(module).__name__, why)
+    return why
+
 
 def _norm_group(norm) -> int:
     """Elements a Mamba-2 mixer's gated norm normalises together: its `group_size` where it has
     one (transformers 5.24: intermediate_size // n_groups); transformers 5.17's
     MambaRMSNormGated has none and normalises the whole row."""
     return getattr(norm, "group_size", norm.weight.shape[0])
+
 
 class GatedDeltaNetKernels:
     """The replacement forward of one gated delta-net module on its pool entry (conv state 0
@@ -144,13 +158,7 @@ class GatedDeltaNetKernels:
         self.scale = module.head_k_dim ** -0.5
         # transformers' -A_log.float().exp(), the decay's factor
         self.neg_a = _Derived(module, ("A_log",), lambda m: -m.A_log.float().exp())
-        try:
-            self.why_not_fused = self._why_not_fused(module)
-        except AttributeError as e:      # a mixer class that names its parts otherwise
-            self.why_not_fused = f"it lacks {e}"
-        if self.why_not_fused:
-            logger.info("%s: conv, scan and norm as separate calls (%s)", type(module).__name__,
-                        self.why_not_fused)
+        self.why_not_fused = _fit(module, self._why_not_fused)
 
     @staticmethod
     def _why_not_fused(m) -> str:
@@ -241,6 +249,16 @@ class VarlenRows:
     [num_seqs], cu_seqlens int32 [num_seqs + 1], has_state bool [num_seqs]."""
 
     def __init__(self, groups: list):
+        if len(groups) == 1 and not isinstance(groups[0].rows, slice):
+            # A decode-only step: its rows are usually the packed row's 0..n-1 in order, and
+            # then the plan's slots tensor is the kernels' as it is (two .tolist() and three
+            # tensors fewer a step); the offsets and flags of n rows are kept per n.
+            g = groups[0]
+            order, cu, ones = _decode_rows(g.rows.shape[0])
+            if torch.equal(g.rows, order) and g.slots.dtype == torch.int64 and \
+                    g.slots.is_contiguous():
+                self.slots, self.cu_seqlens, self.has_state = g.slots, cu, ones
+                return
         rows = []        # (start, length, slot, continuing)
         for g in groups:
             if isinstance(g.rows, slice):
@@ -249,10 +267,19 @@ class VarlenRows:
             else:
                 rows += [(r, 1, s, True) for r, s in zip(g.rows.tolist(), g.slots.tolist())]
         rows.sort()
-        lengths = [0] + [n for _, n, _, _ in rows]
+        # the offsets summed here: a cumsum and a cast in torch were two more ops a step
         self.slots = torch.tensor([s for _, _, s, _ in rows], dtype=torch.int64)
-        self.cu_seqlens = torch.tensor(lengths, dtype=torch.int32).cumsum(0).to(torch.int32)
+        self.cu_seqlens = torch.tensor(list(accumulate((n for _, n, _, _ in rows), initial=0)),
+                                       dtype=torch.int32)
         self.has_state = torch.tensor([c for _, _, _, c in rows], dtype=torch.bool)
+
+
+@functools.lru_cache(maxsize=64)
+def _decode_rows(n: int) -> tuple:
+    """(rows 0..n-1 int64, cu_seqlens 0..n int32, has_state all True) of n decode rows (read
+    only: the kernels never write them)."""
+    return (torch.arange(n, dtype=torch.int64), torch.arange(n + 1, dtype=torch.int32),
+            torch.ones(n, dtype=torch.bool))
 
 
 def varlen_rows(step) -> VarlenRows:
@@ -277,13 +304,7 @@ class Mamba2Kernels:
         self.consts = _Derived(module, ("A_log", "D", "dt_bias"), lambda m: (
             -torch.exp(m.A_log.float()), m.D.float().contiguous(),
             m.dt_bias.float().contiguous()))
-        try:
-            self.why_not_fused = self._why_not_fused(module)
-        except AttributeError as e:      # a mixer class that names its parts otherwise
-            self.why_not_fused = f"it lacks {e}"
-        if self.why_not_fused:
-            logger.info("%s: conv, scan and norm as separate calls (%s)", type(module).__name__,
-                        self.why_not_fused)
+        self.why_not_fused = _fit(module, self._why_not_fused)
 
     @staticmethod
     def _why_not_fused(m) -> str:

@@ -38,7 +38,7 @@ from cb_kernels import ops
 from cb_kernels.ops.gated_attention import gated_attention_block_unchecked
 from cb_kernels.ops.moe import moe_route_unchecked
 from cb_kernels.ops.offset_rms_norm import offset_rms_norm_unchecked
-from cb_kernels.runner import hybrid_kernels
+from cb_kernels.runner import hybrid_kernels, hybrid_stack
 from cb_kernels.runner.fused.forward import _RotaryTable
 from cb_kernels.runner.moe_layers import ExpertsGroup, RouterGroup
 from cb_kernels.runner.packed_linears import has_hooks
@@ -280,6 +280,9 @@ class HybridForward:
     """Callable (input_ids [T], positions [T], logits_indices [S], AttentionMetadata,
     StateStep) -> the final-norm hidden rows [S, hidden] of the sampled tokens."""
 
+    # The CausalLM classes it is written for (their LM head reads these rows as they are).
+    CLASSES = ("Qwen3NextForCausalLM", "Mamba2ForCausalLM")
+
     def __init__(self, model, family: str, embed, layers: list, final_norm, rotary, dtype):
         self.model, self.family, self.embed = model, family, embed
         self.layers, self.final_norm, self.dtype = layers, final_norm, dtype
@@ -289,6 +292,9 @@ class HybridForward:
                                                  lambda m: m.weight.float())
         self.rotary = _RotaryTable(rotary) if rotary is not None else None
         self.modules = list(model.modules())
+        # Mamba-2: every layer and the final norm as one call, where they fit (hybrid_stack.py)
+        self.stack = hybrid_stack.Mamba2StackRun(layers, embed, final_norm, self.final_w32,
+                                                 dtype) if family == "mamba2" else None
 
     @classmethod
     def build(cls, model, packed, wrapped: list, layout) -> Optional["HybridForward"]:
@@ -347,6 +353,10 @@ class HybridForward:
     @torch.inference_mode()
     def __call__(self, input_ids, positions, logits_indices, step, state) -> torch.Tensor:
         rows = hybrid_kernels.varlen_rows(state)
+        if self.stack is not None:
+            out = self.stack(input_ids, logits_indices, rows)
+            if out is not None:
+                return out
         x = F.embedding(input_ids, self.embed.weight)          # [T, hidden], a fresh tensor
         if self.family == "qwen3_next":
             x = self._qwen3_next(x, positions, step, rows)

@@ -186,12 +186,18 @@ class TransformersRunner:
         if not wants_greedy_head(mode):
             return LogitsHead(run, module), None
         decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else None
-        if self.fused is None and (decoder is None or decoder is self.model
-                                   or not _head_is_plain(self.model, decoder, module)):
+        plain = self.fused is not None or (
+            decoder is not None and decoder is not self.model
+            and _head_is_plain(self.model, decoder, module))
+        # The hybrid families' own forward (hybrid_layers.py) hands the head its exact input
+        # rows; their decoder may not (bf16 Mamba-2's returns the fp32 residual stream's norm).
+        # Other models whose probe fails keep the logits head (no int8 copy they never read).
+        hybrid = bool(self.state_layers) and type(self.model).__name__ in HybridForward.CLASSES
+        if not plain and not hybrid:
             logger.info("greedy_head: off (the model's logits are not its LM head's output)")
             return LogitsHead(run, module), None
         head = choose_lm_head(module, run, mode)
-        return head, decoder if isinstance(head, GreedyTokensHead) else None
+        return head, decoder if isinstance(head, GreedyTokensHead) and plain else None
 
     def _head_now(self):
         """The head, rebuilt when the model's output embedding was replaced since."""

@@ -63,6 +63,27 @@ inline float round_to(float x, DType dt) {
 // torch's softplus (beta 1, threshold 20).
 inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }
 
+// The causal conv1d + SiLU of a mixer (GatedDeltaNetParams or Mamba2MixerParams: the same conv
+// fields) over `channels` channels of x (tokens x_stride elements apart) into out (packed).
+template <typename Mixer>
+CausalConv1dParams conv_params(const Mixer& p, const void* x, int64_t x_stride, int64_t channels,
+                               void* out) {
+  CausalConv1dParams c;
+  c.x = x;
+  c.weight = p.conv_weight;
+  c.bias = p.conv_bias;
+  c.conv_state = p.conv_state;
+  c.out = out;
+  c.rows = p.rows;
+  c.channels = channels;
+  c.width = p.conv_width;
+  c.state_len = p.state_len;
+  c.x_stride = x_stride;
+  c.silu = true;
+  c.dtype = p.dtype;
+  return c;
+}
+
 }  // namespace
 
 int64_t gated_delta_net_workspace_bytes(const GatedDeltaNetParams& p) {
@@ -118,20 +139,8 @@ Status gated_delta_net(const GatedDeltaNetParams& p, Isa isa) {
     }
   }
 
-  CausalConv1dParams c;
-  c.x = mixed;
-  c.weight = p.conv_weight;
-  c.bias = p.conv_bias;
-  c.conv_state = p.conv_state;
-  c.out = conv;
-  c.rows = p.rows;
-  c.channels = conv_dim;
-  c.width = p.conv_width;
-  c.state_len = p.state_len;
-  c.x_stride = conv_dim;
-  c.silu = true;
-  c.dtype = dt;
-  if (const Status s = causal_conv1d(c, isa); !s.ok()) return s;
+  if (const Status s = causal_conv1d(conv_params(p, mixed, conv_dim, conv_dim, conv), isa); !s.ok())
+    return s;
 
   GatedDeltaParams d;
   d.q = conv;
@@ -174,7 +183,11 @@ Status gated_delta_net(const GatedDeltaNetParams& p, Isa isa) {
 }
 
 int64_t mamba2_mixer_workspace_bytes(const Mamba2MixerParams& p) {
-  const int64_t n = p.rows.num_tokens(), es = dtype_size(p.dtype);
+  return mamba2_mixer_workspace_bytes(p, p.rows.num_tokens());
+}
+
+int64_t mamba2_mixer_workspace_bytes(const Mamba2MixerParams& p, int64_t n) {
+  const int64_t es = dtype_size(p.dtype);
   const int64_t inner = p.num_heads * p.head_dim;
   const int64_t conv_dim = inner + 2 * p.num_groups * p.d_state;
   return align64(n * conv_dim * es) + align64(n * p.num_heads * 4) + align64(n * inner * es);
@@ -203,20 +216,10 @@ Status mamba2_mixer(const Mamba2MixerParams& p, Isa isa) {
   char* y = reinterpret_cast<char*>(dt) + align64(n * nh * 4);
   const char* proj = static_cast<const char*>(p.proj);
 
-  CausalConv1dParams c;
-  c.x = proj + inner * es;
-  c.weight = p.conv_weight;
-  c.bias = p.conv_bias;
-  c.conv_state = p.conv_state;
-  c.out = conv;
-  c.rows = p.rows;
-  c.channels = conv_dim;
-  c.width = p.conv_width;
-  c.state_len = p.state_len;
-  c.x_stride = p.proj_stride;
-  c.silu = true;
-  c.dtype = p.dtype;
-  if (const Status s = causal_conv1d(c, isa); !s.ok()) return s;
+  if (const Status s =
+          causal_conv1d(conv_params(p, proj + inner * es, p.proj_stride, conv_dim, conv), isa);
+      !s.ok())
+    return s;
 
   for (int64_t t = 0; t < n; ++t)       // dt in fp32, exactly (transformers' dt.float())
     for (int64_t h = 0; h < nh; ++h)
@@ -291,11 +294,14 @@ int64_t in_width(const Mamba2MixerParams& m) {
 }  // namespace
 
 int64_t mamba2_block_workspace_bytes(const Mamba2BlockParams& p) {
-  const int64_t n = p.mixer.rows.num_tokens(), es = dtype_size(p.mixer.dtype);
-  Mamba2MixerParams m = p.mixer;
-  m.proj_stride = in_width(m);
+  return mamba2_block_workspace_bytes(p, p.mixer.rows.num_tokens());
+}
+
+int64_t mamba2_block_workspace_bytes(const Mamba2BlockParams& p, int64_t n) {
+  const int64_t es = dtype_size(p.mixer.dtype);
+  const Mamba2MixerParams& m = p.mixer;
   return 2 * align64(n * p.hidden * es) + align64(n * in_width(m) * es) +
-         align64(n * m.num_heads * m.head_dim * es) + mamba2_mixer_workspace_bytes(m);
+         align64(n * m.num_heads * m.head_dim * es) + mamba2_mixer_workspace_bytes(m, n);
 }
 
 Status mamba2_block(const Mamba2BlockParams& p, Isa isa) {

@@ -14,21 +14,13 @@
 #include <vector>
 
 #include "cb_kernels/gated_delta.h"
-#include "varlen_items.h"
+#include "scan_items.h"  // load, store, run_scan_items
 
 namespace cbk {
 namespace CBK_CPU_NS {
 namespace {
 
 constexpr int64_t kTile = 64;
-// State-element updates (tokens x heads x k_dim x v_dim) a thread must get before a second one
-// joins: 2^16 (~15 us of the avx512 body) is about what waking the OpenMP team costs.
-constexpr int64_t kWorkPerThread = int64_t{1} << 16;
-
-inline float load(const float* p, int64_t i) { return p[i]; }
-inline float load(const uint16_t* p, int64_t i) { return bf16_to_float(p[i]); }
-inline void store(float* p, int64_t i, float x) { p[i] = x; }
-inline void store(uint16_t* p, int64_t i, float x) { p[i] = float_to_bf16(x); }
 
 // dst = x * rsqrt(sum x^2 + 1e-6) * scale (transformers' l2norm, then the query scale).
 template <typename T>
@@ -111,14 +103,9 @@ void run_item(const GatedDeltaParams& p, int64_t s, int64_t h) {
 }  // namespace
 
 Status gated_delta_rule(const GatedDeltaParams& p) {
-  const int64_t tokens = p.rows.num_tokens();
-  const int64_t work = std::max<int64_t>(tokens, 1) * p.num_v_heads * p.k_dim * p.v_dim;
-  const bool bf16 = p.dtype == DType::kBFloat16;
-  cpu::for_each_row_part(p.rows.cu_seqlens, p.rows.num_seqs, p.num_v_heads, work, kWorkPerThread,
-                         [&](int64_t s, int64_t h) {
-                           bf16 ? run_item<uint16_t>(p, s, h) : run_item<float>(p, s, h);
-                         });
-  return Status::Ok();
+  return run_scan_items(p, p.num_v_heads, p.k_dim * p.v_dim, [&](int64_t s, int64_t h, auto t) {
+    run_item<decltype(t)>(p, s, h);
+  });
 }
 
 }  // namespace CBK_CPU_NS

@@ -11,19 +11,11 @@
 #include "cb_kernels/gated_delta.h"  // gated_delta_rule_isa: the same two bodies
 #include "attention_vec.h"  // v8f, load8, hsum
 #include "cb_kernels/selective_scan.h"
-#include "varlen_items.h"
+#include "scan_items.h"  // load, store, run_scan_items
 
 namespace cbk {
 namespace CBK_CPU_NS {
 namespace {
-
-// State-element updates a thread must get before a second one joins (as gated_delta.cpp).
-constexpr int64_t kWorkPerThread = int64_t{1} << 16;
-
-inline float load(const float* p, int64_t i) { return p[i]; }
-inline float load(const uint16_t* p, int64_t i) { return bf16_to_float(p[i]); }
-inline void store(float* p, int64_t i, float x) { p[i] = x; }
-inline void store(uint16_t* p, int64_t i, float x) { p[i] = float_to_bf16(x); }
 
 template <typename T>
 void run_item(const SelectiveScanParams& p, int64_t s, int64_t h) {
@@ -84,14 +76,9 @@ void run_item(const SelectiveScanParams& p, int64_t s, int64_t h) {
 }  // namespace
 
 Status selective_scan(const SelectiveScanParams& p) {
-  const int64_t work =
-      std::max<int64_t>(p.rows.num_tokens(), 1) * p.num_heads * p.head_dim * p.d_state;
-  const bool bf16 = p.dtype == DType::kBFloat16;
-  cpu::for_each_row_part(p.rows.cu_seqlens, p.rows.num_seqs, p.num_heads, work, kWorkPerThread,
-                         [&](int64_t s, int64_t h) {
-                           bf16 ? run_item<uint16_t>(p, s, h) : run_item<float>(p, s, h);
-                         });
-  return Status::Ok();
+  return run_scan_items(p, p.num_heads, p.head_dim * p.d_state, [&](int64_t s, int64_t h, auto t) {
+    run_item<decltype(t)>(p, s, h);
+  });
 }
 
 }  // namespace CBK_CPU_NS

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from cb_kernels import Engine, EngineConfig, SamplingParams
+from cb_kernels.ops.mamba2_stack import Mamba2Stack
 from cb_kernels.runner import hybrid_layers
 from tests.model_sweep import VOCAB, generate_tokens, tiny_model
 
@@ -208,10 +209,12 @@ def test_separate_calls_where_the_fused_middle_does_not_fit(case, why, monkeypat
     fused = _engine(model)
     kernels = [w.kernel for _, w in fused.runner._states._wrapped]
     assert kernels and all(k is not None and k.why_not_fused == "" for k in kernels)
-    # Mamba-2: each whole block in one call; Qwen3-Next: each gated delta-net layer up to its MLP
-    name = "mamba2_block_unchecked" if case == "mamba2" else "gated_delta_net_block_unchecked"
-    real, seen = getattr(hybrid_kernels, name), []
-    monkeypatch.setattr(hybrid_kernels, name, lambda *a, **k: seen.append(1) or real(*a, **k))
+    # Mamba-2: every block and the final norm in one call (ops.Mamba2Stack); Qwen3-Next: each
+    # gated delta-net layer up to its MLP
+    owner, name = (Mamba2Stack, "run_unchecked") if case == "mamba2" else \
+        (hybrid_kernels, "gated_delta_net_block_unchecked")
+    real, seen = getattr(owner, name), []
+    monkeypatch.setattr(owner, name, lambda *a, **k: seen.append(1) or real(*a, **k))
     assert _run(fused, ps, 5) == want and seen
     if why == "switched-off":
         monkeypatch.setattr(hybrid_kernels, "FUSED", False)
@@ -221,6 +224,7 @@ def test_separate_calls_where_the_fused_middle_does_not_fit(case, why, monkeypat
     for name in ("gated_delta_net_unchecked", "mamba2_mixer_unchecked", "mamba2_block_unchecked",
                  "gated_delta_net_block_unchecked"):
         monkeypatch.setattr(hybrid_kernels, name, lambda *a, **k: called.append(a))
+    monkeypatch.setattr(Mamba2Stack, "run_unchecked", lambda *a, **k: called.append(a))
     with caplog.at_level(logging.INFO, logger="cb_kernels"):
         engine = _engine(model)
     assert engine.runner.hybrid is not None

@@ -36,26 +36,33 @@ def _rows(rows, num_slots, gen):
     return slots, cu, torch.tensor([c for _, c in rows], dtype=torch.bool)
 
 
+def _case(gen, dtype, rows, conv_dim, width, state_shape, before, after):
+    """The tensors of a case in one order: `before` ({name: fn(gen)}), the conv weight, bias and
+    state, the recurrent state (fp32), `after`; then the rows on 2 more slots than rows."""
+    num_slots = len(rows) + 2
+    t = {k: f(gen) for k, f in before.items()}
+    t.update(conv_weight=(torch.randn(conv_dim, width, generator=gen) * 0.5).to(dtype),
+             conv_bias=torch.randn(conv_dim, generator=gen).to(dtype),
+             conv_state=torch.randn(num_slots, conv_dim, width, generator=gen).to(dtype),
+             state=torch.randn(num_slots, *state_shape, generator=gen) * 0.5)
+    t.update({k: f(gen) for k, f in after.items()})
+    return t, _rows(rows, num_slots, gen)
+
+
 def make_gdn(case, dtype, seed=0, pad=0):
     nk, hv, kd, vd, width, rows = GDN_CASES[case]
-    gen = torch.Generator().manual_seed(seed)
     n, r = sum(length for length, _ in rows), hv // nk
     cols = nk * (2 * kd + 2 * r * vd)
-    qkvz = torch.randn(n, cols + pad, generator=gen).to(dtype)[:, :cols]   # rows strided by pad
-    ba = torch.randn(n, nk * 2 * r, generator=gen).to(dtype)
-    conv_dim = 2 * nk * kd + hv * vd
-    num_slots = len(rows) + 2
-    tensors = dict(
-        qkvz=qkvz, ba=ba, conv_weight=(torch.randn(conv_dim, width, generator=gen) * 0.5).to(dtype),
-        conv_bias=torch.randn(conv_dim, generator=gen).to(dtype),
-        conv_state=torch.randn(num_slots, conv_dim, width, generator=gen).to(dtype),
-        state=torch.randn(num_slots, hv, kd, vd, generator=gen) * 0.5,
-        dt_bias=torch.randn(hv, generator=gen).to(dtype),
-        neg_a=-torch.rand(hv, generator=gen) * 2,
-        norm_weight=(1 + 0.1 * torch.randn(vd, generator=gen)).to(dtype))
-    slots, cu, has = _rows(rows, num_slots, gen)
+    tensors, slots = _case(
+        torch.Generator().manual_seed(seed), dtype, rows, 2 * nk * kd + hv * vd, width,
+        (hv, kd, vd),      # qkvz's rows strided by pad
+        dict(qkvz=lambda g: torch.randn(n, cols + pad, generator=g).to(dtype)[:, :cols],
+             ba=lambda g: torch.randn(n, nk * 2 * r, generator=g).to(dtype)),
+        dict(dt_bias=lambda g: torch.randn(hv, generator=g).to(dtype),
+             neg_a=lambda g: -torch.rand(hv, generator=g) * 2,
+             norm_weight=lambda g: (1 + 0.1 * torch.randn(vd, generator=g)).to(dtype)))
     kw = dict(num_k_heads=nk, num_v_heads=hv, k_dim=kd, v_dim=vd, scale=kd ** -0.5, norm_eps=1e-6)
-    return tensors, (slots, cu, has), kw
+    return tensors, slots, kw
 
 
 def _call(fn, t, rows, kw, **extra):
@@ -116,24 +123,18 @@ def test_gated_delta_net_same_at_one_and_two_threads(dtype):
 
 def make_mamba(case, dtype, seed=0, pad=0):
     nh, hd, ng, ds, norm_groups, width, rows = MAMBA_CASES[case]
-    gen = torch.Generator().manual_seed(seed)
     n, inner = sum(length for length, _ in rows), nh * hd
     conv_dim = inner + 2 * ng * ds
     cols = inner + conv_dim + nh
-    num_slots = len(rows) + 2
-    tensors = dict(
-        proj=torch.randn(n, cols + pad, generator=gen).to(dtype)[:, :cols],
-        conv_weight=(torch.randn(conv_dim, width, generator=gen) * 0.5).to(dtype),
-        conv_bias=torch.randn(conv_dim, generator=gen).to(dtype),
-        conv_state=torch.randn(num_slots, conv_dim, width, generator=gen).to(dtype),
-        state=torch.randn(num_slots, nh, hd, ds, generator=gen) * 0.5,
-        A=-torch.rand(nh, generator=gen) * 2, D=torch.randn(nh, generator=gen),
-        dt_bias=torch.randn(nh, generator=gen) * 0.5,
-        norm_weight=(1 + 0.1 * torch.randn(inner, generator=gen)).to(dtype))
-    slots, cu, has = _rows(rows, num_slots, gen)
+    tensors, slots = _case(
+        torch.Generator().manual_seed(seed), dtype, rows, conv_dim, width, (nh, hd, ds),
+        dict(proj=lambda g: torch.randn(n, cols + pad, generator=g).to(dtype)[:, :cols]),
+        dict(A=lambda g: -torch.rand(nh, generator=g) * 2, D=lambda g: torch.randn(nh, generator=g),
+             dt_bias=lambda g: torch.randn(nh, generator=g) * 0.5,
+             norm_weight=lambda g: (1 + 0.1 * torch.randn(inner, generator=g)).to(dtype)))
     kw = dict(num_heads=nh, head_dim=hd, num_groups=ng, d_state=ds,
               norm_group_size=inner // norm_groups, norm_eps=1e-6)
-    return tensors, (slots, cu, has), kw
+    return tensors, slots, kw
 
 
 def _call_mamba(fn, t, rows, kw, **extra):

@@ -109,14 +109,42 @@ struct GatedDeltaNetBlockParams {
   void* workspace = nullptr;         // gated_delta_net_block_workspace_bytes(*this) bytes
 };
 
+// The whole backbone of a Mamba2ForCausalLM step up to its LM head (Mamba2Model):
+//   x = embed[input_ids] (widened to x_dtype); every layer's mamba2_block on x in order;
+//   out[j] = rms_norm(x[logits_indices[j]]) with final_norm_weight in x_dtype (Llama's formula),
+//   rounded to the dtype (transformers' norm_f on the residual stream, then the cast for the
+//   LM head). Only the sampled rows are normalised: the norm is per row, so the bits are those of
+//   norming every row and selecting after.
+struct Mamba2StackParams {
+  const Mamba2BlockParams* layers = nullptr;  // [num_layers]: weights, sizes and mixers; their
+                                              // x, x_dtype, rows and workspaces are set here
+  int64_t num_layers = 0;
+  const void* embed = nullptr;                // [vocab, hidden], packed, the dtype
+  int64_t vocab = 0, hidden = 0;
+  const int64_t* input_ids = nullptr;         // [num_tokens] (rows.num_tokens()), in [0, vocab)
+  const int64_t* logits_indices = nullptr;    // [num_sampled], in [0, num_tokens)
+  int64_t num_sampled = 0;
+  const void* final_norm_weight = nullptr;    // [hidden], x_dtype
+  float final_norm_eps = 0.0f;
+  DType x_dtype = DType::kFloat32;            // the residual stream: fp32 or the dtype
+  DType dtype = DType::kFloat32;              // the layers' (fp32 or bf16)
+  VarlenRows rows;                            // the step's rows, packed-token order
+  void* out = nullptr;                        // [num_sampled, hidden], packed, the dtype
+  void* workspace = nullptr;                  // mamba2_stack_workspace_bytes(*this, n) bytes
+};
+
 namespace cpu {
 // `isa` caps the bodies of the kernels inside (gated_delta_rule_isa picks: portable, avx512).
 int64_t gated_delta_net_workspace_bytes(const GatedDeltaNetParams& p);
 Status gated_delta_net(const GatedDeltaNetParams& p, Isa isa = Isa::kAuto);
 int64_t mamba2_mixer_workspace_bytes(const Mamba2MixerParams& p);
+int64_t mamba2_mixer_workspace_bytes(const Mamba2MixerParams& p, int64_t num_tokens);
 Status mamba2_mixer(const Mamba2MixerParams& p, Isa isa = Isa::kAuto);
 int64_t mamba2_block_workspace_bytes(const Mamba2BlockParams& p);
+int64_t mamba2_block_workspace_bytes(const Mamba2BlockParams& p, int64_t num_tokens);
 Status mamba2_block(const Mamba2BlockParams& p, Isa isa = Isa::kAuto);
+int64_t mamba2_stack_workspace_bytes(const Mamba2StackParams& p, int64_t num_tokens);
+Status mamba2_stack(const Mamba2StackParams& p, Isa isa = Isa::kAuto);
 int64_t gated_delta_net_block_workspace_bytes(const GatedDeltaNetBlockParams& p);
 Status gated_delta_net_block(const GatedDeltaNetBlockParams& p, Isa isa = Isa::kAuto);
 }  // namespace cpu
