@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "attention_vec.h"
+#include "moe_workspace.h"
 #include "row_tiles.h"
 #include "threads.h"
 
@@ -40,50 +41,6 @@
 #endif
 
 namespace cbk {
-namespace cpu {
-namespace moe_ws {
-// Every thread's MoE buffers (the caller's routing lists and its [num_pairs, hidden] fp32
-// contributions, each worker's GEMM scratch) sit in one registry, so that
-// moe_release_workspaces() can free them: Engine.sleep(level=2) does, since the contributions
-// of one long prefill (8192 tokens x top 10 x hidden 2048) reach 640 MiB. A call holds its
-// buffers' mutex; release only try_locks (a buffer in use stays, and no lock order can cycle).
-// Inline, so the portable, avx512 and avx512_bf16 builds of this file share one registry.
-struct Buffers;
-inline std::mutex& registry_mutex() {
-  static std::mutex* m = new std::mutex;   // never destroyed: thread exits may outlive statics
-  return *m;
-}
-inline std::vector<Buffers*>& registry() {
-  static std::vector<Buffers*>* r = new std::vector<Buffers*>;
-  return *r;
-}
-struct Buffers {
-  std::mutex mu;
-  Buffers() {
-    std::lock_guard<std::mutex> lock(registry_mutex());
-    registry().push_back(this);
-  }
-  virtual ~Buffers() {
-    std::lock_guard<std::mutex> lock(registry_mutex());
-    auto& r = registry();
-    r.erase(std::remove(r.begin(), r.end(), this), r.end());
-  }
-  Buffers(const Buffers&) = delete;
-  Buffers& operator=(const Buffers&) = delete;
-  virtual int64_t bytes() const = 0;
-  virtual void clear() = 0;
-};
-template <typename V>
-int64_t capacity_bytes(const V& v) {
-  return static_cast<int64_t>(v.capacity() * sizeof(typename V::value_type));
-}
-template <typename V>
-void free_vector(V& v) {
-  V().swap(v);
-}
-}  // namespace moe_ws
-}  // namespace cpu
-
 namespace CBK_CPU_NS {
 using cpu::max_threads;
 namespace {

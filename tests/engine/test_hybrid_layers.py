@@ -227,3 +227,47 @@ def test_separate_calls_where_the_fused_middle_does_not_fit(case, why, monkeypat
     if why == "norm-not-fast":
         assert "conv, scan and norm as separate calls (its gated norm" in caplog.text
     assert _run(engine, ps, 5) == want and not called
+
+
+@pytest.mark.parametrize("why", ["switched-off", "experts-off", "large-steps"])
+def test_mlp_in_one_call_and_its_fallbacks(why, monkeypatch, caplog):
+    """Every Qwen3-Next MLP (the MoE blocks and the dense layer) runs as one ops.moe_block call
+    by default, with the separate calls' bits (the same tokens, BLOCK on and off); switched off,
+    with the experts off our ops (logged), or on steps of torch_scalar_rows rows or more (a
+    64-token budget), the MLPs run as the separate calls: generate's tokens on every path."""
+    from cb_kernels.ops.moe_block import torch_scalar_rows
+    from cb_kernels.runner import moe_layers
+
+    model = _model("qwen3_next")
+    ps = _prompts([7, 2, 10, 40], seed=12)
+    want = generate_tokens(model, ps, 5)
+    real, seen = hybrid_layers.moe_block_unchecked, []
+    monkeypatch.setattr(hybrid_layers, "moe_block_unchecked",
+                        lambda *a, **k: seen.append((a[0].shape[0], a[4] is not None)) or
+                        real(*a, **k))
+    engine = _engine(model)
+    assert all(layer.block_fits for layer in engine.runner.hybrid.layers)
+    assert _run(engine, ps, 5) == want and seen
+    if why == "switched-off":
+        monkeypatch.setattr(moe_layers, "BLOCK", False)
+    elif why == "experts-off":
+        monkeypatch.setattr(moe_layers, "MOE", "off")
+    seen.clear()
+    with caplog.at_level(logging.INFO, logger="cb_kernels"):
+        engine = Engine(model, EngineConfig(block_size=4, num_blocks=64, max_num_seqs=4,
+                                            max_batch_tokens=64 if why == "large-steps" else 8))
+    assert _run(engine, ps, 5) == want
+    if why == "large-steps":
+        # The MoE layers' large steps went apart; the dense layer's (no sigmoid gate) did not.
+        moe_rows = [n for n, routed in seen if routed]
+        bound = torch_scalar_rows(torch.float32)
+        assert moe_rows and max(moe_rows) < bound
+        assert max(n for n, routed in seen if not routed) >= bound
+        assert len(moe_rows) < 2 * engine.stats()["steps"]         # two MoE layers a step
+    elif why == "experts-off":          # the dense layer's MLP still in one call
+        assert seen and not any(routed for _, routed in seen)
+    else:
+        assert not seen
+    if why == "experts-off":
+        assert "layer 0's MLP runs as separate calls (its router or experts are not on our " \
+               "packed ops)" in caplog.text
