@@ -4,7 +4,7 @@ OpenMP parallel regions a step opens (each a fork/join of the thread team).
 
     python bench/bench_hybrid_step.py [--threads 1,2] [--dtype bfloat16]
         [--shapes qwen3-next-hd128,mamba2-ds128] [--repeats 3] [--json out.json]
-        [--baseline] [--separate]
+        [--baseline] [--separate] [--mlp-apart]
 
 Same models and workload as bench_hybrid.py (16 requests, 16..128-token prompts, 32 new tokens,
 greedy, EOS off). One Engine per shape and thread count, a warm-up generate, then `--repeats`
@@ -23,13 +23,16 @@ best run's, split into its decode steps (every row one token) and the rest. Part
                                    ops.causal_conv1d / gated_delta_rule / selective_scan /
                                    gated_rms_norm apart, packed linears (ops.PackedLinear:
                                    the layers' projections, the router's logits),
-                                   ops.moe_experts, paged
+                                   ops.moe_experts, ops.moe_block (a
+                                   Qwen3-Next MLP whole), paged
                                    attention, the greedy head
 --baseline also measures each shape with transformers' decoder forward around the same kernels
 (runner/hybrid_layers.py off: the path before it, and the one models it does not fit take), in
 the same run, rows "<shape>/<threads>/transformers"; --separate the stateful layers' kernels as
 separate calls with the split and gates in torch (hybrid_kernels.FUSED off), rows
-"<shape>/<threads>/separate".
+"<shape>/<threads>/separate"; --mlp-apart the Qwen3-Next MLPs as separate calls (router, route,
+experts, shared expert, gate: moe_layers.BLOCK off, the path before ops.moe_block), rows
+"<shape>/<threads>/mlp-apart".
 OpenMP regions are counted by a libgomp shim (LD_PRELOAD, compiled here from the C below with the
 system's cc: GOMP_parallel is what every `#pragma omp parallel` of torch, MKL and cb_kernels._C
 calls); the script re-executes itself with it. Without a C compiler the counts are left out.
@@ -132,14 +135,15 @@ class Meter:
 
 CALLS = ("fused Mamba-2 blocks", "fused gated delta-net layers", "fused stateful middle",
          "causal_conv1d", "gated_delta_rule", "selective_scan", "gated_rms_norm",
-         "packed linears", "moe_experts", "paged attention", "greedy head")
+         "packed linears", "moe_experts", "moe blocks", "paged attention", "greedy head")
 
 
 def instrument(meter: Meter) -> None:
     from cb_kernels import ops
     from cb_kernels.engine import step_loop
     from cb_kernels.ops import linear, moe
-    from cb_kernels.runner import attention, hybrid_kernels, lm_head, transformers_runner
+    from cb_kernels.runner import (attention, hybrid_kernels, hybrid_layers, lm_head,
+                                   transformers_runner)
 
     meter.wrap(ops, "causal_conv1d_unchecked", "causal_conv1d")
     meter.wrap(ops, "gated_delta_rule_unchecked", "gated_delta_rule")
@@ -151,6 +155,7 @@ def instrument(meter: Meter) -> None:
     meter.wrap(hybrid_kernels, "gated_delta_net_block_unchecked", "fused gated delta-net layers")
     meter.wrap(linear.PackedLinear, "run_unchecked", "packed linears")
     meter.wrap(moe.PackedExperts, "run_unchecked", "moe_experts")
+    meter.wrap(hybrid_layers, "moe_block_unchecked", "moe blocks")
     meter.wrap(attention.ops, "paged_attention", "paged attention")
     meter.wrap(lm_head.GreedyTokensHead, "tokens", "greedy head")
     meter.wrap(transformers_runner.TransformersRunner, "prepare", "inputs (runner.prepare)")
@@ -209,15 +214,16 @@ def split(steps: list) -> dict:
 
 
 def measure(shape: str, dtype, threads: int, repeats: int, meter: Meter,
-            ours: bool = True, fused: bool = True) -> dict:
+            ours: bool = True, fused: bool = True, block: bool = True) -> dict:
     import torch
     from bench_hybrid import build, workload
     from cb_kernels import Engine, SamplingParams
-    from cb_kernels.runner import hybrid_kernels, hybrid_layers
+    from cb_kernels.runner import hybrid_kernels, hybrid_layers, moe_layers
 
     torch.set_num_threads(threads)
     hybrid_layers.ENABLED = ours
     hybrid_kernels.FUSED = fused
+    moe_layers.BLOCK = block
     model = build(shape).to(dtype)
     prompts = workload(16, 16, 128)
     params = SamplingParams(max_new_tokens=32, ignore_eos=True)
@@ -257,6 +263,9 @@ def main(argv=None) -> int:
     p.add_argument("--separate", action="store_true",
                    help="also run the stateful layers' conv / scan / norm as separate calls "
                         "(hybrid_kernels.FUSED off: the path before ops.fused_hybrid)")
+    p.add_argument("--mlp-apart", action="store_true",
+                   help="also run the Qwen3-Next MLPs as separate calls (moe_layers.BLOCK off: "
+                        "the path before ops.moe_block)")
     args = p.parse_args(argv)
     counts = [int(t) for t in args.threads.split(",")]
     if any(t < 1 for t in counts) or args.repeats < 1:
@@ -269,15 +278,17 @@ def main(argv=None) -> int:
     results = {"dtype": args.dtype, "omp_counted": meter.omp.lib is not None}
     for shape in args.shapes.split(","):
         for t in counts:
-            variants = [("", True, True)]
+            variants = [("", True, True, True)]
+            if args.mlp_apart:
+                variants.append(("/mlp-apart", True, True, False))
             if args.separate:
-                variants.append(("/separate", True, False))
+                variants.append(("/separate", True, False, True))
             if args.baseline:
-                variants.append(("/transformers", False, True))
-            for suffix, ours, fused in variants:
+                variants.append(("/transformers", False, True, True))
+            for suffix, ours, fused, block in variants:
                 key = f"{shape}/{t}{suffix}"
                 row = results[key] = measure(shape, getattr(torch, args.dtype), t,
-                                             args.repeats, meter, ours, fused)
+                                             args.repeats, meter, ours, fused, block)
                 show(key, t, row)
     if args.json:
         with open(args.json, "w") as f:

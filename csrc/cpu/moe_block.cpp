@@ -6,8 +6,9 @@
 // route; the experts; the shared gate's GEMM and its sigmoid, the product, the sum), each
 // ~8-25 us of wrapper and allocation at 16 rows whatever its work, serial at any thread count.
 // Here they are the same kernel calls back to back in C++ on buffers kept between calls, so
-// each stage gives the bits of the call it replaces; only the sigmoid gate and the sums are
-// loops of their own (torch's formulas, one op per pass as torch runs them).
+// each stage gives the bits of the call it replaces; the sigmoid gate is a loop over the tokens
+// (torch's scalar formula), and the gated shared expert is added in moe_experts' last pass
+// (each op rounded as torch's mul_ and add_).
 //
 // Built portable only: the kernels inside dispatch to their own SIMD bodies (`isa` caps them).
 #include "cb_kernels/moe_block.h"
@@ -58,32 +59,6 @@ inline float round_to(float v, DType dt) {
   return dt == DType::kBFloat16 ? bf16_to_float(float_to_bf16(v)) : v;
 }
 
-inline void store(void* base, int64_t i, float v, DType dt) {
-  if (dt == DType::kBFloat16)
-    static_cast<uint16_t*>(base)[i] = float_to_bf16(v);
-  else
-    static_cast<float*>(base)[i] = v;
-}
-
-// shared[t] *= sigmoid(gate[t]) (torch's scalar sigmoid, rounded to the dtype, then torch's
-// product rounded), then y[t] += shared[t] (rounded): two passes, as torch's two ops, so no
-// compiler may fuse the product into the sum.
-void gate_and_add(const MoeBlockParams& p, const void* gate, void* shared) {
-  const DType dt = p.dtype;
-  const int64_t H = p.hidden;
-  for (int64_t t = 0; t < p.num_tokens; ++t) {
-    if (gate) {
-      const float g = load(gate, t, dt);
-      const float sig = round_to(1.0f / (1.0f + std::exp(-g)), dt);
-      for (int64_t j = 0; j < H; ++j)
-        store(shared, t * H + j, load(shared, t * H + j, dt) * sig, dt);
-    }
-    for (int64_t j = 0; j < H; ++j)
-      store(p.y, t * p.y_stride + j, load(p.y, t * p.y_stride + j, dt) + load(shared, t * H + j, dt),
-            dt);
-  }
-}
-
 }  // namespace
 
 Status moe_block(const MoeBlockParams& p, Isa isa) {
@@ -108,9 +83,10 @@ Status moe_block(const MoeBlockParams& p, Isa isa) {
   std::lock_guard<std::mutex> lock(w.mu);
   const int64_t logits_b = align64(n * p.num_experts * es), weights_b = align64(n * p.top_k * 4);
   const int64_t ids_b = align64(n * p.top_k * 8), gate_up_b = align64(n * 2 * I * es);
-  const int64_t act_b = align64(n * I * es), out_b = align64(n * H * es), gate_b = align64(n * es);
+  const int64_t act_b = align64(n * I * es), out_b = align64(n * H * es);
+  const int64_t gate_b = align64(n * es), sig_b = align64(n * 4);
   const int64_t total = 64 + (routed ? logits_b + weights_b + ids_b : 0) +
-                        (shared ? gate_up_b + act_b + out_b + gate_b : 0);
+                        (shared ? gate_up_b + act_b + out_b + gate_b + sig_b : 0);
   if (static_cast<int64_t>(w.bytes_.size()) < total) w.bytes_.resize(static_cast<size_t>(total));
   char* at = w.bytes_.data();
   at += (64 - reinterpret_cast<uintptr_t>(at) % 64) % 64;
@@ -120,55 +96,60 @@ Status moe_block(const MoeBlockParams& p, Isa isa) {
     return r;
   };
 
-  if (routed) {
-    void* logits = take(logits_b);
-    float* weights = reinterpret_cast<float*>(take(weights_b));
-    int64_t* ids = reinterpret_cast<int64_t*>(take(ids_b));
-    if (Status s = packed_linear(dt, p.x, n, H, p.x_stride, p.router, p.num_experts,
-                                 p.router_bias, logits, p.num_experts, isa); !s.ok())
+  // The shared expert first: the experts' last pass adds it to their sum (MoeExpertsParams'
+  // `add`), inside their parallel region, where a pass of its own here ran serially.
+  void* out = nullptr;             // the shared expert's output; y itself for a dense MLP
+  float* sig = nullptr;            // [n] sigmoid of the shared gate, rounded to the dtype
+  if (shared) {
+    void* gate_up = take(gate_up_b);
+    void* act = take(act_b);
+    out = routed ? take(out_b) : p.y;
+    const int64_t out_stride = routed ? H : p.y_stride;
+    if (Status s = packed_linear(dt, p.x, n, H, p.x_stride, p.shared_gate_up, 2 * I,
+                                 p.shared_gate_up_bias, gate_up, 2 * I, isa); !s.ok())
       return s;
-    MoeRouteParams r;
-    r.logits = logits;
-    r.num_tokens = n, r.num_experts = p.num_experts, r.logits_stride = p.num_experts;
-    r.top_k = p.top_k, r.renormalize = p.renormalize, r.dtype = dt;
-    r.weights = weights, r.ids = ids;
-    if (Status s = moe_route(r); !s.ok()) return s;
-    MoeExpertsParams e;
-    e.dtype = dt;
-    e.x = p.x, e.num_tokens = n, e.hidden = H, e.x_stride = p.x_stride;
-    e.topk_ids = ids, e.topk_weights = weights, e.top_k = p.top_k;
-    e.num_experts = p.num_experts, e.inter = p.experts_inter;
-    e.gate_up = p.experts_gate_up, e.gate_up_stride = p.experts_gate_up_stride;
-    e.down = p.experts_down, e.down_stride = p.experts_down_stride;
-    e.y = p.y, e.y_stride = p.y_stride;
-    if (Status s = moe_experts(e, isa); !s.ok()) return s;
+    SiluMulParams sm;
+    sm.gate_up = gate_up, sm.out = act, sm.rows = n, sm.dim = I, sm.in_stride = 2 * I;
+    sm.out_stride = I, sm.dtype = dt;
+    if (Status s = silu_mul(sm, isa); !s.ok()) return s;
+    if (Status s = packed_linear(dt, act, n, I, I, p.shared_down, H, p.shared_down_bias, out,
+                                 out_stride, isa); !s.ok())
+      return s;
+    if (!routed) return Status::Ok();
+    if (p.shared_gate) {
+      void* gate = take(gate_b);
+      sig = reinterpret_cast<float*>(take(sig_b));
+      if (Status s = packed_linear(dt, p.x, n, H, p.x_stride, p.shared_gate, 1,
+                                   p.shared_gate_bias, gate, 1, isa); !s.ok())
+        return s;
+      // torch's scalar sigmoid (1 / (1 + exp(-g)) in fp32, libm's expf), rounded to the dtype.
+      for (int64_t t = 0; t < n; ++t)
+        sig[t] = round_to(1.0f / (1.0f + std::exp(-load(gate, t, dt))), dt);
+    }
   }
-  if (!shared) return Status::Ok();
 
-  void* gate_up = take(gate_up_b);
-  void* act = take(act_b);
-  void* out = routed ? take(out_b) : p.y;      // a dense MLP writes y directly
-  const int64_t out_stride = routed ? H : p.y_stride;
-  if (Status s = packed_linear(dt, p.x, n, H, p.x_stride, p.shared_gate_up, 2 * I,
-                               p.shared_gate_up_bias, gate_up, 2 * I, isa); !s.ok())
+  void* logits = take(logits_b);
+  float* weights = reinterpret_cast<float*>(take(weights_b));
+  int64_t* ids = reinterpret_cast<int64_t*>(take(ids_b));
+  if (Status s = packed_linear(dt, p.x, n, H, p.x_stride, p.router, p.num_experts,
+                               p.router_bias, logits, p.num_experts, isa); !s.ok())
     return s;
-  SiluMulParams sm;
-  sm.gate_up = gate_up, sm.out = act, sm.rows = n, sm.dim = I, sm.in_stride = 2 * I;
-  sm.out_stride = I, sm.dtype = dt;
-  if (Status s = silu_mul(sm, isa); !s.ok()) return s;
-  if (Status s = packed_linear(dt, act, n, I, I, p.shared_down, H, p.shared_down_bias, out,
-                               out_stride, isa); !s.ok())
-    return s;
-  if (!routed) return Status::Ok();
-  void* gate = nullptr;
-  if (p.shared_gate) {
-    gate = take(gate_b);
-    if (Status s = packed_linear(dt, p.x, n, H, p.x_stride, p.shared_gate, 1, p.shared_gate_bias,
-                                 gate, 1, isa); !s.ok())
-      return s;
-  }
-  gate_and_add(p, gate, out);
-  return Status::Ok();
+  MoeRouteParams r;
+  r.logits = logits;
+  r.num_tokens = n, r.num_experts = p.num_experts, r.logits_stride = p.num_experts;
+  r.top_k = p.top_k, r.renormalize = p.renormalize, r.dtype = dt;
+  r.weights = weights, r.ids = ids;
+  if (Status s = moe_route(r); !s.ok()) return s;
+  MoeExpertsParams e;
+  e.dtype = dt;
+  e.x = p.x, e.num_tokens = n, e.hidden = H, e.x_stride = p.x_stride;
+  e.topk_ids = ids, e.topk_weights = weights, e.top_k = p.top_k;
+  e.num_experts = p.num_experts, e.inter = p.experts_inter;
+  e.gate_up = p.experts_gate_up, e.gate_up_stride = p.experts_gate_up_stride;
+  e.down = p.experts_down, e.down_stride = p.experts_down_stride;
+  e.y = p.y, e.y_stride = p.y_stride;
+  e.add = out, e.add_stride = H, e.add_scale = sig;
+  return moe_experts(e, isa);
 }
 
 }  // namespace cpu

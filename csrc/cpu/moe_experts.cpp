@@ -93,6 +93,7 @@ struct F32 {
     else
       for (int64_t j = 0; j < n; ++j) p[j] = v[j];
   }
+  static v16f load16t(const T* p, int64_t n) { return load16(p, n); }
 };
 struct BF16 {
   using T = uint16_t;
@@ -110,6 +111,17 @@ struct BF16 {
       __builtin_memcpy(p, &h, sizeof(h));
     else
       for (int64_t j = 0; j < n; ++j) p[j] = h[j];
+  }
+  static v16f load16t(const T* p, int64_t n) {
+    v16h h = v16h{};
+    if (n == 16)
+      __builtin_memcpy(&h, p, sizeof(h));
+    else
+      for (int64_t j = 0; j < n; ++j) h[j] = p[j];
+    const v16u b = __builtin_convertvector(h, v16u) << 16;
+    v16f v;
+    __builtin_memcpy(&v, &b, sizeof(v));
+    return v;
   }
 };
 
@@ -330,16 +342,31 @@ void run_item(const MoeExpertsParams& p, const Item& it, const int64_t* sorted, 
   }
 }
 
+// y[t] = round(sum over k), then (with p.add) + round(add[t] * add_scale[t]), rounded: torch's
+// `routed.add_(shared.mul_(sigmoid))`, each op rounded; the product goes through memory (the asm)
+// so that the avx512 build cannot contract it into the sum's FMA.
 template <typename E>
 void sum_token(const MoeExpertsParams& p, int64_t t, const float* contrib) {
+  using T = typename E::T;
   const int64_t H = p.hidden;
-  typename E::T* y = static_cast<typename E::T*>(p.y) + t * p.y_stride;
+  T* y = static_cast<T*>(p.y) + t * p.y_stride;
   const float* c0 = contrib + t * p.top_k * H;
+  const T* add = p.add ? static_cast<const T*>(p.add) + t * p.add_stride : nullptr;
   for (int64_t c = 0; c < H; c += 16) {
     const int64_t n = std::min<int64_t>(16, H - c);
     v16f acc = load16(c0 + c, n);
     for (int64_t k = 1; k < p.top_k; ++k) acc += load16(c0 + k * H + c, n);
-    E::store16(y + c, E::round16(acc), n);
+    v16f out = E::round16(acc);
+    if (add) {
+      v16f a = E::load16t(add + c, n);
+      if (p.add_scale) {
+        a = a * p.add_scale[t];
+        __asm__("" : "+m"(a));
+        a = E::round16(a);
+      }
+      out = E::round16(out + a);
+    }
+    E::store16(y + c, out, n);
   }
 }
 
@@ -450,7 +477,7 @@ Status moe_experts(const MoeExpertsParams& p, Isa isa) {
   if (p.dtype != DType::kFloat32 && p.dtype != DType::kBFloat16)
     return Status::Error("moe_experts: dtype must be float32 or bfloat16");
   if (p.num_tokens < 0 || p.hidden <= 0 || p.top_k <= 0 || p.num_experts <= 0 || p.inter <= 0 ||
-      p.x_stride < p.hidden || p.y_stride < p.hidden)
+      p.x_stride < p.hidden || p.y_stride < p.hidden || (p.add && p.add_stride < p.hidden))
     return Status::Error("moe_experts: need num_tokens >= 0, positive sizes, strides >= hidden");
   if (p.gate_up_stride < moe_packed_elems(p.dtype, 2 * p.inter, p.hidden) ||
       p.down_stride < moe_packed_elems(p.dtype, p.hidden, p.inter))
