@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "attention_vec.h"
+#include "bf16_tile.h"
 #include "moe_workspace.h"
 #include "row_tiles.h"
 #include "threads.h"
@@ -125,8 +126,6 @@ struct BF16 {
   }
 };
 
-inline float bf(uint32_t bits16) { return bf16_to_float(static_cast<uint16_t>(bits16)); }
-
 // Rows src[0..rows) (each k elements) into blocks of kMR rows, block b at b * kMR * units, each
 // [units][rows in block]: one k step's broadcasts read one line.
 void pack_rows(const float* const* src, int64_t rows, int64_t k, float* xp) {
@@ -160,9 +159,8 @@ void pack_rows(const uint16_t* const* src, int64_t rows, int64_t k, uint32_t* xp
 template <int MR>
 void tile(const float* xp, int64_t units, const float* wp, int64_t cols, float* y, int64_t ldy) {
 #if CBK_MOE_F32_SIMD
-  const __mmask16 m0 = static_cast<__mmask16>(cols >= 16 ? 0xffff : (1u << cols) - 1u);
-  const __mmask16 m1 =
-      static_cast<__mmask16>(cols >= 32 ? 0xffff : cols <= 16 ? 0 : (1u << (cols - 16)) - 1u);
+  __mmask16 m0, m1;
+  tile_masks(cols, m0, m1);
   __m512 a0[MR], a1[MR];
   for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
   for (int64_t k = 0; k < units; ++k) {
@@ -193,39 +191,18 @@ template <int MR>
 void tile(const uint32_t* xp, int64_t units, const uint16_t* wp, int64_t cols, float* y,
           int64_t ldy) {
 #if CBK_MOE_BF16_SIMD
-  const __mmask16 m0 = static_cast<__mmask16>(cols >= 16 ? 0xffff : (1u << cols) - 1u);
-  const __mmask16 m1 =
-      static_cast<__mmask16>(cols >= 32 ? 0xffff : cols <= 16 ? 0 : (1u << (cols - 16)) - 1u);
+  __mmask16 m0, m1;
+  tile_masks(cols, m0, m1);
   __m512 a0[MR], a1[MR];
-  for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < units; ++i) {
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp + i * kP * 2);
-    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wp + i * kP * 2 + 32);
-#pragma GCC unroll 12
-    for (int r = 0; r < MR; ++r) {
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[i * MR + r]));
-      a0[r] = _mm512_dpbf16_ps(a0[r], w0, xb);
-      a1[r] = _mm512_dpbf16_ps(a1[r], w1, xb);
-    }
-  }
+  bf16_tile_sums<MR>(xp, units, wp, a0, a1);
 #pragma GCC unroll 12
   for (int r = 0; r < MR; ++r) {
     _mm512_mask_storeu_ps(y + r * ldy, m0, a0[r]);
     _mm512_mask_storeu_ps(y + r * ldy + 16, m1, a1[r]);
   }
 #else
-  // vdpbf16ps's order: the odd element's product first, then the even one's (each exact).
   for (int r = 0; r < MR; ++r)
-    for (int64_t c = 0; c < cols; ++c) {
-      float acc = 0.0f;
-      for (int64_t i = 0; i < units; ++i) {
-        const uint32_t xv = xp[i * MR + r];
-        const uint16_t* w = wp + (i * kP + c) * 2;
-        acc += bf(w[1]) * bf(xv >> 16);
-        acc += bf(w[0]) * bf(xv & 0xffffu);
-      }
-      y[r * ldy + c] = acc;
-    }
+    for (int64_t c = 0; c < cols; ++c) y[r * ldy + c] = bf16_tile_sum(xp, MR, r, units, wp, c);
 #endif
 }
 #pragma GCC diagnostic pop

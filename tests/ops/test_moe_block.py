@@ -86,6 +86,7 @@ CASES = [
     pytest.param(16, 64, 48, 8, 40, id="decode-16"),
     pytest.param(13, 33, 17, 5, 19, id="odd-dims"),
     pytest.param(31, 48, 32, 6, 16, id="rows-31"),
+    pytest.param(16, 256, 128, 8, 128, id="bench-shape"),     # bench_hybrid.py's Qwen3-Next
     pytest.param(0, 32, 16, 4, 24, id="empty"),
 ]
 
