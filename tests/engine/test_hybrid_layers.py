@@ -271,3 +271,36 @@ def test_mlp_in_one_call_and_its_fallbacks(why, monkeypatch, caplog):
     if why == "experts-off":
         assert "layer 0's MLP runs as separate calls (its router or experts are not on our " \
                "packed ops)" in caplog.text
+
+
+def test_mlp_in_one_call_same_bits_in_bf16(monkeypatch):
+    """bf16 steps at one and two threads: the forward's final hidden rows with every MLP as one
+    ops.moe_block call equal those of the separate calls, bit for bit."""
+    from cb_kernels.runner import moe_layers
+
+    model = _model("qwen3_next").to(torch.bfloat16)
+    ps = _prompts([6, 3, 9], seed=13)
+    rows, seen = [], []
+    original = hybrid_layers.HybridForward.__call__
+    monkeypatch.setattr(hybrid_layers.HybridForward, "__call__",
+                        lambda self, *a: rows.append(original(self, *a)) or rows[-1])
+    real = hybrid_layers.moe_block_unchecked
+    monkeypatch.setattr(hybrid_layers, "moe_block_unchecked",
+                        lambda *a, **k: seen.append(1) or real(*a, **k))
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            got = {}
+            for block in (True, False):
+                monkeypatch.setattr(moe_layers, "BLOCK", block)
+                rows.clear()
+                tokens = _run(_engine(model), ps, 4)
+                got[block] = (tokens, [r.clone() for r in rows])
+                assert bool(seen) == block
+                seen.clear()
+            assert got[True][0] == got[False][0]
+            assert len(got[True][1]) == len(got[False][1]) > 0
+            assert all(torch.equal(a, b) for a, b in zip(got[True][1], got[False][1]))
+    finally:
+        torch.set_num_threads(threads)
