@@ -194,18 +194,15 @@ class _Qwen3NextLayer:
         why = None
         if self.moe and (self.router is None or self.experts is None):
             why = "its router or experts are not on our packed ops"
-        elif any(g.lin is None for g in self.block_groups()):
+        elif any(g.lin is None for g in [self.gate_up, self.down] +
+                 ([self.shared_gate] if self.moe else [])):
             why = "its linears are not on our GEMM"
         if why is not None:
             logger.info("hybrid forward: layer %d's MLP runs as separate calls (%s)", idx, why)
         elif idx == 0:
             logger.info("hybrid forward: each MLP in one ops.moe_block call%s", "" if not
                         self.moe else f" on steps of < {self.block_rows} rows")
-        self.block_fits = why is None
-
-    def block_groups(self) -> list:
-        """The packed-linear groups ops.moe_block reads (their `lin`, current at each call)."""
-        return [self.gate_up, self.down] + ([self.shared_gate] if self.moe else [])
+        self.block_fits = why is None       # the groups' `lin` are read again at each call
 
     def block_linears(self):
         """(qkvz, ba, out_proj) as ops.PackedLinear when this gated delta-net layer up to its
@@ -245,7 +242,7 @@ class _Qwen3NextLayer:
             else:
                 gate, router, experts = self.shared_gate.lin, self.router.lin, \
                     self.experts.experts
-                if None not in (gate_up, down, gate, router, experts):
+                if all(v is not None for v in (gate_up, down, gate, router, experts)):
                     return moe_block_unchecked(h, gate_up, down, gate, router, self.gate.top_k,
                                                bool(self.gate.norm_topk_prob), experts)
         shared = self.down.run(ops.silu_mul(self.gate_up.run(h)))
