@@ -163,7 +163,8 @@ Status moe_block(const MoeBlockParams& p, Isa isa) {
   if (!shared && !routed) return Status::Error("moe_block: neither a shared expert nor a router");
   if (shared && (!p.shared_down || p.shared_inter <= 0))
     return Status::Error("moe_block: the shared expert needs its down weight and inter > 0");
-  if (!shared && p.shared_gate) return Status::Error("moe_block: a shared gate with no shared expert");
+  if (p.shared_gate && !(shared && routed))
+    return Status::Error("moe_block: a shared gate needs a shared expert and a router");
   if (routed && (p.num_experts <= 0 || p.top_k <= 0 || p.top_k > p.num_experts ||
                  !p.experts_gate_up || !p.experts_down || p.experts_inter <= 0))
     return Status::Error("moe_block: the router needs 0 < top_k <= num_experts and the experts");
