@@ -5,7 +5,7 @@ OpenMP parallel regions a step opens (each a fork/join of the thread team).
     python bench/bench_hybrid_step.py [--threads 1,2] [--dtype bfloat16]
         [--shapes qwen3-next-hd128,mamba2-ds128] [--repeats 3] [--json out.json]
         [--baseline] [--separate] [--separate-attention] [--blocks] [--logits-head]
-        [--rounds N]
+        [--mlp-apart] [--rounds N]
 
 Same models and workload as bench_hybrid.py (16 requests, 16..128-token prompts, 32 new tokens,
 greedy, EOS off). One Engine per shape and thread count, a warm-up generate, then `--repeats`
@@ -24,7 +24,8 @@ best run's, split into its decode steps (every row one token) and the rest. Part
                                    ops.causal_conv1d / gated_delta_rule / selective_scan /
                                    gated_rms_norm apart, packed linears (ops.PackedLinear:
                                    the layers' projections, the router's logits),
-                                   ops.moe_experts, paged
+                                   ops.moe_experts, ops.moe_block (a
+                                   Qwen3-Next MLP whole), paged
                                    attention, the greedy head
 --baseline also measures each shape with transformers' decoder forward around the same kernels
 (runner/hybrid_layers.py off: the path before it, and the one models it does not fit take), in
@@ -34,7 +35,9 @@ separate calls with the split and gates in torch (hybrid_kernels.FUSED off), row
 calls (hybrid_layers.FUSED_ATTENTION off: the path before ops.gated_attention_block), rows
 "<shape>/<threads>/separate-attention"; --blocks Mamba-2 with one call per block instead of the
 stack (hybrid_stack.STACK off), rows "<shape>/<threads>/blocks"; --logits-head that and the LM
-head's full logits (greedy_head=False), rows "<shape>/<threads>/blocks+logits". --rounds N runs the variants N times, alternating (rows
+head's full logits (greedy_head=False), rows "<shape>/<threads>/blocks+logits"; --mlp-apart the
+Qwen3-Next MLPs as separate calls (router, route, experts, shared expert, gate: moe_layers.BLOCK
+off, the path before ops.moe_block), rows "<shape>/<threads>/mlp-apart". --rounds N runs the variants N times, alternating (rows
 "...#i"), and ends with each variant's best and median decode step against the first variant's.
 OpenMP regions are counted by a libgomp shim (LD_PRELOAD, compiled here from the C below with the
 system's cc: GOMP_parallel is what every `#pragma omp parallel` of torch, MKL and cb_kernels._C
@@ -137,10 +140,10 @@ class Meter:
         setattr(owner, name, timed)
 
 
-CALLS = ("fused Mamba-2 stack", "fused Mamba-2 blocks", "fused gated delta-net layers", "fused attention layers",
-         "fused stateful middle",
+CALLS = ("fused Mamba-2 stack", "fused Mamba-2 blocks", "fused gated delta-net layers",
+         "fused attention layers", "fused stateful middle",
          "causal_conv1d", "gated_delta_rule", "selective_scan", "gated_rms_norm",
-         "packed linears", "moe_experts", "paged attention", "greedy head")
+         "packed linears", "moe_experts", "moe blocks", "paged attention", "greedy head")
 
 
 def instrument(meter: Meter) -> None:
@@ -162,6 +165,7 @@ def instrument(meter: Meter) -> None:
     meter.wrap(hybrid_layers, "gated_attention_block_unchecked", "fused attention layers")
     meter.wrap(linear.PackedLinear, "run_unchecked", "packed linears")
     meter.wrap(moe.PackedExperts, "run_unchecked", "moe_experts")
+    meter.wrap(hybrid_layers, "moe_block_unchecked", "moe blocks")
     meter.wrap(attention.ops, "paged_attention", "paged attention")
     meter.wrap(lm_head.GreedyTokensHead, "tokens", "greedy head")
     meter.wrap(transformers_runner.TransformersRunner, "prepare", "inputs (runner.prepare)")
@@ -221,17 +225,18 @@ def split(steps: list) -> dict:
 
 def measure(shape: str, dtype, threads: int, repeats: int, meter: Meter,
             ours: bool = True, fused: bool = True, fused_attention: bool = True,
-            stack: bool = True, greedy_head="auto") -> dict:
+            block: bool = True, stack: bool = True, greedy_head="auto") -> dict:
     import torch
     from bench_hybrid import build, workload
     from cb_kernels import Engine, EngineConfig, SamplingParams
-    from cb_kernels.runner import hybrid_kernels, hybrid_layers, hybrid_stack
+    from cb_kernels.runner import hybrid_kernels, hybrid_layers, hybrid_stack, moe_layers
 
     torch.set_num_threads(threads)
     hybrid_layers.ENABLED = ours
     hybrid_kernels.FUSED = fused
     hybrid_layers.FUSED_ATTENTION = fused_attention
     hybrid_stack.STACK = stack
+    moe_layers.BLOCK = block
     model = build(shape).to(dtype)
     prompts = workload(16, 16, 128)
     params = SamplingParams(max_new_tokens=32, ignore_eos=True)
@@ -297,6 +302,9 @@ def main(argv=None) -> int:
     p.add_argument("--logits-head", action="store_true",
                    help="also run with the stack off and the greedy head off (EngineConfig("
                         "greedy_head=False): bf16 Mamba-2's path before ops.Mamba2Stack)")
+    p.add_argument("--mlp-apart", action="store_true",
+                   help="also run the Qwen3-Next MLPs as separate calls (moe_layers.BLOCK off: "
+                        "the path before ops.moe_block)")
     p.add_argument("--rounds", type=int, default=1,
                    help="run the variants this many times, alternating (A/B on a noisy host)")
     args = p.parse_args(argv)
@@ -312,6 +320,8 @@ def main(argv=None) -> int:
     for shape in args.shapes.split(","):
         for t in counts:
             variants = [("", {})]
+            if args.mlp_apart and shape.startswith("qwen3-next"):
+                variants.append(("/mlp-apart", {"block": False}))
             if args.separate:
                 variants.append(("/separate", {"fused": False}))
             if args.separate_attention and shape.startswith("qwen3-next"):

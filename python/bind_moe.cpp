@@ -1,10 +1,15 @@
-// Binding of the fused MoE experts; cb_kernels/ops/moe.py owns the checks.
+// Binding of the fused MoE experts and block; cb_kernels/ops/moe.py and moe_block.py own the
+// checks. moe_block's pointers and sizes come as one tuple each (~2 us for the call's ~25
+// arguments, as bind_fused_hybrid.cpp does).
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
+#include <array>
 #include <string>
 
 #include "bindings.h"
 #include "cb_kernels/moe.h"
+#include "cb_kernels/moe_block.h"
 #include "cb_kernels/moe_route.h"
 
 namespace py = pybind11;
@@ -81,4 +86,44 @@ void bind_moe(py::module_& m) {
       py::arg("down_stride"), py::arg("y"), py::arg("y_stride"), py::arg("isa") = "auto",
       "y[t] = sum_k w[t, k] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = topk_ids[t, k], on "
       "packed expert weights (cb_kernels/moe.h).");
+  m.def(
+      "moe_block",
+      [](bool bf16, const std::array<uintptr_t, 12>& ptr, const std::array<int64_t, 10>& size,
+         bool renormalize, const std::string& isa) {
+        cbk::MoeBlockParams p;
+        p.dtype = moe_dtype(bf16);
+        p.x = cbk::as_ptr<const void>(ptr[0]);
+        p.y = cbk::as_ptr<void>(ptr[1]);
+        p.shared_gate_up = cbk::as_ptr<const void>(ptr[2]);
+        p.shared_gate_up_bias = cbk::as_ptr<const float>(ptr[3]);
+        p.shared_down = cbk::as_ptr<const void>(ptr[4]);
+        p.shared_down_bias = cbk::as_ptr<const float>(ptr[5]);
+        p.shared_gate = cbk::as_ptr<const void>(ptr[6]);
+        p.shared_gate_bias = cbk::as_ptr<const float>(ptr[7]);
+        p.router = cbk::as_ptr<const void>(ptr[8]);
+        p.router_bias = cbk::as_ptr<const float>(ptr[9]);
+        p.experts_gate_up = cbk::as_ptr<const void>(ptr[10]);
+        p.experts_down = cbk::as_ptr<const void>(ptr[11]);
+        p.num_tokens = size[0];
+        p.hidden = size[1];
+        p.x_stride = size[2];
+        p.y_stride = size[3];
+        p.shared_inter = size[4];
+        p.num_experts = size[5];
+        p.top_k = size[6];
+        p.experts_gate_up_stride = size[7];
+        p.experts_down_stride = size[8];
+        p.experts_inter = size[9];
+        p.renormalize = renormalize;
+        const cbk::Isa body = cbk::as_isa(isa);
+        py::gil_scoped_release nogil;
+        cbk::throw_if_error(cbk::cpu::moe_block(p, body));
+      },
+      py::arg("bf16"), py::arg("ptrs"), py::arg("sizes"), py::arg("renormalize"),
+      py::arg("isa") = "auto",
+      "An MoE block (router, experts, shared expert and its sigmoid gate) or a dense gated MLP "
+      "in one call (cb_kernels/moe_block.h). ptrs: x, y, shared gate_up, its bias, shared down, "
+      "its bias, shared gate, its bias, router, its bias, experts gate_up, experts down (0: "
+      "none); sizes: num_tokens, hidden, x_stride, y_stride, shared_inter, num_experts, top_k, "
+      "experts gate_up stride, experts down stride, experts inter.");
 }

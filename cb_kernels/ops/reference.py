@@ -346,3 +346,25 @@ def ref_moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, dow
             d = (down_proj[e].double() @ h.double()).to(dt)
             out[t, k] = (d.float() * float(top_k_weights[t, k])).to(dt).float()
     return out.sum(dim=1).to(dt)
+
+
+def ref_moe_block(x, shared=None, shared_gate=None, router=None, top_k=None, renormalize=True,
+                  experts=None):
+    """x: [num_tokens, hidden]; shared: (gate_up [2 * inter, hidden], down [hidden, inter]) or
+    None; shared_gate: [1, hidden] or None; router: [num_experts, hidden] or None; experts:
+    (gate_up_proj, down_proj) as ref_moe_experts. Returns [num_tokens, hidden]: Qwen3-Next's
+    sparse MoE block (routed + sigmoid(x shared_gate^T) * shared(x)), or the dense MLP without
+    a router, each op rounded to x's dtype as transformers' modules round it; the linears as
+    ref_linear (float64)."""
+    out = None
+    if shared is not None:
+        out = ref_linear(ref_silu_mul(ref_linear(x, shared[0])), shared[1])
+    if router is None:
+        return out
+    weights, ids = ref_moe_route(ref_linear(x, router), top_k, renormalize)
+    routed = ref_moe_experts(x, ids, weights, *experts)
+    if out is None:
+        return routed
+    if shared_gate is not None:
+        out = torch.sigmoid(ref_linear(x, shared_gate)) * out
+    return routed + out

@@ -37,8 +37,9 @@ import torch.nn.functional as F
 from cb_kernels import ops
 from cb_kernels.ops.gated_attention import gated_attention_block_unchecked
 from cb_kernels.ops.moe import moe_route_unchecked
+from cb_kernels.ops.moe_block import moe_block_unchecked, torch_scalar_rows
 from cb_kernels.ops.offset_rms_norm import offset_rms_norm_unchecked
-from cb_kernels.runner import hybrid_kernels, hybrid_stack
+from cb_kernels.runner import hybrid_kernels, hybrid_stack, moe_layers
 from cb_kernels.runner.fused.forward import _RotaryTable
 from cb_kernels.runner.moe_layers import ExpertsGroup, RouterGroup
 from cb_kernels.runner.packed_linears import has_hooks
@@ -196,6 +197,22 @@ class _Qwen3NextLayer:
         self.down = runs.single(dense.down_proj)
         if not _silu(dense.act_fn):
             raise _Mismatch(f"layer {idx}'s MLP activation is not SiLU")
+        # The whole MLP as one ops.moe_block call (moe_layers.BLOCK) where every part is on our
+        # packed ops; steps of block_rows rows or more keep the calls apart, whose sigmoid gate
+        # torch then computes with a vectorised exp (ops/moe_block.py `torch_scalar_rows`).
+        self.block_rows = torch_scalar_rows(dtype) if self.moe else None
+        why = None
+        if self.moe and (self.router is None or self.experts is None):
+            why = "its router or experts are not on our packed ops"
+        elif any(g.lin is None for g in [self.gate_up, self.down] +
+                 ([self.shared_gate] if self.moe else [])):
+            why = "its linears are not on our GEMM"
+        if why is not None:
+            logger.info("hybrid forward: layer %d's MLP runs as separate calls (%s)", idx, why)
+        elif idx == 0:
+            logger.info("hybrid forward: each MLP in one ops.moe_block call%s", "" if not
+                        self.moe else f" on steps of < {self.block_rows} rows")
+        self.block_fits = why is None       # the groups' `lin` are read again at each call
 
     def block_linears(self):
         """(qkvz, ba, out_proj) as ops.PackedLinear when this gated delta-net layer up to its
@@ -239,6 +256,19 @@ class _Qwen3NextLayer:
         return self.post_norm(x, self.o.run(out))
 
     def mlp(self, h) -> torch.Tensor:
+        """The layer's MLP on h [T, hidden] (contiguous) -> a new [T, hidden]: one
+        ops.moe_block call where it fits, else the calls apart (the same bits)."""
+        if self.block_fits and moe_layers.BLOCK and (not self.moe or h.shape[0] < self.block_rows):
+            gate_up, down = self.gate_up.lin, self.down.lin
+            if not self.moe:
+                if gate_up is not None and down is not None:
+                    return moe_block_unchecked(h, gate_up, down, None, None, 0, True, None)
+            else:
+                gate, router, experts = self.shared_gate.lin, self.router.lin, \
+                    self.experts.experts
+                if all(v is not None for v in (gate_up, down, gate, router, experts)):
+                    return moe_block_unchecked(h, gate_up, down, gate, router, self.gate.top_k,
+                                               bool(self.gate.norm_topk_prob), experts)
         shared = self.down.run(ops.silu_mul(self.gate_up.run(h)))
         if not self.moe:
             return shared

@@ -38,6 +38,9 @@ logger = logging.getLogger("cb_kernels.engine")
 
 MOE = "auto"
 MOES = ("auto", "on", "off")
+# False: the engine's own forwards run an MoE block's (or a dense MLP's) router, experts and
+# shared expert as separate calls instead of one ops.moe_block (benchmarks and tests compare).
+BLOCK = True
 
 
 def _identity(t: Optional[torch.Tensor]):

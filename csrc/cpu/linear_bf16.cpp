@@ -18,6 +18,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "bf16_tile.h"
 #include "row_tiles.h"
 #include "threads.h"
 
@@ -58,23 +59,15 @@ void pack_rows(const uint16_t* x, int64_t ld, int64_t rows, int64_t k, uint32_t*
   }
 }
 
-inline float bf(uint32_t bits16) { return bf16_to_float(static_cast<uint16_t>(bits16)); }
-
 #if !CBK_LINEAR_BF16_SIMD
-// The tile in plain C++: the pair dot product's two adds (odd element first), then the bias.
+// The tile in plain C++ (bf16_tile.h's sums), then the bias.
 template <int MR>
 void tile(const LinearBf16Params& p, const uint32_t* xp, const uint16_t* wp, int64_t col0,
           int64_t cols, uint16_t* y) {
   const int64_t pairs = (p.k + 1) / 2;
   for (int r = 0; r < MR; ++r) {
     for (int64_t c = 0; c < cols; ++c) {
-      float acc = 0.0f;
-      for (int64_t i = 0; i < pairs; ++i) {
-        const uint32_t xv = xp[i * MR + r];
-        const uint16_t* w = wp + (i * kP + c) * 2;
-        acc += bf(w[1]) * bf(xv >> 16);
-        acc += bf(w[0]) * bf(xv & 0xffffu);
-      }
+      float acc = bf16_tile_sum(xp, MR, r, pairs, wp, c);
       if (p.bias) acc += p.bias[col0 + c];
       y[r * p.y_stride + c] = float_to_bf16(acc);
     }
@@ -87,22 +80,10 @@ void tile(const LinearBf16Params& p, const uint32_t* xp, const uint16_t* wp, int
 template <int MR>
 void tile(const LinearBf16Params& p, const uint32_t* xp, const uint16_t* wp, int64_t col0,
           int64_t cols, uint16_t* y) {
-  const int64_t pairs = (p.k + 1) / 2;
-  const __mmask16 m0 = static_cast<__mmask16>(cols >= 16 ? 0xffff : (1u << cols) - 1u);
-  const __mmask16 m1 =
-      static_cast<__mmask16>(cols >= 32 ? 0xffff : cols <= 16 ? 0 : (1u << (cols - 16)) - 1u);
+  __mmask16 m0, m1;
+  tile_masks(cols, m0, m1);
   __m512 a0[MR], a1[MR];
-  for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < pairs; ++i) {
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp + i * kP * 2);
-    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wp + i * kP * 2 + 32);
-#pragma GCC unroll 12
-    for (int r = 0; r < MR; ++r) {
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[i * MR + r]));
-      a0[r] = _mm512_dpbf16_ps(a0[r], w0, xb);
-      a1[r] = _mm512_dpbf16_ps(a1[r], w1, xb);
-    }
-  }
+  bf16_tile_sums<MR>(xp, (p.k + 1) / 2, wp, a0, a1);
   __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
   const bool bias = p.bias != nullptr;
   if (bias) {

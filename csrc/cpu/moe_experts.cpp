@@ -25,6 +25,8 @@
 #include <vector>
 
 #include "attention_vec.h"
+#include "bf16_tile.h"
+#include "moe_workspace.h"
 #include "row_tiles.h"
 #include "threads.h"
 
@@ -40,50 +42,6 @@
 #endif
 
 namespace cbk {
-namespace cpu {
-namespace moe_ws {
-// Every thread's MoE buffers (the caller's routing lists and its [num_pairs, hidden] fp32
-// contributions, each worker's GEMM scratch) sit in one registry, so that
-// moe_release_workspaces() can free them: Engine.sleep(level=2) does, since the contributions
-// of one long prefill (8192 tokens x top 10 x hidden 2048) reach 640 MiB. A call holds its
-// buffers' mutex; release only try_locks (a buffer in use stays, and no lock order can cycle).
-// Inline, so the portable, avx512 and avx512_bf16 builds of this file share one registry.
-struct Buffers;
-inline std::mutex& registry_mutex() {
-  static std::mutex* m = new std::mutex;   // never destroyed: thread exits may outlive statics
-  return *m;
-}
-inline std::vector<Buffers*>& registry() {
-  static std::vector<Buffers*>* r = new std::vector<Buffers*>;
-  return *r;
-}
-struct Buffers {
-  std::mutex mu;
-  Buffers() {
-    std::lock_guard<std::mutex> lock(registry_mutex());
-    registry().push_back(this);
-  }
-  virtual ~Buffers() {
-    std::lock_guard<std::mutex> lock(registry_mutex());
-    auto& r = registry();
-    r.erase(std::remove(r.begin(), r.end(), this), r.end());
-  }
-  Buffers(const Buffers&) = delete;
-  Buffers& operator=(const Buffers&) = delete;
-  virtual int64_t bytes() const = 0;
-  virtual void clear() = 0;
-};
-template <typename V>
-int64_t capacity_bytes(const V& v) {
-  return static_cast<int64_t>(v.capacity() * sizeof(typename V::value_type));
-}
-template <typename V>
-void free_vector(V& v) {
-  V().swap(v);
-}
-}  // namespace moe_ws
-}  // namespace cpu
-
 namespace CBK_CPU_NS {
 using cpu::max_threads;
 namespace {
@@ -136,6 +94,7 @@ struct F32 {
     else
       for (int64_t j = 0; j < n; ++j) p[j] = v[j];
   }
+  static v16f load16t(const T* p, int64_t n) { return load16(p, n); }
 };
 struct BF16 {
   using T = uint16_t;
@@ -154,9 +113,18 @@ struct BF16 {
     else
       for (int64_t j = 0; j < n; ++j) p[j] = h[j];
   }
+  static v16f load16t(const T* p, int64_t n) {
+    v16h h = v16h{};
+    if (n == 16)
+      __builtin_memcpy(&h, p, sizeof(h));
+    else
+      for (int64_t j = 0; j < n; ++j) h[j] = p[j];
+    const v16u b = __builtin_convertvector(h, v16u) << 16;
+    v16f v;
+    __builtin_memcpy(&v, &b, sizeof(v));
+    return v;
+  }
 };
-
-inline float bf(uint32_t bits16) { return bf16_to_float(static_cast<uint16_t>(bits16)); }
 
 // Rows src[0..rows) (each k elements) into blocks of kMR rows, block b at b * kMR * units, each
 // [units][rows in block]: one k step's broadcasts read one line.
@@ -191,9 +159,8 @@ void pack_rows(const uint16_t* const* src, int64_t rows, int64_t k, uint32_t* xp
 template <int MR>
 void tile(const float* xp, int64_t units, const float* wp, int64_t cols, float* y, int64_t ldy) {
 #if CBK_MOE_F32_SIMD
-  const __mmask16 m0 = static_cast<__mmask16>(cols >= 16 ? 0xffff : (1u << cols) - 1u);
-  const __mmask16 m1 =
-      static_cast<__mmask16>(cols >= 32 ? 0xffff : cols <= 16 ? 0 : (1u << (cols - 16)) - 1u);
+  __mmask16 m0, m1;
+  tile_masks(cols, m0, m1);
   __m512 a0[MR], a1[MR];
   for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
   for (int64_t k = 0; k < units; ++k) {
@@ -224,39 +191,18 @@ template <int MR>
 void tile(const uint32_t* xp, int64_t units, const uint16_t* wp, int64_t cols, float* y,
           int64_t ldy) {
 #if CBK_MOE_BF16_SIMD
-  const __mmask16 m0 = static_cast<__mmask16>(cols >= 16 ? 0xffff : (1u << cols) - 1u);
-  const __mmask16 m1 =
-      static_cast<__mmask16>(cols >= 32 ? 0xffff : cols <= 16 ? 0 : (1u << (cols - 16)) - 1u);
+  __mmask16 m0, m1;
+  tile_masks(cols, m0, m1);
   __m512 a0[MR], a1[MR];
-  for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < units; ++i) {
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp + i * kP * 2);
-    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wp + i * kP * 2 + 32);
-#pragma GCC unroll 12
-    for (int r = 0; r < MR; ++r) {
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[i * MR + r]));
-      a0[r] = _mm512_dpbf16_ps(a0[r], w0, xb);
-      a1[r] = _mm512_dpbf16_ps(a1[r], w1, xb);
-    }
-  }
+  bf16_tile_sums<MR>(xp, units, wp, a0, a1);
 #pragma GCC unroll 12
   for (int r = 0; r < MR; ++r) {
     _mm512_mask_storeu_ps(y + r * ldy, m0, a0[r]);
     _mm512_mask_storeu_ps(y + r * ldy + 16, m1, a1[r]);
   }
 #else
-  // vdpbf16ps's order: the odd element's product first, then the even one's (each exact).
   for (int r = 0; r < MR; ++r)
-    for (int64_t c = 0; c < cols; ++c) {
-      float acc = 0.0f;
-      for (int64_t i = 0; i < units; ++i) {
-        const uint32_t xv = xp[i * MR + r];
-        const uint16_t* w = wp + (i * kP + c) * 2;
-        acc += bf(w[1]) * bf(xv >> 16);
-        acc += bf(w[0]) * bf(xv & 0xffffu);
-      }
-      y[r * ldy + c] = acc;
-    }
+    for (int64_t c = 0; c < cols; ++c) y[r * ldy + c] = bf16_tile_sum(xp, MR, r, units, wp, c);
 #endif
 }
 #pragma GCC diagnostic pop
@@ -373,16 +319,31 @@ void run_item(const MoeExpertsParams& p, const Item& it, const int64_t* sorted, 
   }
 }
 
+// y[t] = round(sum over k), then (with p.add) + round(add[t] * add_scale[t]), rounded: torch's
+// `routed.add_(shared.mul_(sigmoid))`, each op rounded; the product goes through memory (the asm)
+// so that the avx512 build cannot contract it into the sum's FMA.
 template <typename E>
 void sum_token(const MoeExpertsParams& p, int64_t t, const float* contrib) {
+  using T = typename E::T;
   const int64_t H = p.hidden;
-  typename E::T* y = static_cast<typename E::T*>(p.y) + t * p.y_stride;
+  T* y = static_cast<T*>(p.y) + t * p.y_stride;
   const float* c0 = contrib + t * p.top_k * H;
+  const T* add = p.add ? static_cast<const T*>(p.add) + t * p.add_stride : nullptr;
   for (int64_t c = 0; c < H; c += 16) {
     const int64_t n = std::min<int64_t>(16, H - c);
     v16f acc = load16(c0 + c, n);
     for (int64_t k = 1; k < p.top_k; ++k) acc += load16(c0 + k * H + c, n);
-    E::store16(y + c, E::round16(acc), n);
+    v16f out = E::round16(acc);
+    if (add) {
+      v16f a = E::load16t(add + c, n);
+      if (p.add_scale) {
+        a = a * p.add_scale[t];
+        __asm__("" : "+m"(a));
+        a = E::round16(a);
+      }
+      out = E::round16(out + a);
+    }
+    E::store16(y + c, out, n);
   }
 }
 
@@ -493,7 +454,7 @@ Status moe_experts(const MoeExpertsParams& p, Isa isa) {
   if (p.dtype != DType::kFloat32 && p.dtype != DType::kBFloat16)
     return Status::Error("moe_experts: dtype must be float32 or bfloat16");
   if (p.num_tokens < 0 || p.hidden <= 0 || p.top_k <= 0 || p.num_experts <= 0 || p.inter <= 0 ||
-      p.x_stride < p.hidden || p.y_stride < p.hidden)
+      p.x_stride < p.hidden || p.y_stride < p.hidden || (p.add && p.add_stride < p.hidden))
     return Status::Error("moe_experts: need num_tokens >= 0, positive sizes, strides >= hidden");
   if (p.gate_up_stride < moe_packed_elems(p.dtype, 2 * p.inter, p.hidden) ||
       p.down_stride < moe_packed_elems(p.dtype, p.hidden, p.inter))

@@ -295,3 +295,80 @@ def test_attention_one_call_is_the_separate_calls_bits_in_bf16(threads, monkeypa
     finally:
         torch.set_num_threads(saved)
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("why", ["switched-off", "experts-off", "large-steps"])
+def test_mlp_in_one_call_and_its_fallbacks(why, monkeypatch, caplog):
+    """Every Qwen3-Next MLP (the MoE blocks and the dense layer) runs as one ops.moe_block call
+    by default, with the separate calls' bits (the same tokens, BLOCK on and off); switched off,
+    with the experts off our ops (logged), or on steps of torch_scalar_rows rows or more (a
+    64-token budget), the MLPs run as the separate calls: generate's tokens on every path."""
+    from cb_kernels.ops.moe_block import torch_scalar_rows
+    from cb_kernels.runner import moe_layers
+
+    model = _model("qwen3_next")
+    ps = _prompts([7, 2, 10, 40], seed=12)
+    want = generate_tokens(model, ps, 5)
+    real, seen = hybrid_layers.moe_block_unchecked, []
+    monkeypatch.setattr(hybrid_layers, "moe_block_unchecked",
+                        lambda *a, **k: seen.append((a[0].shape[0], a[4] is not None)) or
+                        real(*a, **k))
+    engine = _engine(model)
+    assert all(layer.block_fits for layer in engine.runner.hybrid.layers)
+    assert _run(engine, ps, 5) == want and seen
+    if why == "switched-off":
+        monkeypatch.setattr(moe_layers, "BLOCK", False)
+    elif why == "experts-off":
+        monkeypatch.setattr(moe_layers, "MOE", "off")
+    seen.clear()
+    with caplog.at_level(logging.INFO, logger="cb_kernels"):
+        engine = Engine(model, EngineConfig(block_size=4, num_blocks=64, max_num_seqs=4,
+                                            max_batch_tokens=64 if why == "large-steps" else 8))
+    assert _run(engine, ps, 5) == want
+    if why == "large-steps":
+        # The MoE layers' large steps went apart; the dense layer's (no sigmoid gate) did not.
+        moe_rows = [n for n, routed in seen if routed]
+        bound = torch_scalar_rows(torch.float32)
+        assert moe_rows and max(moe_rows) < bound
+        assert max(n for n, routed in seen if not routed) >= bound
+        assert len(moe_rows) < 2 * engine.stats()["steps"]         # two MoE layers a step
+    elif why == "experts-off":          # the dense layer's MLP still in one call
+        assert seen and not any(routed for _, routed in seen)
+    else:
+        assert not seen
+    if why == "experts-off":
+        assert "layer 0's MLP runs as separate calls (its router or experts are not on our " \
+               "packed ops)" in caplog.text
+
+
+def test_mlp_in_one_call_same_bits_in_bf16(monkeypatch):
+    """bf16 steps at one and two threads: the forward's final hidden rows with every MLP as one
+    ops.moe_block call equal those of the separate calls, bit for bit."""
+    from cb_kernels.runner import moe_layers
+
+    model = _model("qwen3_next").to(torch.bfloat16)
+    ps = _prompts([6, 3, 9], seed=13)
+    rows, seen = [], []
+    original = hybrid_layers.HybridForward.__call__
+    monkeypatch.setattr(hybrid_layers.HybridForward, "__call__",
+                        lambda self, *a: rows.append(original(self, *a)) or rows[-1])
+    real = hybrid_layers.moe_block_unchecked
+    monkeypatch.setattr(hybrid_layers, "moe_block_unchecked",
+                        lambda *a, **k: seen.append(1) or real(*a, **k))
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            got = {}
+            for block in (True, False):
+                monkeypatch.setattr(moe_layers, "BLOCK", block)
+                rows.clear()
+                tokens = _run(_engine(model), ps, 4)
+                got[block] = (tokens, [r.clone() for r in rows])
+                assert bool(seen) == block
+                seen.clear()
+            assert got[True][0] == got[False][0]
+            assert len(got[True][1]) == len(got[False][1]) > 0
+            assert all(torch.equal(a, b) for a, b in zip(got[True][1], got[False][1]))
+    finally:
+        torch.set_num_threads(threads)

@@ -39,16 +39,25 @@ def run(engine, prompt_list, max_new=10):
 
 
 class CountCalls:
-    """Counts PackedExperts.run_unchecked calls (the op's engine entry) while installed."""
+    """Counts the op's engine entries while installed: PackedExperts.run_unchecked, and the
+    engine's Qwen3-Next forward's ops.moe_block calls with experts (the MoE block whole)."""
 
     def __init__(self, monkeypatch):
+        from cb_kernels.runner import hybrid_layers
+
         self.n = 0
         original = PackedExperts.run_unchecked
+        block = hybrid_layers.moe_block_unchecked
 
         def counted(experts, *args, **kwargs):
             self.n += 1
             return original(experts, *args, **kwargs)
+
+        def counted_block(x, *args, **kwargs):
+            self.n += args[6] is not None          # experts: an MoE block, not a dense MLP
+            return block(x, *args, **kwargs)
         monkeypatch.setattr(PackedExperts, "run_unchecked", counted)
+        monkeypatch.setattr(hybrid_layers, "moe_block_unchecked", counted_block)
 
 
 @pytest.fixture

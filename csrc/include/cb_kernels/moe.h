@@ -36,6 +36,11 @@ struct MoeExpertsParams {
   int64_t down_stride = 0;
   void* y = nullptr;                 // [num_tokens, hidden], rows y_stride apart
   int64_t y_stride = 0;
+  // Optional, an MoE block's shared expert (cb_kernels/moe_block.h): y[token] = round(round(sum)
+  // + round(add[token] * add_scale[token])) (no add_scale: round(round(sum) + add[token])).
+  const void* add = nullptr;         // [num_tokens, hidden], rows add_stride apart, or nullptr
+  int64_t add_stride = 0;
+  const float* add_scale = nullptr;  // [num_tokens] (values of the dtype), or nullptr
 };
 
 // Elements of one expert's packed weight [n, k] of `dtype` (linear.h's layouts).
