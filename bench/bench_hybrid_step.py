@@ -37,8 +37,9 @@ calls (hybrid_layers.FUSED_ATTENTION off: the path before ops.gated_attention_bl
 stack (hybrid_stack.STACK off), rows "<shape>/<threads>/blocks"; --logits-head that and the LM
 head's full logits (greedy_head=False), rows "<shape>/<threads>/blocks+logits"; --mlp-apart the
 Qwen3-Next MLPs as separate calls (router, route, experts, shared expert, gate: moe_layers.BLOCK
-off, the path before ops.moe_block), rows "<shape>/<threads>/mlp-apart". --rounds N runs the variants N times, alternating (rows
-"...#i"), and ends with each variant's best and median decode step against the first variant's.
+off, the path before ops.moe_block), rows "<shape>/<threads>/mlp-apart". --rounds N runs the
+variants N times, alternating (rows "...#i"), and ends with each variant's best and median decode
+step against the first variant's.
 OpenMP regions are counted by a libgomp shim (LD_PRELOAD, compiled here from the C below with the
 system's cc: GOMP_parallel is what every `#pragma omp parallel` of torch, MKL and cb_kernels._C
 calls); the script re-executes itself with it. Without a C compiler the counts are left out.
