@@ -1,8 +1,10 @@
-"""causal_conv1d (csrc/cpu/causal_conv1d.cpp) against ops/reference.py's ref_causal_conv1d and
-transformers' causal_conv1d_fn / causal_conv1d_update (the Qwen3-Next layer's prefill and decode),
-over an explicit case list: channel counts off the 64-channel block, rows shorter than the
-window, decodes and continued chunks mixed with fresh prefills, empty rows; both CPU bodies
-forced; the thread split never changes a bit."""
+"""causal_conv1d (csrc/cpu/causal_conv1d.cpp, triton/causal_conv1d.py) against
+ops/reference.py's ref_causal_conv1d and transformers' causal_conv1d_fn / causal_conv1d_update
+(the Qwen3-Next layer's prefill and decode), over an explicit case list: channel counts off the
+64-channel block, rows shorter than the window, decodes and continued chunks mixed with fresh
+prefills, empty rows, slots out of order; both CPU bodies forced; the thread split never changes
+a bit; the Triton body under TRITON_INTERPRET=1 on CPU (tests/conftest.py) and its `gpu` twins
+on CUDA."""
 from __future__ import annotations
 
 import pytest
@@ -25,7 +27,7 @@ TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e
 _BODIES = [isa for isa in _C.cpu_isas() if isa in ("portable", "avx512")]
 
 
-def make(case, dtype, seed=0):
+def make(case, dtype, seed=0, device="cpu"):
     channels, width, state_len, bias, rows = CASES[case]
     gen = torch.Generator().manual_seed(seed)
     n = sum(length for length, _ in rows)
@@ -37,7 +39,8 @@ def make(case, dtype, seed=0):
     slots = torch.randperm(num_slots, generator=gen)[:len(rows)]
     cu = torch.tensor([0] + [length for length, _ in rows]).cumsum(0).to(torch.int32)
     has_state = torch.tensor([c for _, c in rows], dtype=torch.bool)
-    return x, weight, b, state, slots, cu, has_state
+    return tuple(None if t is None else t.to(device)
+                 for t in (x, weight, b, state, slots, cu, has_state))
 
 
 @pytest.mark.parametrize("isa", _BODIES)
@@ -174,3 +177,80 @@ def test_thread_split_does_not_change_bits(lengths):
     cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
     has = torch.tensor([n != 300 for n in lengths])
     assert_same_at_threads(lambda s: ops.causal_conv1d(x, w, None, s, slots, cu, has), state)
+
+
+_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"   # CPU: under TRITON_INTERPRET=1
+
+
+def check_triton(case, dtype, activation, device, backend):
+    """The op on `device` against the reference: outputs within TOL; every slot (the windows are
+    copies of inputs, the untouched slot as it was) bit for bit."""
+    x, w, b, state, slots, cu, has = make(case, dtype, device=device)
+    before = state.clone()
+    want_state = state.clone()
+    want = ref_causal_conv1d(x, w, b, want_state, slots, cu, has, activation=activation)
+    got = ops.causal_conv1d(x, w, b, state, slots, cu, has, activation=activation,
+                            backend=backend)
+    assert got.dtype == dtype and got.device == x.device
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    assert torch.equal(state, want_state)
+    untouched = [s for s in range(state.shape[0]) if s not in slots.tolist()]
+    assert untouched and torch.equal(state[untouched], before[untouched])
+
+
+def check_triton_decodes_and_batch(dtype, device, backend):
+    """Two one-token steps give the bits of the same two tokens as one chunk; each row run alone
+    (x's tokens strided) gives the bits it gets in the whole batch, its window too."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 150, generator=gen).to(dtype).to(device)
+    w = torch.randn(150, 4, generator=gen).to(dtype).to(device)
+    state = torch.randn(2, 150, 3, generator=gen).to(dtype).to(device)
+    slot, has = torch.tensor([1], device=device), torch.tensor([True], device=device)
+    chunk_state = state.clone()
+    chunk = ops.causal_conv1d(x, w, None, chunk_state, slot,
+                              torch.tensor([0, 2], dtype=torch.int32, device=device), has,
+                              backend=backend)
+    one = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    steps = torch.cat([ops.causal_conv1d(x[t:t + 1], w, None, state, slot, one, has,
+                                         backend=backend) for t in range(2)])
+    assert torch.equal(steps, chunk) and torch.equal(state, chunk_state)
+
+    x, w, b, state, slots, cu, has = make("mixed-rows", dtype, device=device)
+    wide = torch.cat([x, x[:, :7]], dim=1)[:, :x.shape[1]]           # tokens 137 apart
+    together = state.clone()
+    out = ops.causal_conv1d(wide, w, b, together, slots, cu, has, backend=backend)
+    for i in range(slots.shape[0]):
+        a, e = int(cu[i]), int(cu[i + 1])
+        alone = state.clone()
+        got = ops.causal_conv1d(x[a:e], w, b, alone, slots[i:i + 1],
+                                torch.tensor([0, e - a], dtype=torch.int32, device=device),
+                                has[i:i + 1], backend=backend)
+        assert torch.equal(got, out[a:e]) and torch.equal(alone[slots[i]], together[slots[i]])
+
+
+@pytest.mark.parametrize("activation", ["silu", None])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_triton_matches_reference(case, dtype, activation):
+    """Under TRITON_INTERPRET=1 on CPU (tests/conftest.py), on the GPU where there is one."""
+    check_triton(case, dtype, activation, _DEVICE, "triton")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_triton_decodes_and_batch_invariance(dtype):
+    check_triton_decodes_and_batch(dtype, _DEVICE, "triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ["silu", None])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_gpu_triton_matches_reference(case, dtype, activation):
+    """The GPU stage: every case on CUDA tensors, backend=None (triton there)."""
+    check_triton(case, dtype, activation, "cuda", None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gpu_triton_decodes_and_batch_invariance(dtype):
+    check_triton_decodes_and_batch(dtype, "cuda", None)
