@@ -208,6 +208,27 @@ def test_triton_rows_do_not_depend_on_the_batch(dtype):
     check_triton_batch_invariance(dtype, _DEVICE)
 
 
+def check_small_steps(device, backend):
+    """dt' = softplus(dt) for dt down to -16 (steps of 1e-7 .. 0.3) to fp32's relative precision:
+    with x, B, C all ones, a fresh state and no D, out = d_state * dt' exactly (a plain
+    log(1 + exp(dt)) is off by 1e-3 relative at dt = -10, by 30% at -16)."""
+    dt = torch.linspace(-16.0, -1.0, 16, device=device)[:, None]            # 16 one-token rows
+    n, d_state = dt.shape[0], 8
+    ones = torch.ones(n, 1, d_state, device=device)
+    state = torch.zeros(n, 1, 1, d_state, device=device)
+    got = ops.selective_scan(torch.ones(n, 1, 1, device=device), dt, torch.zeros(1, device=device), ones, ones,
+                             state, torch.arange(n, device=device),
+                             torch.arange(n + 1, dtype=torch.int32, device=device),
+                             torch.zeros(n, dtype=torch.bool, device=device), backend=backend)
+    want = torch.nn.functional.softplus(dt.double()) * d_state
+    torch.testing.assert_close(got[:, 0, 0].double(), want[:, 0], rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["triton", "cpu"])
+def test_small_steps_keep_their_precision(backend):
+    check_small_steps(_DEVICE if backend == "triton" else "cpu", backend)
+
+
 def test_cuda_default_is_triton(monkeypatch):
     """On CUDA tensors backend=None takes triton, also where the compiled CUDA kernels run (this
     op has none: "cuda" there would hand device pointers to the CPU body)."""
@@ -233,3 +254,8 @@ def test_gpu_triton_matches_reference(case, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_gpu_triton_rows_do_not_depend_on_the_batch(dtype):
     check_triton_batch_invariance(dtype, "cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_small_steps_keep_their_precision():
+    check_small_steps("cuda", None)
