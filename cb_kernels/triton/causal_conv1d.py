@@ -88,13 +88,18 @@ def causal_conv1d_triton(x, weight, bias, conv_state, slots, cu_seqlens, has_sta
     state_len = conv_state.shape[2]
     if num_seqs == 0:
         return
-    # 128 channels: one per thread of 4 warps (the op moves ~width x 2 values an output, so it
-    # is memory-bound; wider blocks only cut the programs a decode step has).
-    block_c = min(128, max(32, triton.next_power_of_2(channels)))
+    block_c = block_channels(channels)
     grid = (num_seqs, triton.cdiv(channels, block_c))
     _causal_conv1d_kernel[grid](
         x, weight, weight if bias is None else bias, conv_state, out, slots, cu_seqlens,
         has_state.view(torch.uint8), x.stride(0),
         CHANNELS=channels, WIDTH=width, STATE_LEN=state_len, BLOCK_C=block_c,
         BLOCK_L=triton.next_power_of_2(max(state_len, 1)), HAS_BIAS=bias is not None,
-        SILU=bool(silu), num_warps=max(1, block_c // 32))
+        SILU=bool(silu), num_warps=block_c // 32)
+
+
+def block_channels(channels: int) -> int:
+    """BLOCK_C: 32 to 128 channels, one per thread of BLOCK_C // 32 warps (the op moves ~width x 2
+    values an output, so it is memory-bound; wider blocks only cut the programs a decode step
+    has)."""
+    return min(128, max(32, triton.next_power_of_2(channels)))

@@ -75,6 +75,14 @@ def _selective_scan_kernel(
     tl.store(p_s, b_s, mask=m_pn)
 
 
+def tile_sizes(head_dim: int, d_state: int) -> tuple[int, int]:
+    """(BLOCK_P, BLOCK_N): a program's [BLOCK_P, BLOCK_N] fp32 state tile in registers. 32 x 128
+    is 16 KiB a program (4 warps), as the gated delta rule's tile: 128 registers a thread and no
+    spills on sm_90 (triton 3.9, cuobjdump; tests/ops/test_selective_scan.py checks it)."""
+    block_n = triton.next_power_of_2(d_state)
+    return min(triton.next_power_of_2(head_dim), max(4, 4096 // block_n)), block_n
+
+
 def selective_scan_triton(x, dt, A, B, C, state, slots, cu_seqlens, has_state, out, D, dt_bias,
                           dt_softplus: bool, dt_lo: float, dt_hi: float) -> None:
     """Arguments as ops.selective_scan's, checked there; `dt_hi <= dt_lo` means no clamp (the
@@ -85,10 +93,7 @@ def selective_scan_triton(x, dt, A, B, C, state, slots, cu_seqlens, has_state, o
     num_groups, d_state = B.shape[1], B.shape[2]
     if num_seqs == 0:
         return
-    block_n = triton.next_power_of_2(d_state)
-    # [block_p, block_n] fp32 in registers: 32 x 128 is 16 KiB a program (4 warps), as the
-    # gated delta rule's tile.
-    block_p = min(triton.next_power_of_2(head_dim), max(4, 4096 // block_n))
+    block_p, block_n = tile_sizes(head_dim, d_state)
     grid = (num_seqs, num_heads, triton.cdiv(head_dim, block_p))
     _selective_scan_kernel[grid](
         x, dt, A, B, C, A if D is None else D, A if dt_bias is None else dt_bias, state, out,

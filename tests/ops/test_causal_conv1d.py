@@ -7,6 +7,10 @@ a bit; the Triton body under TRITON_INTERPRET=1 on CPU (tests/conftest.py) and i
 on CUDA."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -254,3 +258,47 @@ def test_gpu_triton_matches_reference(case, dtype, activation):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_gpu_triton_decodes_and_batch_invariance(dtype):
     check_triton_decodes_and_batch(dtype, "cuda", None)
+
+
+# The kernel compiled for sm_90 in a fresh process without TRITON_INTERPRET (triton's bundled
+# ptxas; no GPU needed): what the interpreter never checks (types, constexpr branches, the
+# barrier) fails here before a GPU minute is spent; the barrier must be in the code and
+# cuobjdump's LOCAL (spilled bytes) 0.
+_COMPILE_SM90 = """
+import os, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from cb_kernels.triton.causal_conv1d import _causal_conv1d_kernel, block_channels
+
+tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+for act in ("fp32", "bf16"):
+    for channels, bias, silu in ((8192, True, True), (20, False, False)):
+        block_c = block_channels(channels)
+        const = dict(CHANNELS=channels, WIDTH=4, STATE_LEN=4, BLOCK_C=block_c, BLOCK_L=4,
+                     HAS_BIAS=bias, SILU=silu)
+        sig = dict(p_x="*" + act, p_weight="*" + act, p_bias="*" + act, p_state="*" + act,
+                   p_out="*" + act, p_slots="*i64", p_cu_seqlens="*i32", p_has_state="*u8",
+                   s_x_t="i32", **{k: "constexpr" for k in const})
+        k = triton.compile(ASTSource(_causal_conv1d_kernel, sig, const),
+                           target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=block_c // 32))
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(k.asm["cubin"])
+            f.flush()
+            usage = subprocess.run([tool, "--dump-resource-usage", f.name], check=True,
+                                   capture_output=True, text=True).stdout
+        print(act, channels, "bar.sync" in k.asm["ptx"] or "barrier.sync" in k.asm["ptx"],
+              [w for w in usage.split() if w.startswith(("REG:", "LOCAL:"))])
+"""
+
+
+def test_triton_kernel_compiles_for_sm90_without_spills(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    done = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 4 and all(" True " in line and "'LOCAL:0'" in line
+                                   for line in lines), lines

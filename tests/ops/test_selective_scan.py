@@ -7,6 +7,9 @@ out of order; both CPU bodies forced; the Triton body under TRITON_INTERPRET=1 o
 from __future__ import annotations
 
 import importlib
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -259,3 +262,46 @@ def test_gpu_triton_rows_do_not_depend_on_the_batch(dtype):
 @pytest.mark.gpu
 def test_gpu_small_steps_keep_their_precision():
     check_small_steps("cuda", None)
+
+
+# The kernel compiled for sm_90 in a fresh process without TRITON_INTERPRET (triton's bundled
+# ptxas; no GPU needed): what the interpreter never checks (types, constexpr branches) fails
+# here before a GPU minute is spent, and cuobjdump's LOCAL (spilled bytes) must be 0.
+_COMPILE_SM90 = """
+import os, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from cb_kernels.triton.selective_scan import _selective_scan_kernel, tile_sizes
+
+tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+block_p, block_n = tile_sizes(64, 128)                   # Mamba-2: head_dim 64, d_state 128
+for act in ("fp32", "bf16"):
+    for flags in ((True, True, True, False), (False, False, False, True)):
+        const = dict(NUM_HEADS=80, HEAD_DIM=64, GROUP=80, D_STATE=128, BLOCK_P=block_p,
+                     BLOCK_N=block_n, HAS_D=flags[0], HAS_DT_BIAS=flags[1], SOFTPLUS=flags[2],
+                     CLAMP=flags[3])
+        sig = dict(p_x="*" + act, p_dt="*fp32", p_A="*fp32", p_B="*" + act, p_C="*" + act,
+                   p_D="*fp32", p_dt_bias="*fp32", p_state="*fp32", p_out="*" + act,
+                   p_slots="*i64", p_cu_seqlens="*i32", p_has_state="*u8", s_x_t="i32",
+                   s_b_t="i32", s_c_t="i32", dt_lo="fp32", dt_hi="fp32",
+                   **{k: "constexpr" for k in const})
+        k = triton.compile(ASTSource(_selective_scan_kernel, sig, const),
+                           target=GPUTarget("cuda", 90, 32))
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(k.asm["cubin"])
+            f.flush()
+            usage = subprocess.run([tool, "--dump-resource-usage", f.name], check=True,
+                                   capture_output=True, text=True).stdout
+        print(act, flags, [w for w in usage.split() if w.startswith(("REG:", "LOCAL:"))])
+"""
+
+
+def test_triton_kernel_compiles_for_sm90_without_spills(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    done = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 4 and all("'LOCAL:0'" in line for line in lines), lines
