@@ -71,8 +71,8 @@ def _causal_conv1d_kernel(
     m_cl = m_c[:, None] & m_l[None, :]
     b_tail = tl.load(p_x + o_x[None, :] * s_x_t + o_c[:, None], mask=m_cl & m_x[None, :],
                      other=0.0)
-    b_kept = tl.load(p_win[:, None] + o_w[None, :], mask=m_keep[:, None] & m_l[None, :] & (o_pos < t0)[None, :],
-                     other=0.0)
+    m_kept = m_keep[:, None] & (m_l & (o_pos < t0))[None, :]
+    b_kept = tl.load(p_win[:, None] + o_w[None, :], mask=m_kept, other=0.0)
     b_new = tl.where(m_x[None, :], b_tail, b_kept)
     # Every load of the old window above comes before any thread overwrites it.
     tl.debug_barrier()
