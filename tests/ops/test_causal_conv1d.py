@@ -26,6 +26,7 @@ CASES = {
                                       (0, False), (5, False)]),
     "width-2-long-state": (64, 2, 5, True, [(3, True), (1, True), (6, False)]),
     "decodes-width-4-state-3": (100, 4, 3, True, [(1, True), (1, True), (2, True)]),
+    "no-tokens": (70, 4, 4, False, [(0, True), (0, False)]),   # the fresh row's window zeroed
 }
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
 _BODIES = [isa for isa in _C.cpu_isas() if isa in ("portable", "avx512")]

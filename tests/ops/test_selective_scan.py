@@ -25,6 +25,7 @@ CASES = {
     "prefill-awkward": (3, 13, 1, 17, [(9, False)]),
     "mixed-rows": (4, 16, 2, 32, [(1, True), (7, False), (0, True), (1, True), (4, True)]),
     "d-state-128": (4, 32, 1, 128, [(1, True)] * 3 + [(6, False)]),
+    "no-tokens": (2, 8, 1, 16, [(0, True), (0, False)]),      # the fresh row's slot zeroed
 }
 TOL = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
 _BODIES = [isa for isa in _C.cpu_isas() if isa in ("portable", "avx512")]
