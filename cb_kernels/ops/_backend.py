@@ -93,8 +93,9 @@ def available_backends() -> list[str]:
 
 def default_cuda_backend(supported: tuple[str, ...]) -> str:
     """The backend an op without a measured CUDA default takes for CUDA tensors: the compiled
-    kernels where they run, else Triton where the op has it, else the reference."""
-    if not cuda_kernels_error():
+    kernels where the op has them and they run, else Triton where the op has it, else the
+    reference."""
+    if "cuda" in supported and not cuda_kernels_error():
         return "cuda"
     if "triton" in supported and not triton_error():
         return "triton"

@@ -2,19 +2,20 @@
 (the conv before Qwen3-Next's gated delta rule; Mamba-2's and LFM2's short convolutions), each
 row's window read from and written back to its slot in place. One call runs every row of a step.
 
-Backends: "cpu" (csrc/cpu/causal_conv1d.cpp, fp32 or bf16) and "torch" (ops/reference.py's
-ref_causal_conv1d).
+Backends: "cpu" (csrc/cpu/causal_conv1d.cpp, fp32 or bf16), "triton"
+(cb_kernels/triton/causal_conv1d.py: CUDA, or CPU tensors under TRITON_INTERPRET=1) and "torch"
+(ops/reference.py's ref_causal_conv1d).
 """
 from __future__ import annotations
 
 import torch
 
 from cb_kernels import _C
-from cb_kernels.ops._backend import (DTYPE_CODES, check_tensor, resolve_backend, same_device,
-                                     sync_threads)
+from cb_kernels.ops._backend import (DTYPE_CODES, check_tensor, default_cuda_backend,
+                                     resolve_backend, same_device, sync_threads)
 from cb_kernels.ops._varlen import check_values, check_varlen, rows_arg
 
-_BACKENDS = ("cpu", "torch")
+_BACKENDS = ("triton", "cpu", "torch")
 _ACTIVATIONS = (None, "silu")
 
 
@@ -36,7 +37,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     slots : int64 ``[num_seqs]``, distinct; cu_seqlens : int32 ``[num_seqs + 1]``;
     has_state : bool ``[num_seqs]`` (see ops.gated_delta_rule).
     activation : None or "silu".
-    backend : None (cpu), "cpu" or "torch".
+    backend : None (cpu for CPU tensors, triton for CUDA), "cpu", "triton" or "torch".
     isa : caps the CPU body ("auto", or one of ``_C.cpu_isas()``, for tests): "avx512" or
         "portable" run (``_C.gated_delta_rule_isa`` names the one chosen, the same two bodies).
 
@@ -44,12 +45,20 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """
     _check(x, weight, bias, conv_state, slots, cu_seqlens, has_state, activation)
     check_values(conv_state, slots, cu_seqlens, x.shape[0])
-    chosen = resolve_backend(backend, x.device, _BACKENDS, "torch", "causal_conv1d")
+    chosen = resolve_backend(backend, x.device, _BACKENDS, default_cuda_backend(_BACKENDS),
+                             "causal_conv1d")
     if chosen == "torch":
         from cb_kernels.ops.reference import ref_causal_conv1d
 
         return ref_causal_conv1d(x, weight, bias, conv_state, slots, cu_seqlens, has_state,
                                  activation=activation)
+    if chosen == "triton":
+        from cb_kernels.triton.causal_conv1d import causal_conv1d_triton
+
+        out = torch.empty((x.shape[0], x.shape[1]), dtype=x.dtype, device=x.device)
+        causal_conv1d_triton(x, weight, bias, conv_state, slots, cu_seqlens, has_state, out,
+                             activation == "silu")
+        return out
     return causal_conv1d_unchecked(x, weight, bias, conv_state, slots, cu_seqlens, has_state,
                                    activation, isa)
 

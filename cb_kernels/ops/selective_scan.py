@@ -1,18 +1,19 @@
 """`selective_scan`: the Mamba-2 selective scan (SSD recurrence) over a variable-length batch,
 each row's state read from and written back to its slot in place; one call runs every row of a
 step (decodes and prefills mixed). Backends: "cpu" (csrc/cpu/selective_scan.cpp, fp32 or bf16
-inputs, fp32 state) and "torch" (ops/reference.py's ref_selective_scan).
+inputs, fp32 state), "triton" (cb_kernels/triton/selective_scan.py: CUDA, or CPU tensors under
+TRITON_INTERPRET=1) and "torch" (ops/reference.py's ref_selective_scan).
 """
 from __future__ import annotations
 
 import torch
 
 from cb_kernels import _C
-from cb_kernels.ops._backend import (DTYPE_CODES, check_tensor, resolve_backend, same_device,
-                                     sync_threads)
+from cb_kernels.ops._backend import (DTYPE_CODES, check_tensor, default_cuda_backend,
+                                     resolve_backend, same_device, sync_threads)
 from cb_kernels.ops._varlen import check_values, check_varlen, rows_arg
 
-_BACKENDS = ("cpu", "torch")
+_BACKENDS = ("triton", "cpu", "torch")
 
 
 def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
@@ -38,22 +39,30 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
     slots, cu_seqlens, has_state : as ops.gated_delta_rule's.
     D, dt_bias : float32 ``[num_heads]`` or None.
     dt_limit : (lo, hi) clamp of dt' (transformers' time_step_limit; (0, inf): none).
-    backend : None (cpu), "cpu" or "torch"; isa : caps the CPU body (tests).
+    backend : None (cpu for CPU tensors, triton for CUDA), "cpu", "triton" or "torch".
+    isa : caps the CPU body (tests).
 
     Returns ``[num_tokens, num_heads, head_dim]`` in x's dtype.
     """
     _check(x, dt, A, B, C, state, slots, cu_seqlens, has_state, D, dt_bias)
     check_values(state, slots, cu_seqlens, x.shape[0])
-    chosen = resolve_backend(backend, x.device, _BACKENDS, "torch", "selective_scan")
+    chosen = resolve_backend(backend, x.device, _BACKENDS, default_cuda_backend(_BACKENDS),
+                             "selective_scan")
     if chosen == "torch":
         from cb_kernels.ops.reference import ref_selective_scan
 
         return ref_selective_scan(x, dt, A, B, C, state, slots, cu_seqlens, has_state, D=D,
                                   dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
-    out = torch.empty((x.shape[0], x.shape[1], x.shape[2]), dtype=x.dtype)
+    out = torch.empty((x.shape[0], x.shape[1], x.shape[2]), dtype=x.dtype, device=x.device)
     lo, hi = float(dt_limit[0]), float(dt_limit[1])
     if hi == float("inf") and lo == 0.0:
         lo = hi = 0.0                                     # no clamp
+    if chosen == "triton":
+        from cb_kernels.triton.selective_scan import selective_scan_triton
+
+        selective_scan_triton(x, dt, A, B, C, state, slots, cu_seqlens, has_state, out, D,
+                              dt_bias, bool(dt_softplus), lo, hi)
+        return out
     sync_threads()
     _C.selective_scan(
         x.data_ptr(), dt.data_ptr(), A.data_ptr(), B.data_ptr(), C.data_ptr(),
@@ -97,7 +106,8 @@ def _check(x, dt, A, B, C, state, slots, cu_seqlens, has_state, D, dt_bias) -> N
                          f"{B.shape[2]}], got {tuple(state.shape)}")
     check_varlen(slots, cu_seqlens, has_state)
     same_device([("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C), ("state", state),
-                 ("slots", slots), ("cu_seqlens", cu_seqlens), ("has_state", has_state)])
+                 ("slots", slots), ("cu_seqlens", cu_seqlens), ("has_state", has_state)]
+                + [(name, t) for name, t in (("D", D), ("dt_bias", dt_bias)) if t is not None])
 
 
 @torch.library.custom_op("cb_kernels::selective_scan", mutates_args=("state",))

@@ -1,9 +1,15 @@
-"""causal_conv1d (csrc/cpu/causal_conv1d.cpp) against ops/reference.py's ref_causal_conv1d and
-transformers' causal_conv1d_fn / causal_conv1d_update (the Qwen3-Next layer's prefill and decode),
-over an explicit case list: channel counts off the 64-channel block, rows shorter than the
-window, decodes and continued chunks mixed with fresh prefills, empty rows; both CPU bodies
-forced; the thread split never changes a bit."""
+"""causal_conv1d (csrc/cpu/causal_conv1d.cpp, triton/causal_conv1d.py) against
+ops/reference.py's ref_causal_conv1d and transformers' causal_conv1d_fn / causal_conv1d_update
+(the Qwen3-Next layer's prefill and decode), over an explicit case list: channel counts off the
+64-channel block, rows shorter than the window, decodes and continued chunks mixed with fresh
+prefills, empty rows, slots out of order; both CPU bodies forced; the thread split never changes
+a bit; the Triton body under TRITON_INTERPRET=1 on CPU (tests/conftest.py) and its `gpu` twins
+on CUDA."""
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -20,12 +26,13 @@ CASES = {
                                       (0, False), (5, False)]),
     "width-2-long-state": (64, 2, 5, True, [(3, True), (1, True), (6, False)]),
     "decodes-width-4-state-3": (100, 4, 3, True, [(1, True), (1, True), (2, True)]),
+    "no-tokens": (70, 4, 4, False, [(0, True), (0, False)]),   # the fresh row's window zeroed
 }
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
 _BODIES = [isa for isa in _C.cpu_isas() if isa in ("portable", "avx512")]
 
 
-def make(case, dtype, seed=0):
+def make(case, dtype, seed=0, device="cpu"):
     channels, width, state_len, bias, rows = CASES[case]
     gen = torch.Generator().manual_seed(seed)
     n = sum(length for length, _ in rows)
@@ -37,7 +44,8 @@ def make(case, dtype, seed=0):
     slots = torch.randperm(num_slots, generator=gen)[:len(rows)]
     cu = torch.tensor([0] + [length for length, _ in rows]).cumsum(0).to(torch.int32)
     has_state = torch.tensor([c for _, c in rows], dtype=torch.bool)
-    return x, weight, b, state, slots, cu, has_state
+    return tuple(None if t is None else t.to(device)
+                 for t in (x, weight, b, state, slots, cu, has_state))
 
 
 @pytest.mark.parametrize("isa", _BODIES)
@@ -174,3 +182,124 @@ def test_thread_split_does_not_change_bits(lengths):
     cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
     has = torch.tensor([n != 300 for n in lengths])
     assert_same_at_threads(lambda s: ops.causal_conv1d(x, w, None, s, slots, cu, has), state)
+
+
+_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"   # CPU: under TRITON_INTERPRET=1
+
+
+def check_triton(case, dtype, activation, device, backend):
+    """The op on `device` against the reference: outputs within TOL; every slot (the windows are
+    copies of inputs, the untouched slot as it was) bit for bit."""
+    x, w, b, state, slots, cu, has = make(case, dtype, device=device)
+    before = state.clone()
+    want_state = state.clone()
+    want = ref_causal_conv1d(x, w, b, want_state, slots, cu, has, activation=activation)
+    got = ops.causal_conv1d(x, w, b, state, slots, cu, has, activation=activation,
+                            backend=backend)
+    assert got.dtype == dtype and got.device == x.device
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    assert torch.equal(state, want_state)
+    untouched = [s for s in range(state.shape[0]) if s not in slots.tolist()]
+    assert untouched and torch.equal(state[untouched], before[untouched])
+
+
+def check_triton_decodes_and_batch(dtype, device, backend):
+    """Two one-token steps give the bits of the same two tokens as one chunk; each row run alone
+    (x's tokens strided) gives the bits it gets in the whole batch, its window too."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 150, generator=gen).to(dtype).to(device)
+    w = torch.randn(150, 4, generator=gen).to(dtype).to(device)
+    state = torch.randn(2, 150, 3, generator=gen).to(dtype).to(device)
+    slot, has = torch.tensor([1], device=device), torch.tensor([True], device=device)
+    chunk_state = state.clone()
+    chunk = ops.causal_conv1d(x, w, None, chunk_state, slot,
+                              torch.tensor([0, 2], dtype=torch.int32, device=device), has,
+                              backend=backend)
+    one = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    steps = torch.cat([ops.causal_conv1d(x[t:t + 1], w, None, state, slot, one, has,
+                                         backend=backend) for t in range(2)])
+    assert torch.equal(steps, chunk) and torch.equal(state, chunk_state)
+
+    x, w, b, state, slots, cu, has = make("mixed-rows", dtype, device=device)
+    wide = torch.cat([x, x[:, :7]], dim=1)[:, :x.shape[1]]           # tokens 137 apart
+    together = state.clone()
+    out = ops.causal_conv1d(wide, w, b, together, slots, cu, has, backend=backend)
+    for i in range(slots.shape[0]):
+        a, e = int(cu[i]), int(cu[i + 1])
+        alone = state.clone()
+        got = ops.causal_conv1d(x[a:e], w, b, alone, slots[i:i + 1],
+                                torch.tensor([0, e - a], dtype=torch.int32, device=device),
+                                has[i:i + 1], backend=backend)
+        assert torch.equal(got, out[a:e]) and torch.equal(alone[slots[i]], together[slots[i]])
+
+
+@pytest.mark.parametrize("activation", ["silu", None])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_triton_matches_reference(case, dtype, activation):
+    """Under TRITON_INTERPRET=1 on CPU (tests/conftest.py), on the GPU where there is one."""
+    check_triton(case, dtype, activation, _DEVICE, "triton")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_triton_decodes_and_batch_invariance(dtype):
+    check_triton_decodes_and_batch(dtype, _DEVICE, "triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ["silu", None])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_gpu_triton_matches_reference(case, dtype, activation):
+    """The GPU stage: every case on CUDA tensors, backend=None (triton there)."""
+    check_triton(case, dtype, activation, "cuda", None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gpu_triton_decodes_and_batch_invariance(dtype):
+    check_triton_decodes_and_batch(dtype, "cuda", None)
+
+
+# The kernel compiled for sm_90 in a fresh process without TRITON_INTERPRET (triton's bundled
+# ptxas; no GPU needed): what the interpreter never checks (types, constexpr branches, the
+# barrier) fails here before a GPU minute is spent; the barrier must be in the code and
+# cuobjdump's LOCAL (spilled bytes) 0.
+_COMPILE_SM90 = """
+import os, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from cb_kernels.triton.causal_conv1d import _causal_conv1d_kernel, block_channels
+
+tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+for act in ("fp32", "bf16"):
+    for channels, bias, silu in ((8192, True, True), (20, False, False)):
+        block_c = block_channels(channels)
+        const = dict(CHANNELS=channels, WIDTH=4, STATE_LEN=4, BLOCK_C=block_c, BLOCK_L=4,
+                     HAS_BIAS=bias, SILU=silu)
+        sig = dict(p_x="*" + act, p_weight="*" + act, p_bias="*" + act, p_state="*" + act,
+                   p_out="*" + act, p_slots="*i64", p_cu_seqlens="*i32", p_has_state="*u8",
+                   s_x_t="i32", **{k: "constexpr" for k in const})
+        k = triton.compile(ASTSource(_causal_conv1d_kernel, sig, const),
+                           target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=block_c // 32))
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(k.asm["cubin"])
+            f.flush()
+            usage = subprocess.run([tool, "--dump-resource-usage", f.name], check=True,
+                                   capture_output=True, text=True).stdout
+        print(act, channels, "bar.sync" in k.asm["ptx"] or "barrier.sync" in k.asm["ptx"],
+              [w for w in usage.split() if w.startswith(("REG:", "LOCAL:"))])
+"""
+
+
+def test_triton_kernel_compiles_for_sm90_without_spills(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    done = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 4 and all(" True " in line and "'LOCAL:0'" in line
+                                   for line in lines), lines
