@@ -29,8 +29,8 @@
 # limits, 420 s, leaves room in one 15-minute lease (the start takes 1-2 min) for a second,
 # targeted run with --only.
 #   stage          what                                                 estimate / limit
-#   preflight      versions, tools; cold torch/triton/transformers        15 s /  60 s
-#                  import and CUDA init (60 s), nvcc compiles a kernel
+#   preflight      versions, tools; cold torch/triton/transformers        15 s /  50 s
+#                  import and CUDA init (45 s), nvcc compiles a kernel
 #                  beside it; a timeout or a missing tool is a warning
 #   build          pip -v --no-index --no-build-isolation install -e .    75 s / 180 s
 #                  (cmake + nvcc, sm_90 only on Hopper; CBK_CUDA_ARCHS)
@@ -43,9 +43,9 @@
 #                  against padded generate
 #   overlap        bench_overlap.py --quick, one repeat                    10 s /  15 s
 #   tests_engine   pytest -m "gpu and not slow": runner/, engine/, rest    20 s /  30 s
-#   tests_ops      pytest -m "gpu and not slow": ops/ (4 workers)          25 s /  30 s
+#   tests_ops      pytest -m "gpu and not slow": ops/ (4 workers)          30 s /  40 s
 #   report         plots (matplotlib)                                       3 s /  10 s
-#   total                                                                 205 s / 420 s
+#   total                                                                 210 s / 420 s
 #   sanitizer      (--sanitize) compute-sanitizer memcheck + racecheck    120 s / 150 s
 # The tests run 4 pytest-xdist workers where it is installed (the Triton compiles run in
 # parallel) and a per-test timeout where pytest-timeout is (a hung test fails, the rest runs).
@@ -58,10 +58,10 @@
 set -uo pipefail
 
 STAGES=(preflight build import correctness attention cache engine overlap tests_engine tests_ops report)
-declare -A LIMIT=([preflight]=60 [build]=180 [import]=15 [correctness]=25 [attention]=20 [cache]=10
-                  [engine]=25 [overlap]=15 [tests_engine]=30 [tests_ops]=30 [report]=10 [sanitizer]=150)
+declare -A LIMIT=([preflight]=50 [build]=180 [import]=15 [correctness]=25 [attention]=20 [cache]=10
+                  [engine]=25 [overlap]=15 [tests_engine]=30 [tests_ops]=40 [report]=10 [sanitizer]=150)
 declare -A ESTIMATE=([preflight]=15 [build]=75 [import]=6 [correctness]=15 [attention]=12 [cache]=6
-                     [engine]=18 [overlap]=10 [tests_engine]=20 [tests_ops]=25 [report]=3 [sanitizer]=120)
+                     [engine]=18 [overlap]=10 [tests_engine]=20 [tests_ops]=30 [report]=3 [sanitizer]=120)
 BUDGET=420
 GRACE=2
 
@@ -220,10 +220,10 @@ preflight_checks() {
   tmp=$(mktemp -d)
   if command -v nvcc >/dev/null; then   # the host compiler check is a real compile, beside python
     printf '__global__ void k(float *x) { x[threadIdx.x] += 1.f; }\n' > "$tmp/k.cu"
-    ( timeout 50 nvcc -c "$tmp/k.cu" -o "$tmp/k.o" > "$tmp/nvcc.txt" 2>&1; echo $? > "$tmp/nvcc.rc" ) &
+    ( timeout 40 nvcc -c "$tmp/k.cu" -o "$tmp/k.o" > "$tmp/nvcc.txt" 2>&1; echo $? > "$tmp/nvcc.rc" ) &
     nvcc_pid=$!
   fi
-  timeout -k 2 55 "$PY" - "$MODE" <<'PYEOF' || echo "preflight: WARNING python check exited $? (124: its imports and CUDA init took over 55 s)"
+  timeout -k 2 45 "$PY" - "$MODE" <<'PYEOF' || echo "preflight: WARNING python check exited $? (124: its imports and CUDA init took over 45 s)"
 import importlib, platform, sys
 mode = sys.argv[1]
 print(f"python {platform.python_version()} ({sys.executable})")
