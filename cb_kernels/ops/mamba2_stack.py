@@ -17,6 +17,7 @@ import torch
 
 from cb_kernels import _C
 from cb_kernels.ops._backend import DTYPE_CODES, check_tensor, sync_threads
+from cb_kernels.ops._stack import Workspace, check_embed_and_layers, check_ids
 from cb_kernels.ops._varlen import check_values, check_varlen, rows_arg
 from cb_kernels.ops.linear import PackedLinear
 
@@ -114,12 +115,7 @@ class Mamba2Stack:
 
     def __init__(self, embed: torch.Tensor, layers: list, final_norm_weight: torch.Tensor,
                  final_norm_eps: float, *, residual_fp32: bool):
-        check_tensor(embed, "embed", ndim=2, contiguous=True)
-        if embed.dtype not in (torch.float32, torch.bfloat16) or embed.device.type != "cpu":
-            raise TypeError(f"embed must be a float32 or bfloat16 CPU tensor, got {embed.dtype} "
-                            f"on {embed.device}")
-        if not isinstance(layers, (list, tuple)) or not layers:
-            raise ValueError("layers must be a non-empty list of Mamba2StackLayer")
+        check_embed_and_layers(embed, layers, "Mamba2StackLayer")
         self.dtype = embed.dtype
         self.vocab, self.hidden = embed.shape
         self.x_dtype = torch.float32 if residual_fp32 else self.dtype
@@ -129,7 +125,7 @@ class Mamba2Stack:
         _check_vector(final_norm_weight, "final_norm_weight", self.hidden, self.x_dtype)
         self.embed, self.layers, self.final_norm_weight = embed, list(layers), final_norm_weight
         self.num_slots = num_slots
-        self._ws = torch.empty(0, dtype=torch.uint8)
+        self._ws = Workspace()
         self._c = _C.Mamba2Stack(
             [((0, l.norm_weight.data_ptr(), l.in_proj.packed.data_ptr(), _ptr(l.in_proj.bias),
                l.out_proj.packed.data_ptr(), _ptr(l.out_proj.bias), 0),
@@ -149,16 +145,9 @@ class Mamba2Stack:
         ``[num_seqs]``, cu_seqlens int32 ``[num_seqs + 1]``, has_state bool ``[num_seqs]``: the
         rows (ops.selective_scan's); isa caps the mixers' kernels (tests). Returns the final
         norm's ``[num_sampled, hidden]`` in the layers' dtype."""
-        for name, t in (("input_ids", input_ids), ("logits_indices", logits_indices)):
-            check_tensor(t, name, ndim=1, dtype=torch.int64, contiguous=True)
+        n = check_ids(input_ids, logits_indices, self.vocab)
         check_varlen(slots, cu_seqlens, has_state)
-        n = input_ids.shape[0]
         check_values(self.layers[0].state, slots, cu_seqlens, n)
-        if n and not 0 <= int(input_ids.min()) <= int(input_ids.max()) < self.vocab:
-            raise ValueError(f"input_ids must lie in [0, {self.vocab}) (embed's vocab)")
-        if logits_indices.numel() and not (
-                0 <= int(logits_indices.min()) and int(logits_indices.max()) < n):
-            raise ValueError(f"logits_indices must lie in [0, {n}) (num_tokens)")
         return self.run_unchecked(input_ids, logits_indices, slots, cu_seqlens, has_state, isa)
 
     def run_unchecked(self, input_ids: torch.Tensor, logits_indices: torch.Tensor, slots,
@@ -167,10 +156,8 @@ class Mamba2Stack:
         rows = rows_arg(slots, cu_seqlens, has_state, self.num_slots)
         n, s = input_ids.shape[0], logits_indices.shape[0]
         out = torch.empty((s, self.hidden), dtype=self.dtype)
-        need = self._c.workspace_bytes(n, s)
-        if self._ws.numel() < need:         # grows to the largest step, then reused
-            self._ws = torch.empty(need, dtype=torch.uint8)
+        ws = self._ws.ptr(self._c.workspace_bytes(n, s))
         sync_threads()
-        self._c(input_ids.data_ptr(), logits_indices.data_ptr(), s, out.data_ptr(),
-                self._ws.data_ptr(), rows, isa)
+        self._c(input_ids.data_ptr(), logits_indices.data_ptr(), s, out.data_ptr(), ws, rows,
+                isa)
         return out

@@ -18,7 +18,7 @@ import torch
 
 from cb_kernels import _C
 from cb_kernels.ops._backend import DTYPE_CODES, check_tensor, sync_threads
-from cb_kernels.ops._cache_checks import check_slot_values
+from cb_kernels.ops._stack import Workspace, check_embed_and_layers, check_ids
 from cb_kernels.ops._varlen import check_values as check_row_values
 from cb_kernels.ops._varlen import check_varlen, rows_arg
 from cb_kernels.ops.fused_hybrid import gated_delta_net
@@ -180,13 +180,7 @@ class Qwen3NextStack:
 
     def __init__(self, embed: torch.Tensor, layers: list, final_norm_weight: torch.Tensor,
                  final_norm_eps: float, *, rotary_dim: int):
-        check_tensor(embed, "embed", ndim=2, contiguous=True)
-        if embed.dtype not in (torch.float32, torch.bfloat16) or embed.device.type != "cpu":
-            raise TypeError(f"embed must be a float32 or bfloat16 CPU tensor, got {embed.dtype} "
-                            f"on {embed.device}")
-        if not isinstance(layers, (list, tuple)) or not layers:
-            raise ValueError("layers must be a non-empty list of Qwen3NextDeltaNetLayer / "
-                             "Qwen3NextAttentionLayer")
+        check_embed_and_layers(embed, layers, "Qwen3NextDeltaNetLayer / Qwen3NextAttentionLayer")
         self.dtype = dt = embed.dtype
         self.vocab, self.hidden = embed.shape
         self.rotary_dim = rotary_dim
@@ -212,7 +206,7 @@ class Qwen3NextStack:
                              f"{tuple(final_norm_weight.shape)}")
         self.embed, self.final_norm_weight = embed, final_norm_weight
         self.num_slots = self.delta_nets[0].state.shape[0] if self.delta_nets else 0
-        self._ws = torch.empty(0, dtype=torch.uint8)
+        self._ws = Workspace()
         self._c = _C.Qwen3NextStack(embed.data_ptr(), self.vocab, self.hidden,
                                     final_norm_weight.data_ptr(), float(final_norm_eps),
                                     DTYPE_CODES[dt])
@@ -254,17 +248,10 @@ class Qwen3NextStack:
         slot_mapping, block_tables, seq_lens, cu_seqlens_q: the attention metadata
         (ops.gated_attention_block's); isa caps the kernels' bodies (tests). Returns the final
         norm's ``[num_sampled, hidden]`` in the layers' dtype."""
-        for name, t in (("input_ids", input_ids), ("logits_indices", logits_indices)):
-            check_tensor(t, name, ndim=1, dtype=torch.int64, contiguous=True)
-        n = input_ids.shape[0]
+        n = check_ids(input_ids, logits_indices, self.vocab)
         check_varlen(slots, cu_seqlens, has_state)
         if self.delta_nets:
             check_row_values(self.delta_nets[0].state, slots, cu_seqlens, n)
-        if n and not 0 <= int(input_ids.min()) <= int(input_ids.max()) < self.vocab:
-            raise ValueError(f"input_ids must lie in [0, {self.vocab}) (embed's vocab)")
-        if logits_indices.numel() and not (
-                0 <= int(logits_indices.min()) and int(logits_indices.max()) < n):
-            raise ValueError(f"logits_indices must lie in [0, {n}) (num_tokens)")
         if self.attentions:
             l = self.attentions[0]
             for name, t in (("cos", cos), ("sin", sin)):
@@ -290,12 +277,9 @@ class Qwen3NextStack:
         n, s = input_ids.shape[0], logits_indices.shape[0]
         num_seqs = block_tables.shape[0]
         out = torch.empty((s, self.hidden), dtype=self.dtype)
-        need = self._c.workspace_bytes(n, s, num_seqs)
-        if self._ws.numel() < need:         # grows to the largest step, then reused
-            self._ws = torch.empty(need, dtype=torch.uint8)
+        ws = self._ws.ptr(self._c.workspace_bytes(n, s, num_seqs))
         sync_threads()
-        self._c(input_ids.data_ptr(), logits_indices.data_ptr(), s, out.data_ptr(),
-                self._ws.data_ptr(), rows,
+        self._c(input_ids.data_ptr(), logits_indices.data_ptr(), s, out.data_ptr(), ws, rows,
                 (cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(),
                  block_tables.data_ptr(), seq_lens.data_ptr(), cu_seqlens_q.data_ptr()),
                 (num_seqs, block_tables.shape[1], block_tables.stride(0)), isa)

@@ -85,9 +85,11 @@ class _StackRun:
             key = self._key(step)
         except (AttributeError, KeyError, TypeError, RuntimeError, IndexError) as e:
             return self._off(f"its tensors cannot be read ({e})")
-        if self.stack is not None and key == self.key:
+        if key == self.key:      # the stack, or None for the reason logged, still holds
             return self.stack
-        self.stack, self.key = None, None
+        # why_not_now reads the switches (_switched_off) and the key's objects alone, so a
+        # reason holds while the key does: fp32 Qwen3-Next checks its layers once, not a step
+        self.stack, self.key = None, key
         reason = self.why_not_now()
         if reason:
             return self._off(reason)
@@ -96,7 +98,6 @@ class _StackRun:
             self.stack = self._build(step)
         except (TypeError, ValueError) as e:
             return self._off(str(e))
-        self.key = key
         if self.logged != "":
             logger.info("hybrid forward: %d %s layers and the final norm as one call (ops.%s)",
                         len(self.layers), self.name, type(self.stack).__name__)

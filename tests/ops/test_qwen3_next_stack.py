@@ -19,6 +19,7 @@ from cb_kernels.ops.moe_block import moe_block_unchecked
 from cb_kernels.ops.offset_rms_norm import offset_rms_norm_unchecked
 from cb_kernels.ops.qwen3_next_stack import (Qwen3NextAttentionLayer, Qwen3NextDeltaNetLayer,
                                              Qwen3NextMlp, Qwen3NextStack)
+from tests.ops.test_gated_attention import paged_sequences
 
 pytestmark = pytest.mark.one_thread
 
@@ -95,20 +96,10 @@ def make(model, step, seed=0):
     dtype, kinds = MODELS[model]
     seqs = STEPS[step]
     g = torch.Generator().manual_seed(seed)
-    bs, rd = ATTN[4], ATTN[3]
-    per_seq = [(q + c + bs - 1) // bs for q, c in seqs]
-    num_blocks, num_slots = sum(per_seq) + 3, len(seqs) + 2
+    rd, num_slots = ATTN[3], len(seqs) + 2
+    tables, slot_mapping, positions, num_blocks = paged_sequences(seqs, ATTN[4], g)
     layers = [(_gdn(g, dtype, _mlp(g, dtype, m), num_slots) if k == "gdn" else
                _attn(g, dtype, _mlp(g, dtype, m), num_blocks)) for k, m in kinds]
-    order = torch.randperm(num_blocks, generator=g).tolist()
-    tables = torch.zeros(len(seqs), max(per_seq) + 1, dtype=torch.int32)
-    slot_mapping, positions, at = [], [], 0
-    for i, ((q, c), nb) in enumerate(zip(seqs, per_seq)):
-        tables[i, :nb] = torch.tensor(order[at:at + nb], dtype=torch.int32)
-        at += nb
-        for p in range(c, c + q):
-            slot_mapping.append(int(tables[i, p // bs]) * bs + p % bs)
-            positions.append(p)
     inv = 1.0 / (10000 ** (torch.arange(0, rd, 2).float() / rd))
     emb = torch.cat([torch.tensor(positions).float()[:, None] * inv] * 2, dim=-1)
     cu = torch.tensor([0] + [q for q, _ in seqs]).cumsum(0).to(torch.int32)
