@@ -45,6 +45,8 @@ QWEN3_NEXT_STACK = True
 
 _data_ptr = torch.Tensor.data_ptr
 _version = operator.attrgetter("_version")
+_lin, _experts = operator.attrgetter("lin"), operator.attrgetter("experts")
+_conv_state, _state = operator.attrgetter("conv_state"), operator.attrgetter("state")
 
 
 def _versions(tensors: list) -> list:
@@ -220,31 +222,34 @@ class Qwen3NextStackRun(_StackRun):
                 if m.conv1d._parameters.get("bias") is not None:
                     self.sources.append((m.conv1d._parameters, "bias"))
         # MoE layers' one moe_block call holds on steps of fewer rows (hybrid_layers.mlp)
+        # What `_more` and `_objects` read, flat. The key of the bench's hd128 model (24
+        # parameters, 8 slot / cache tensors, 31 packed objects): ~9 us in a loop, ~45 us in
+        # a decode step whose kernels left the caches cold (Zen 4, 1 thread).
+        self.kernels = [l.kernel for l in layers if l.linear]
+        self.attention_idx = [l.idx for l in layers if not l.linear]
+        self.lin_groups, self.experts_groups = [], []
+        for l in layers:
+            self.lin_groups += l.groups if l.linear else [l.qkv, l.o]
+            self.lin_groups += [l.gate_up, l.down] + ([l.shared_gate] if l.moe else [])
+            # a router or experts off our packed ops: mlp_parts() is None, the stack never runs
+            if l.moe and l.router is not None and l.experts is not None:
+                self.lin_groups.append(l.router)
+                self.experts_groups.append(l.experts)
         self.max_rows = min((l.block_rows for l in layers if l.moe), default=None)
         self.logged_rows = False
+        from cb_kernels.runner import hybrid_layers, moe_layers   # they import this module
+        self.switches = (hybrid_layers, moe_layers)      # modules whose switches it reads
 
     def _more(self, step) -> list:
-        tensors = []
-        for layer in self.layers:
-            if layer.linear:
-                tensors += [layer.kernel.conv_state, layer.kernel.state]
-            else:
-                tensors += [step.layout.k_caches[layer.idx], step.layout.v_caches[layer.idx]]
-        return tensors
+        k, v = step.layout.k_caches, step.layout.v_caches
+        return [*map(_conv_state, self.kernels), *map(_state, self.kernels),
+                *(k[i] for i in self.attention_idx), *(v[i] for i in self.attention_idx)]
 
     def _objects(self) -> list:
-        objects = []
-        for layer in self.layers:
-            objects += [g.lin for g in layer.groups] if layer.linear else \
-                [layer.qkv.lin, layer.o.lin]
-            objects += [layer.gate_up.lin, layer.down.lin]
-            if layer.moe:
-                objects += [layer.shared_gate.lin, getattr(layer.router, "lin", None),
-                            getattr(layer.experts, "experts", None)]
-        return objects
+        return [*map(_lin, self.lin_groups), *map(_experts, self.experts_groups)]
 
     def _switched_off(self) -> str:
-        from cb_kernels.runner import hybrid_layers, moe_layers   # they import this module
+        hybrid_layers, moe_layers = self.switches
         if not (QWEN3_NEXT_STACK and hybrid_kernels.FUSED and hybrid_layers.FUSED_ATTENTION and
                 moe_layers.BLOCK):
             return ("hybrid_stack.QWEN3_NEXT_STACK, hybrid_kernels.FUSED, "
