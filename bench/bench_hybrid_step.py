@@ -145,7 +145,8 @@ class Meter:
         setattr(owner, name, timed)
 
 
-CALLS = ("fused Qwen3-Next stack", "fused Mamba-2 stack", "fused Mamba-2 blocks", "fused gated delta-net layers",
+CALLS = ("fused Qwen3-Next stack", "fused Mamba-2 stack", "fused Mamba-2 blocks",
+         "fused gated delta-net layers",
          "fused attention layers", "fused stateful middle",
          "causal_conv1d", "gated_delta_rule", "selective_scan", "gated_rms_norm",
          "packed linears", "moe_experts", "moe blocks", "paged attention", "greedy head")

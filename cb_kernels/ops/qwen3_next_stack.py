@@ -27,7 +27,6 @@ from cb_kernels.ops.gated_attention import sigmoid_table
 from cb_kernels.ops.linear import PackedLinear
 from cb_kernels.ops.moe import PackedExperts
 from cb_kernels.ops.moe_block import moe_block
-from cb_kernels.ops.paged_attention import check_values as check_attention_values
 
 
 def _ptr(t) -> int:
