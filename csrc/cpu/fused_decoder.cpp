@@ -6,7 +6,7 @@
 #include "cb_kernels/elementwise.h"
 #include "cb_kernels/linear.h"
 #include "cb_kernels/paged_attention.h"
-#include "layer_attention.h"
+#include "paged_attention_call.h"
 
 namespace cbk {
 namespace cpu {

@@ -30,7 +30,7 @@
 #include "cb_kernels/linear.h"
 #include "cb_kernels/offset_rms_norm.h"
 #include "cb_kernels/paged_attention.h"
-#include "layer_attention.h"
+#include "paged_attention_call.h"
 #include "threads.h"
 
 namespace cbk {
