@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from cb_kernels import _C
 from cb_kernels.ops._backend import DTYPE_CODES, check_tensor, sync_threads
 from cb_kernels.ops._varlen import check_values, check_varlen, rows_arg
+from cb_kernels.ops.causal_conv1d import check_conv_weights
 from cb_kernels.ops.reference import (ref_causal_conv1d, ref_gated_delta_rule,
                                       ref_gated_rms_norm, ref_selective_scan)
 
@@ -41,18 +42,8 @@ def _check_common(x, name, conv_weight, conv_bias, conv_state, state, slots, cu_
                         f"{x.device}")
     if x.stride(-1) != 1:
         raise ValueError(f"{name}'s last dim must be packed (stride 1), got strides {x.stride()}")
-    check_tensor(conv_weight, "conv_weight", ndim=2, dtype=x.dtype, contiguous=True)
-    if conv_weight.shape[0] != conv_dim or not 1 <= conv_weight.shape[1] <= 16:
-        raise ValueError(f"conv_weight must be [conv_dim={conv_dim}, width <= 16], got "
-                         f"{tuple(conv_weight.shape)}")
-    if conv_bias is not None:
-        check_tensor(conv_bias, "conv_bias", ndim=1, dtype=x.dtype, contiguous=True)
-        if conv_bias.shape[0] != conv_dim:
-            raise ValueError(f"conv_bias must be [{conv_dim}], got {tuple(conv_bias.shape)}")
-    check_tensor(conv_state, "conv_state", ndim=3, dtype=x.dtype, contiguous=True)
-    if conv_state.shape[1] != conv_dim or conv_state.shape[2] < conv_weight.shape[1] - 1:
-        raise ValueError(f"conv_state must be [num_slots, {conv_dim}, >= width - 1], got "
-                         f"{tuple(conv_state.shape)}")
+    check_conv_weights(conv_weight, conv_bias, conv_state, conv_dim, x.dtype,
+                       names=("conv_weight", "conv_bias"))
     check_tensor(state, "state", ndim=4, dtype=torch.float32, contiguous=True)
     if state.shape[0] != conv_state.shape[0]:
         raise ValueError(f"state and conv_state must have the same num_slots, got "
