@@ -24,7 +24,7 @@ from cb_kernels import _C
 from cb_kernels.ops._backend import DTYPE_CODES, sync_threads
 from cb_kernels.ops.linear import PackedLinear
 from cb_kernels.ops.paged_attention import check_args, check_values
-from cb_kernels.ops.workspace import parts_bytes as workspace_parts_bytes, scratch_parts
+from cb_kernels.ops import workspace
 
 
 class FusedDecoder:
@@ -84,7 +84,7 @@ class FusedDecoder:
 
     def workspace_bytes(self, num_tokens: int) -> int:
         """Scratch bytes (ops/workspace.py) of a call over num_tokens tokens."""
-        return workspace_parts_bytes(_scratch_sizes(
+        return workspace.parts_bytes(_scratch_sizes(
             num_tokens, self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim,
             self.intermediate, self.dtype))
 
@@ -137,7 +137,7 @@ def _run(x, cos, sin, table, final_norm, slot_mapping, block_tables, seq_lens, c
     out = torch.empty(t, hidden, dtype=dtype)
     # The stack's per-layer buffers: this thread's workspace (ops/workspace.py), not six fresh
     # tensors a call (multi-MB in a prefill: fresh mmaps whose pages fault on first write).
-    h, qkv, attn, sub, gate_up, act = scratch_parts(
+    h, qkv, attn, sub, gate_up, act = workspace.scratch_parts(
         _scratch_sizes(t, hidden, q_n, kv_n, intermediate, dtype))
     p = _C.FusedDecoderParams()
     p.dtype, p.tokens, p.hidden, p.heads, p.kv_heads = DTYPE_CODES[dtype], t, hidden, heads, kv_heads

@@ -25,7 +25,7 @@ from cb_kernels.ops._backend import DTYPE_CODES, check_tensor, sync_threads
 from cb_kernels.ops._varlen import check_values, check_varlen, rows_arg
 from cb_kernels.ops.reference import (ref_causal_conv1d, ref_gated_delta_rule,
                                       ref_gated_rms_norm, ref_selective_scan)
-from cb_kernels.ops.workspace import scratch
+from cb_kernels.ops import workspace
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -127,7 +127,7 @@ def gated_delta_net_unchecked(qkvz, ba, conv_weight, conv_bias, conv_state, stat
     code = DTYPE_CODES[qkvz.dtype]
     n = qkvz.shape[0]
     out = torch.empty((n, num_v_heads * v_dim), dtype=qkvz.dtype)
-    ws = scratch(_C.gated_delta_net_workspace_bytes(rows, size, code))
+    ws = workspace.scratch(_C.gated_delta_net_workspace_bytes(rows, size, code))
     sync_threads()
     _C.gated_delta_net((qkvz.data_ptr(), ba.data_ptr(), conv_weight.data_ptr(), _ptr(conv_bias),
                         conv_state.data_ptr(), state.data_ptr(), dt_bias.data_ptr(),
@@ -215,7 +215,7 @@ def mamba2_mixer_unchecked(proj, conv_weight, conv_bias, conv_state, state, A, D
             conv_state.shape[2], proj.stride(0))
     code = DTYPE_CODES[proj.dtype]
     out = torch.empty((proj.shape[0], num_heads * head_dim), dtype=proj.dtype)
-    ws = scratch(_C.mamba2_mixer_workspace_bytes(rows, size, code))
+    ws = workspace.scratch(_C.mamba2_mixer_workspace_bytes(rows, size, code))
     sync_threads()
     _C.mamba2_mixer((proj.data_ptr(), conv_weight.data_ptr(), _ptr(conv_bias),
                      conv_state.data_ptr(), state.data_ptr(), A.data_ptr(), D.data_ptr(),
@@ -302,7 +302,7 @@ def mamba2_block_unchecked(x, norm_weight, norm_eps: float, in_proj, out_proj, c
             conv_state.shape[2], 0)
     hidden = x.shape[1]
     code = DTYPE_CODES[dtype]
-    ws = scratch(_C.mamba2_block_workspace_bytes(rows, size, hidden, code))
+    ws = workspace.scratch(_C.mamba2_block_workspace_bytes(rows, size, hidden, code))
     sync_threads()
     _C.mamba2_block((x.data_ptr(), norm_weight.data_ptr(), in_proj.packed.data_ptr(),
                      _ptr(in_proj.bias), out_proj.packed.data_ptr(), _ptr(out_proj.bias),
@@ -365,7 +365,7 @@ def gated_delta_net_block_unchecked(x, pending, in_norm_weight, in_norm_eps: flo
             0, 0)
     n, hidden = x.shape
     code = DTYPE_CODES[x.dtype]
-    ws = scratch(_C.gated_delta_net_block_workspace_bytes(rows, size, hidden, code))
+    ws = workspace.scratch(_C.gated_delta_net_block_workspace_bytes(rows, size, hidden, code))
     h_out = torch.empty((n, hidden), dtype=x.dtype)
     sync_threads()
     _C.gated_delta_net_block(

@@ -28,7 +28,7 @@ from cb_kernels.ops.linear import PackedLinear
 from cb_kernels.ops.paged_attention import check_values
 from cb_kernels.ops.reference import (ref_offset_rms_norm, ref_paged_attention, ref_rope_,
                                       ref_write_kv)
-from cb_kernels.ops.workspace import scratch
+from cb_kernels.ops import workspace
 
 
 @functools.lru_cache(maxsize=1)
@@ -207,7 +207,7 @@ def gated_attention_block_unchecked(x, pending, in_norm_weight, post_norm_weight
             block_tables.shape[1], block_tables.stride(0), num_blocks, block_size,
             *k_cache.stride()[:3], *v_cache.stride()[:3])
     code = DTYPE_CODES[x.dtype]
-    ws = scratch(_C.gated_attention_workspace_bytes(size, code))
+    ws = workspace.scratch(_C.gated_attention_workspace_bytes(size, code))
     bf16 = x.dtype == torch.bfloat16
     ptr = [x.data_ptr(), _ptr(pending), in_norm_weight.data_ptr(), post_norm_weight.data_ptr(),
            q_norm_weight.data_ptr(), k_norm_weight.data_ptr(), qkv_packed.data_ptr(),

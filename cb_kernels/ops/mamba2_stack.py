@@ -19,7 +19,7 @@ from cb_kernels import _C
 from cb_kernels.ops._backend import DTYPE_CODES, check_tensor, sync_threads
 from cb_kernels.ops._varlen import check_values, check_varlen, rows_arg
 from cb_kernels.ops.linear import PackedLinear
-from cb_kernels.ops.workspace import scratch
+from cb_kernels.ops import workspace
 
 
 def _ptr(t) -> int:
@@ -171,7 +171,7 @@ class Mamba2Stack:
         rows = rows_arg(slots, cu_seqlens, has_state, self.num_slots)
         n, s = input_ids.shape[0], logits_indices.shape[0]
         out = torch.empty((s, self.hidden), dtype=self.dtype)
-        ws = scratch(self._c.workspace_bytes(n, s))
+        ws = workspace.scratch(self._c.workspace_bytes(n, s))
         sync_threads()
         self._c(input_ids.data_ptr(), logits_indices.data_ptr(), s, out.data_ptr(),
                 ws.data_ptr(), rows, isa)
