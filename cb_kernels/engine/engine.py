@@ -73,7 +73,7 @@ class Engine:
         # The kernels' scratch for the largest step, faulted in here: the first prefill of a new
         # Engine otherwise wrote multi-MB fresh mmaps (runner.reserve_workspace says more).
         self.workspace_bytes = r.reserve_workspace(c.max_batch_tokens, c.max_num_seqs) \
-            if own_runner and self.tp is None and r.device.type == "cpu" else 0
+            if r.device.type == "cpu" else 0
         # One-time costs here, not in the first generate() (engine/warmup.py says which runners).
         self.warmup_s = warm_up(r, c.num_blocks, c.block_size, c.max_batch_tokens,
                                 c.max_num_seqs) \

@@ -53,7 +53,10 @@ def _holder() -> _Holder:
 def _grow(h: _Holder, nbytes: int) -> None:
     if h.buf.numel() < nbytes:
         h.buf = torch.empty(0, dtype=torch.uint8)     # the old one freed before the new one
-        h.buf = torch.empty(-(-nbytes // _GRANULE) * _GRANULE, dtype=torch.uint8)
+        # a normal tensor even when grown inside a step's inference_mode, so `reserve` (outside
+        # it) may write it
+        with torch.inference_mode(False):
+            h.buf = torch.empty(-(-nbytes // _GRANULE) * _GRANULE, dtype=torch.uint8)
 
 
 def scratch(nbytes: int) -> torch.Tensor:

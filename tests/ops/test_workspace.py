@@ -169,3 +169,14 @@ def test_mamba2_stack_tests_pass_on_garbage(poisoned):
         test_mamba2_stack.test_stack_is_the_separate_calls_bit_for_bit("mixed-rows-groups",
                                                                        dtypes, "auto")
     test_mamba2_stack.test_stack_steps_reuse_its_workspace_and_continue_the_states()
+
+
+def test_grown_inside_inference_mode_reserve_writes_it_outside():
+    """A step (inference_mode) grows the buffer; Engine construction or wake_up (outside it)
+    reserves it again."""
+    workspace.release()
+    with torch.inference_mode():
+        workspace.scratch(1 << 16).fill_(7)
+    assert workspace.reserve(1 << 16) >= 1 << 16
+    assert int(workspace.scratch(1 << 16).max()) == 0
+    workspace.release()
