@@ -358,9 +358,9 @@ class Engine:
 
     def sleep(self, level: int = 1, mode: Optional[str] = None) -> int:
         """Free memory for a trainer in the same process; returns the bytes freed. Level 1: the
-        KV pool (and state slots), the prefix cache and the kernels' per-thread scratch
-        (ops/workspace.py); level 2 also the runner's private weight copies (packed linears and
-        MoE experts, the greedy head's copy) and the runner's scratch tensors and the MoE op's
+        KV pool (and state slots) and the prefix cache; level 2 also the runner's private
+        weight copies (packed linears and MoE experts, the greedy head's copy) and the runner's
+        scratch tensors, the kernels' per-thread scratch (ops/workspace.py) and the MoE op's
         work buffers (the other C++ kernels' small per-thread work buffers stay). The model's own weights stay (they are the trainer's). Requests
         waiting or running: RuntimeError, unless mode="wait" (they finish first) or "abort"
         (they end now); their outputs come with the next step().

@@ -397,13 +397,16 @@ class HybridForward:
 
     def workspace_bytes(self, num_tokens: int, num_seqs: int) -> int:
         """The largest scratch (ops/workspace.py) a step of num_tokens rows over num_seqs
-        sequences takes on this forward's one-call paths (the Mamba-2 stack, the fused blocks
-        and attention), as they are now."""
+        sequences takes on this forward's one-call paths (the fused blocks and attention, the
+        Mamba-2 stack), as they are now."""
         hidden = self.embed.weight.shape[1]
-        stack = self.stack.get() if self.stack is not None else None
-        need = stack.workspace_bytes(num_tokens, num_seqs) if stack is not None else 0
-        return max([need] + [layer.workspace_bytes(num_tokens, num_seqs, hidden)
-                             for layer in self.layers])
+        need = max(layer.workspace_bytes(num_tokens, num_seqs, hidden) for layer in self.layers)
+        if self.stack is not None and need:
+            # the stack's: its largest block's, plus x, the sampled rows and their norm
+            # (csrc/cpu/mamba2_stack.cpp), counted in fp32 and 64-byte aligned; not built here
+            # (it is, with its log line, by the first step)
+            need += 3 * 64 + 4 * hidden * (num_tokens + 2 * num_seqs)
+        return need
 
     def usable(self) -> bool:
         """False once a forward hook or an instance forward was added (this path would skip it)."""

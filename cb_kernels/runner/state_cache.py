@@ -18,13 +18,9 @@ from typing import Optional
 
 import torch
 
-from cb_kernels.runner.kv_cache import host_zeros
-
 
 class StatePool:
-    """The slots: per layer, kind and state index a tensor [num_slots, *shape] (zeros; on the
-    CPU mapped lazily, as the KV pool: torch.zeros wrote every slot's pages in Engine(), ~100k
-    page faults at bench_hybrid's qwen3-next-hd128 shape's 256 slots, where a run uses few)."""
+    """The slots: per layer, kind and state index a tensor [num_slots, *shape] (zeros)."""
 
     def __init__(self, specs: dict, num_slots: int, device: torch.device):
         self.specs = specs
@@ -34,8 +30,7 @@ class StatePool:
         for idx, spec in specs.items():
             entry = {}
             for kind, si, (shape, dtype) in spec.entries():
-                t = host_zeros((num_slots, *shape), dtype) if device.type == "cpu" else \
-                    torch.zeros((num_slots, *shape), dtype=dtype, device=device)
+                t = torch.zeros((num_slots, *shape), dtype=dtype, device=device)
                 entry[(kind, si)] = t
                 self.tensors.append(t)
             self.by_layer[idx] = entry

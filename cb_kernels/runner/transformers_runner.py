@@ -346,8 +346,8 @@ class TransformersRunner:
 
     # -- sleep (Engine.sleep / wake_up) ---------------------------------------------------------
     def release_memory(self, kv: bool, weights: bool) -> int:
-        """Free the KV pool, state slots and the kernels' scratch (`kv`), the packed weight
-        copies, the greedy head's copy and the rotary table (`weights`); returns the bytes freed. Every tensor object
+        """Free the KV pool and state slots (`kv`), the packed weight copies, the greedy head's
+        copy, the rotary table and the kernels' scratch (`weights`); returns the bytes freed. Every tensor object
         stays (the layout, the swapper and the engine hold them) with an empty storage, until
         restore_memory. The model's own weights are never touched."""
         freed = 0
@@ -360,7 +360,6 @@ class TransformersRunner:
             self.graphs = None             # captured the pool's addresses
             if self.fused is not None:     # so did FusedDecoder's layer table
                 self.fused.forget_table()
-            freed += workspace.release()   # the kernels' scratch, every thread's
         if weights and not self._weights_released:
             self._weights_released = True
             if self.packed is not None:
@@ -372,13 +371,13 @@ class TransformersRunner:
             self.head = None               # chosen and packed again by restore_memory
             if self.fused is not None:
                 freed += self.fused.forget_table() + self.fused.rotary.forget()
+            freed += workspace.release()   # the kernels' scratch, every thread's
         return freed
 
     def restore_memory(self, kv: bool, weights: bool) -> None:
         """Undo release_memory: a zeroed pool of the same shapes, fresh packed copies of the
         model's weights as they are now, the kernels' scratch reserved again."""
-        restored_kv = kv and bool(self._slept_shapes)
-        if restored_kv:
+        if kv and self._slept_shapes:
             for t, shape in self._slept_shapes:
                 t.set_(host_zeros(shape, t.dtype) if t.device.type == "cpu" else
                        torch.zeros(shape, dtype=t.dtype, device=t.device))
@@ -392,8 +391,8 @@ class TransformersRunner:
             self._weights_released = False
             self.refresh_weights()     # repacks (rebuilds, if a submodule was replaced asleep)
             self.head, self._decoder = self._choose_head(self._greedy_mode)
-        if restored_kv and self._workspace_step is not None:
-            self.reserve_workspace(*self._workspace_step)
+            if self._workspace_step is not None:
+                self.reserve_workspace(*self._workspace_step)
 
     def refresh_weights(self) -> None:
         """Repack every packed copy now (after writes torch's version counter misses, e.g.
