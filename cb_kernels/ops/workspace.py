@@ -36,6 +36,9 @@ class _Holder:
         self.buf = torch.empty(0, dtype=torch.uint8)
 
 
+# Module-level on purpose (STYLE habit 6 keeps engine state out of globals): scratch belongs to
+# the thread running the kernels, as the C++ MoE op's per-thread work buffers do, so a new Engine
+# in the same thread finds it faulted in already.
 _local = threading.local()
 _holders: "weakref.WeakSet[_Holder]" = weakref.WeakSet()    # every thread's, for release()
 _holders_lock = threading.Lock()
