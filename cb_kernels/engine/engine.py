@@ -361,9 +361,10 @@ class Engine:
         KV pool (and state slots) and the prefix cache; level 2 also the runner's private
         weight copies (packed linears and MoE experts, the greedy head's copy) and the runner's
         scratch tensors, the kernels' per-thread scratch (ops/workspace.py) and the MoE op's
-        work buffers (the other C++ kernels' small per-thread work buffers stay). The model's own weights stay (they are the trainer's). Requests
-        waiting or running: RuntimeError, unless mode="wait" (they finish first) or "abort"
-        (they end now); their outputs come with the next step().
+        work buffers (the other C++ kernels' small per-thread work buffers stay). The model's
+        own weights stay (they are the trainer's). Requests waiting or running: RuntimeError,
+        unless mode="wait" (they finish first) or "abort" (they end now); their outputs come
+        with the next step().
         Tensor parallel: call it on rank 0 while the others are in follow(), or on every rank
         (as generate()); rank 0's level and mode rule, every rank frees its own pool and
         copies; every rank returns the sum over the ranks, and stats()["sleep_freed_bytes"]
