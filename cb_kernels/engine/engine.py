@@ -70,6 +70,10 @@ class Engine:
         if self.tp is not None:
             self.resolved = c = self.tp.agree(c)
         r.allocate_cache(c.num_blocks, c.block_size, c.dtype, c.max_num_seqs)
+        # The kernels' scratch for the largest step, faulted in here: the first prefill of a new
+        # Engine otherwise wrote multi-MB fresh mmaps (runner.reserve_workspace says more).
+        self.workspace_bytes = r.reserve_workspace(c.max_batch_tokens, c.max_num_seqs) \
+            if r.device.type == "cpu" else 0
         # One-time costs here, not in the first generate() (engine/warmup.py says which runners).
         self.warmup_s = warm_up(r, c.num_blocks, c.block_size, c.max_batch_tokens,
                                 c.max_num_seqs) \
@@ -356,10 +360,11 @@ class Engine:
         """Free memory for a trainer in the same process; returns the bytes freed. Level 1: the
         KV pool (and state slots) and the prefix cache; level 2 also the runner's private
         weight copies (packed linears and MoE experts, the greedy head's copy) and the runner's
-        scratch tensors and the MoE op's work buffers (the other C++ kernels' small per-thread
-        work buffers stay). The model's own weights stay (they are the trainer's). Requests
-        waiting or running: RuntimeError, unless mode="wait" (they finish first) or "abort"
-        (they end now); their outputs come with the next step().
+        scratch tensors, the kernels' per-thread scratch (ops/workspace.py) and the MoE op's
+        work buffers (the other C++ kernels' small per-thread work buffers stay). The model's
+        own weights stay (they are the trainer's). Requests waiting or running: RuntimeError,
+        unless mode="wait" (they finish first) or "abort" (they end now); their outputs come
+        with the next step().
         Tensor parallel: call it on rank 0 while the others are in follow(), or on every rank
         (as generate()); rank 0's level and mode rule, every rank frees its own pool and
         copies; every rank returns the sum over the ranks, and stats()["sleep_freed_bytes"]

@@ -1,5 +1,5 @@
 """What the one-call backbones (ops.Mamba2Stack, ops.Qwen3NextStack) share: the checks of their
-embedding and layer list, of a step's token ids and sampled rows, and their reused workspace."""
+embedding and layer list and of a step's token ids and sampled rows."""
 from __future__ import annotations
 
 import torch
@@ -31,14 +31,3 @@ def check_ids(input_ids, logits_indices, vocab: int) -> int:
         raise ValueError(f"logits_indices must lie in [0, {n}) (num_tokens)")
     return n
 
-
-class Workspace:
-    """One uint8 buffer that grows to the largest step, then is reused (one call at a time)."""
-
-    def __init__(self):
-        self.buf = torch.empty(0, dtype=torch.uint8)
-
-    def ptr(self, need: int) -> int:
-        if self.buf.numel() < need:
-            self.buf = torch.empty(need, dtype=torch.uint8)
-        return self.buf.data_ptr()

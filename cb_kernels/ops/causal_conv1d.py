@@ -86,24 +86,35 @@ def _check(x, weight, bias, conv_state, slots, cu_seqlens, has_state, activation
     channels = x.shape[1]
     if channels == 0:
         raise ValueError("x must have at least one channel")
-    check_tensor(weight, "weight", ndim=2, dtype=x.dtype, contiguous=True)
-    if weight.shape[0] != channels or not 1 <= weight.shape[1] <= 16:
-        raise ValueError(f"weight must have shape [{channels}, width] with 1 <= width <= 16, "
-                         f"got {tuple(weight.shape)}")
-    if bias is not None:
-        check_tensor(bias, "bias", ndim=1, dtype=x.dtype, contiguous=True)
-        if bias.shape[0] != channels:
-            raise ValueError(f"bias must have shape [{channels}], got {tuple(bias.shape)}")
-    check_tensor(conv_state, "conv_state", ndim=3, dtype=x.dtype, contiguous=True)
-    if conv_state.shape[1] != channels or conv_state.shape[2] < weight.shape[1] - 1:
-        raise ValueError(f"conv_state must have shape [num_slots, {channels}, state_len >= "
-                         f"{weight.shape[1] - 1}], got {tuple(conv_state.shape)}")
+    check_conv_weights(weight, bias, conv_state, channels, x.dtype)
     check_varlen(slots, cu_seqlens, has_state)
     if activation not in _ACTIVATIONS:
         raise ValueError(f"activation must be None or 'silu', got {activation!r}")
     tensors = [("x", x), ("weight", weight), ("conv_state", conv_state), ("slots", slots),
                ("cu_seqlens", cu_seqlens), ("has_state", has_state)]
     same_device(tensors + ([("bias", bias)] if bias is not None else []))
+
+
+def check_conv_weights(weight, bias, conv_state, channels: int, dtype, *,
+                       names: tuple[str, str] = ("weight", "bias")) -> None:
+    """The conv's weight ``[channels, width]`` (1 <= width <= 16), bias ``[channels]`` or None
+    and conv_state ``[num_slots, channels, state_len >= width - 1]``, each of `dtype` and
+    contiguous. `names`: the weight's and the bias' argument names in the messages (the fused
+    ops call them conv_weight and conv_bias)."""
+    weight_name, bias_name = names
+    check_tensor(weight, weight_name, ndim=2, dtype=dtype, contiguous=True)
+    if weight.shape[0] != channels or not 1 <= weight.shape[1] <= 16:
+        raise ValueError(f"{weight_name} must have shape [{channels}, width] with 1 <= width "
+                         f"<= 16, got {tuple(weight.shape)}")
+    if bias is not None:
+        check_tensor(bias, bias_name, ndim=1, dtype=dtype, contiguous=True)
+        if bias.shape[0] != channels:
+            raise ValueError(f"{bias_name} must have shape [{channels}], got "
+                             f"{tuple(bias.shape)}")
+    check_tensor(conv_state, "conv_state", ndim=3, dtype=dtype, contiguous=True)
+    if conv_state.shape[1] != channels or conv_state.shape[2] < weight.shape[1] - 1:
+        raise ValueError(f"conv_state must have shape [num_slots, {channels}, state_len >= "
+                         f"{weight.shape[1] - 1}], got {tuple(conv_state.shape)}")
 
 
 @torch.library.custom_op("cb_kernels::causal_conv1d", mutates_args=("conv_state",))

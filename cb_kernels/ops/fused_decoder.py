@@ -24,6 +24,7 @@ from cb_kernels import _C
 from cb_kernels.ops._backend import DTYPE_CODES, sync_threads
 from cb_kernels.ops.linear import PackedLinear
 from cb_kernels.ops.paged_attention import check_args, check_values
+from cb_kernels.ops import workspace
 
 
 class FusedDecoder:
@@ -81,6 +82,12 @@ class FusedDecoder:
                 tuple(w.shape) != (self.hidden,) or not w.is_contiguous() or w.device.type != "cpu":
             raise ValueError(f"{name} weight must be a contiguous {self.dtype} CPU [{self.hidden}]")
 
+    def workspace_bytes(self, num_tokens: int) -> int:
+        """Scratch bytes (ops/workspace.py) of a call over num_tokens tokens."""
+        return workspace.parts_bytes(_scratch_sizes(
+            num_tokens, self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim,
+            self.intermediate, self.dtype))
+
     def __call__(self, x, cos, sin, table: list, final_norm, slot_mapping, block_tables, seq_lens,
                  cu_seqlens_q, k_cache, v_cache) -> torch.Tensor:
         """x: the embeddings [tokens, hidden] (contiguous; left holding the residual stream);
@@ -114,16 +121,24 @@ class FusedDecoder:
         return _run(*args)
 
 
+def _scratch_sizes(t: int, hidden: int, q_n: int, kv_n: int, intermediate: int, dtype) -> list:
+    """Bytes of the stack's buffers h, qkv, attn, sub, gate_up, act over t tokens."""
+    es = torch.finfo(dtype).bits // 8
+    widths = (hidden, q_n + 2 * kv_n, q_n, hidden, 2 * intermediate, intermediate)
+    return [t * w * es for w in widths]
+
+
 def _run(x, cos, sin, table, final_norm, slot_mapping, block_tables, seq_lens, cu_seqlens_q,
          k_cache, v_cache, hidden, heads, kv_heads, head_dim, intermediate, eps, scale):
     """The C++ stack on checked arguments (`FusedDecoder.__call__`'s, then its shapes)."""
     t, dtype = x.shape[0], x.dtype
     q_n, kv_n = heads * head_dim, kv_heads * head_dim
 
-    def scratch(width):
-        return torch.empty(t, width, dtype=dtype)
-    out, h, qkv, attn = scratch(hidden), scratch(hidden), scratch(q_n + 2 * kv_n), scratch(q_n)
-    sub, gate_up, act = scratch(hidden), scratch(2 * intermediate), scratch(intermediate)
+    out = torch.empty(t, hidden, dtype=dtype)
+    # The stack's per-layer buffers: this thread's workspace (ops/workspace.py), not six fresh
+    # tensors a call (multi-MB in a prefill: fresh mmaps whose pages fault on first write).
+    h, qkv, attn, sub, gate_up, act = workspace.scratch_parts(
+        _scratch_sizes(t, hidden, q_n, kv_n, intermediate, dtype))
     p = _C.FusedDecoderParams()
     p.dtype, p.tokens, p.hidden, p.heads, p.kv_heads = DTYPE_CODES[dtype], t, hidden, heads, kv_heads
     p.head_dim, p.intermediate, p.eps, p.scale = head_dim, intermediate, eps, scale

@@ -23,8 +23,10 @@ import torch.nn.functional as F
 from cb_kernels import _C
 from cb_kernels.ops._backend import DTYPE_CODES, check_tensor, sync_threads
 from cb_kernels.ops._varlen import check_values, check_varlen, rows_arg
+from cb_kernels.ops.causal_conv1d import check_conv_weights
 from cb_kernels.ops.reference import (ref_causal_conv1d, ref_gated_delta_rule,
                                       ref_gated_rms_norm, ref_selective_scan)
+from cb_kernels.ops import workspace
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -41,18 +43,8 @@ def _check_common(x, name, conv_weight, conv_bias, conv_state, state, slots, cu_
                         f"{x.device}")
     if x.stride(-1) != 1:
         raise ValueError(f"{name}'s last dim must be packed (stride 1), got strides {x.stride()}")
-    check_tensor(conv_weight, "conv_weight", ndim=2, dtype=x.dtype, contiguous=True)
-    if conv_weight.shape[0] != conv_dim or not 1 <= conv_weight.shape[1] <= 16:
-        raise ValueError(f"conv_weight must be [conv_dim={conv_dim}, width <= 16], got "
-                         f"{tuple(conv_weight.shape)}")
-    if conv_bias is not None:
-        check_tensor(conv_bias, "conv_bias", ndim=1, dtype=x.dtype, contiguous=True)
-        if conv_bias.shape[0] != conv_dim:
-            raise ValueError(f"conv_bias must be [{conv_dim}], got {tuple(conv_bias.shape)}")
-    check_tensor(conv_state, "conv_state", ndim=3, dtype=x.dtype, contiguous=True)
-    if conv_state.shape[1] != conv_dim or conv_state.shape[2] < conv_weight.shape[1] - 1:
-        raise ValueError(f"conv_state must be [num_slots, {conv_dim}, >= width - 1], got "
-                         f"{tuple(conv_state.shape)}")
+    check_conv_weights(conv_weight, conv_bias, conv_state, conv_dim, x.dtype,
+                       names=("conv_weight", "conv_bias"))
     check_tensor(state, "state", ndim=4, dtype=torch.float32, contiguous=True)
     if state.shape[0] != conv_state.shape[0]:
         raise ValueError(f"state and conv_state must have the same num_slots, got "
@@ -126,7 +118,7 @@ def gated_delta_net_unchecked(qkvz, ba, conv_weight, conv_bias, conv_state, stat
     code = DTYPE_CODES[qkvz.dtype]
     n = qkvz.shape[0]
     out = torch.empty((n, num_v_heads * v_dim), dtype=qkvz.dtype)
-    ws = torch.empty(_C.gated_delta_net_workspace_bytes(rows, size, code), dtype=torch.uint8)
+    ws = workspace.scratch(_C.gated_delta_net_workspace_bytes(rows, size, code))
     sync_threads()
     _C.gated_delta_net((qkvz.data_ptr(), ba.data_ptr(), conv_weight.data_ptr(), _ptr(conv_bias),
                         conv_state.data_ptr(), state.data_ptr(), dt_bias.data_ptr(),
@@ -214,7 +206,7 @@ def mamba2_mixer_unchecked(proj, conv_weight, conv_bias, conv_state, state, A, D
             conv_state.shape[2], proj.stride(0))
     code = DTYPE_CODES[proj.dtype]
     out = torch.empty((proj.shape[0], num_heads * head_dim), dtype=proj.dtype)
-    ws = torch.empty(_C.mamba2_mixer_workspace_bytes(rows, size, code), dtype=torch.uint8)
+    ws = workspace.scratch(_C.mamba2_mixer_workspace_bytes(rows, size, code))
     sync_threads()
     _C.mamba2_mixer((proj.data_ptr(), conv_weight.data_ptr(), _ptr(conv_bias),
                      conv_state.data_ptr(), state.data_ptr(), A.data_ptr(), D.data_ptr(),
@@ -301,7 +293,7 @@ def mamba2_block_unchecked(x, norm_weight, norm_eps: float, in_proj, out_proj, c
             conv_state.shape[2], 0)
     hidden = x.shape[1]
     code = DTYPE_CODES[dtype]
-    ws = torch.empty(_C.mamba2_block_workspace_bytes(rows, size, hidden, code), dtype=torch.uint8)
+    ws = workspace.scratch(_C.mamba2_block_workspace_bytes(rows, size, hidden, code))
     sync_threads()
     _C.mamba2_block((x.data_ptr(), norm_weight.data_ptr(), in_proj.packed.data_ptr(),
                      _ptr(in_proj.bias), out_proj.packed.data_ptr(), _ptr(out_proj.bias),
@@ -312,6 +304,34 @@ def mamba2_block_unchecked(x, norm_weight, norm_eps: float, in_proj, out_proj, c
                     rows, size, hidden, float(norm_eps), float(gate_norm_eps), isa,
                     DTYPE_CODES[x.dtype], code)
     return x
+
+
+def _one_row(num_tokens: int) -> tuple:
+    """(slots, cu_seqlens, has_state) of one sequence of num_tokens rows: what the
+    *_workspace_bytes functions size a step by (they read cu_seqlens alone)."""
+    return (torch.zeros(1, dtype=torch.int64), torch.tensor([0, num_tokens], dtype=torch.int32),
+            torch.zeros(1, dtype=torch.bool))
+
+
+def mamba2_block_workspace_bytes(num_tokens: int, hidden: int, dtype: torch.dtype,
+                                 num_heads: int, head_dim: int, num_groups: int, d_state: int,
+                                 norm_group_size: int, conv_width: int, state_len: int) -> int:
+    """Scratch bytes of a `mamba2_block_unchecked` call over num_tokens rows (dtype: the
+    layer's), for sizing ops/workspace.py's buffer before the first step."""
+    size = (num_heads, head_dim, num_groups, d_state, norm_group_size, conv_width, state_len, 0)
+    row = _one_row(num_tokens)       # alive through the call that reads its pointers
+    return _C.mamba2_block_workspace_bytes(rows_arg(*row, 1), size, hidden, DTYPE_CODES[dtype])
+
+
+def gated_delta_net_block_workspace_bytes(num_tokens: int, hidden: int, dtype: torch.dtype,
+                                          num_k_heads: int, num_v_heads: int, k_dim: int,
+                                          v_dim: int, conv_width: int, state_len: int) -> int:
+    """Scratch bytes of a `gated_delta_net_block_unchecked` call over num_tokens rows, as
+    `mamba2_block_workspace_bytes`."""
+    size = (num_k_heads, num_v_heads, k_dim, v_dim, conv_width, state_len, 0, 0)
+    row = _one_row(num_tokens)
+    return _C.gated_delta_net_block_workspace_bytes(rows_arg(*row, 1), size, hidden,
+                                                    DTYPE_CODES[dtype])
 
 
 def gated_delta_net_block_unchecked(x, pending, in_norm_weight, in_norm_eps: float,
@@ -336,8 +356,7 @@ def gated_delta_net_block_unchecked(x, pending, in_norm_weight, in_norm_eps: flo
             0, 0)
     n, hidden = x.shape
     code = DTYPE_CODES[x.dtype]
-    ws = torch.empty(_C.gated_delta_net_block_workspace_bytes(rows, size, hidden, code),
-                     dtype=torch.uint8)
+    ws = workspace.scratch(_C.gated_delta_net_block_workspace_bytes(rows, size, hidden, code))
     h_out = torch.empty((n, hidden), dtype=x.dtype)
     sync_threads()
     _C.gated_delta_net_block(

@@ -28,6 +28,7 @@ from cb_kernels.ops.linear import PackedLinear
 from cb_kernels.ops.paged_attention import check_values
 from cb_kernels.ops.reference import (ref_offset_rms_norm, ref_paged_attention, ref_rope_,
                                       ref_write_kv)
+from cb_kernels.ops import workspace
 
 
 @functools.lru_cache(maxsize=1)
@@ -179,6 +180,16 @@ def _check(x, pending, in_w, post_w, q_w, k_w, qkv_packed, qkv_bias, o_packed, o
     check_slot_values(slot_mapping, num_blocks * block_size)
 
 
+def gated_attention_block_workspace_bytes(num_tokens: int, num_seqs: int, hidden: int,
+                                          num_heads: int, num_kv_heads: int, head_dim: int,
+                                          dtype: torch.dtype) -> int:
+    """Scratch bytes of a `gated_attention_block_unchecked` call of num_tokens rows over
+    num_seqs sequences, for sizing ops/workspace.py's buffer before the first step (the cache's
+    fields do not change it)."""
+    size = (num_tokens, hidden, num_heads, num_kv_heads, head_dim, head_dim, num_seqs) + (0,) * 10
+    return _C.gated_attention_workspace_bytes(size, DTYPE_CODES[dtype])
+
+
 def gated_attention_block_unchecked(x, pending, in_norm_weight, post_norm_weight, qkv_packed,
                                     qkv_bias, o_packed, o_bias, q_norm_weight, k_norm_weight,
                                     cos, sin, k_cache, v_cache, slot_mapping, block_tables,
@@ -196,7 +207,7 @@ def gated_attention_block_unchecked(x, pending, in_norm_weight, post_norm_weight
             block_tables.shape[1], block_tables.stride(0), num_blocks, block_size,
             *k_cache.stride()[:3], *v_cache.stride()[:3])
     code = DTYPE_CODES[x.dtype]
-    ws = torch.empty(_C.gated_attention_workspace_bytes(size, code), dtype=torch.uint8)
+    ws = workspace.scratch(_C.gated_attention_workspace_bytes(size, code))
     bf16 = x.dtype == torch.bfloat16
     ptr = [x.data_ptr(), _ptr(pending), in_norm_weight.data_ptr(), post_norm_weight.data_ptr(),
            q_norm_weight.data_ptr(), k_norm_weight.data_ptr(), qkv_packed.data_ptr(),

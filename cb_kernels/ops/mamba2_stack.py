@@ -17,9 +17,10 @@ import torch
 
 from cb_kernels import _C
 from cb_kernels.ops._backend import DTYPE_CODES, check_tensor, sync_threads
-from cb_kernels.ops._stack import Workspace, check_embed_and_layers, check_ids
+from cb_kernels.ops._stack import check_embed_and_layers, check_ids
 from cb_kernels.ops._varlen import check_values, check_varlen, rows_arg
 from cb_kernels.ops.linear import PackedLinear
+from cb_kernels.ops import workspace
 
 
 def _ptr(t) -> int:
@@ -109,8 +110,8 @@ class Mamba2Stack:
     residual_fp32 : the blocks' residual stream in float32 (Mamba-2's ``residual_in_fp32``).
 
     The stack holds the tensors and reads them at every call, where they are then: build a new
-    one after replacing any of them (a new PackedLinear included). One call at a time: calls
-    share a workspace.
+    one after replacing any of them (a new PackedLinear included). Its workspace is the calling
+    thread's (ops/workspace.py).
     """
 
     def __init__(self, embed: torch.Tensor, layers: list, final_norm_weight: torch.Tensor,
@@ -125,7 +126,6 @@ class Mamba2Stack:
         _check_vector(final_norm_weight, "final_norm_weight", self.hidden, self.x_dtype)
         self.embed, self.layers, self.final_norm_weight = embed, list(layers), final_norm_weight
         self.num_slots = num_slots
-        self._ws = Workspace()
         self._c = _C.Mamba2Stack(
             [((0, l.norm_weight.data_ptr(), l.in_proj.packed.data_ptr(), _ptr(l.in_proj.bias),
                l.out_proj.packed.data_ptr(), _ptr(l.out_proj.bias), 0),
@@ -137,6 +137,10 @@ class Mamba2Stack:
               float(l.norm_eps), float(l.gate_norm_eps)) for l in self.layers],
             embed.data_ptr(), self.vocab, self.hidden, final_norm_weight.data_ptr(),
             float(final_norm_eps), DTYPE_CODES[self.x_dtype], DTYPE_CODES[self.dtype])
+
+    def workspace_bytes(self, num_tokens: int, num_sampled: int) -> int:
+        """Scratch bytes of a call over num_tokens rows, num_sampled of them sampled."""
+        return self._c.workspace_bytes(num_tokens, num_sampled)
 
     def __call__(self, input_ids: torch.Tensor, logits_indices: torch.Tensor, slots, cu_seqlens,
                  has_state, *, isa: str = "auto") -> torch.Tensor:
@@ -156,8 +160,8 @@ class Mamba2Stack:
         rows = rows_arg(slots, cu_seqlens, has_state, self.num_slots)
         n, s = input_ids.shape[0], logits_indices.shape[0]
         out = torch.empty((s, self.hidden), dtype=self.dtype)
-        ws = self._ws.ptr(self._c.workspace_bytes(n, s))
+        ws = workspace.scratch(self._c.workspace_bytes(n, s))
         sync_threads()
-        self._c(input_ids.data_ptr(), logits_indices.data_ptr(), s, out.data_ptr(), ws, rows,
-                isa)
+        self._c(input_ids.data_ptr(), logits_indices.data_ptr(), s, out.data_ptr(),
+                ws.data_ptr(), rows, isa)
         return out

@@ -18,7 +18,8 @@ import torch
 
 from cb_kernels import _C
 from cb_kernels.ops._backend import DTYPE_CODES, check_tensor, sync_threads
-from cb_kernels.ops._stack import Workspace, check_embed_and_layers, check_ids
+from cb_kernels.ops import workspace
+from cb_kernels.ops._stack import check_embed_and_layers, check_ids
 from cb_kernels.ops._varlen import check_values as check_row_values
 from cb_kernels.ops._varlen import check_varlen, rows_arg
 from cb_kernels.ops.fused_hybrid import gated_delta_net
@@ -173,8 +174,8 @@ class Qwen3NextStack:
     rotary_dim : the width of the step's cos / sin (even, at most head_dim).
 
     The stack holds the tensors and reads them at every call, where they are then: build a new
-    one after replacing any of them (a new PackedLinear included). One call at a time: calls
-    share a workspace.
+    one after replacing any of them (a new PackedLinear included). Its workspace is the calling
+    thread's (ops/workspace.py).
     """
 
     def __init__(self, embed: torch.Tensor, layers: list, final_norm_weight: torch.Tensor,
@@ -205,7 +206,6 @@ class Qwen3NextStack:
                              f"{tuple(final_norm_weight.shape)}")
         self.embed, self.final_norm_weight = embed, final_norm_weight
         self.num_slots = self.delta_nets[0].state.shape[0] if self.delta_nets else 0
-        self._ws = Workspace()
         self._c = _C.Qwen3NextStack(embed.data_ptr(), self.vocab, self.hidden,
                                     final_norm_weight.data_ptr(), float(final_norm_eps),
                                     DTYPE_CODES[dt])
@@ -235,6 +235,11 @@ class Qwen3NextStack:
             (0, self.hidden, l.num_heads, kv_heads, hd, self.rotary_dim, 0, 0, 0, nb, bs,
              *l.k_cache.stride()[:3], *l.v_cache.stride()[:3]),
             (*map(float, l.norm_eps), float(l.scale)), *mlp)
+
+    def workspace_bytes(self, num_tokens: int, num_sampled: int, num_seqs: int) -> int:
+        """Scratch bytes of a call over num_tokens rows (num_sampled of them sampled) of
+        num_seqs attention sequences."""
+        return self._c.workspace_bytes(num_tokens, num_sampled, num_seqs)
 
     def __call__(self, input_ids: torch.Tensor, logits_indices: torch.Tensor, slots, cu_seqlens,
                  has_state, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
@@ -276,9 +281,10 @@ class Qwen3NextStack:
         n, s = input_ids.shape[0], logits_indices.shape[0]
         num_seqs = block_tables.shape[0]
         out = torch.empty((s, self.hidden), dtype=self.dtype)
-        ws = self._ws.ptr(self._c.workspace_bytes(n, s, num_seqs))
+        ws = workspace.scratch(self._c.workspace_bytes(n, s, num_seqs))
         sync_threads()
-        self._c(input_ids.data_ptr(), logits_indices.data_ptr(), s, out.data_ptr(), ws, rows,
+        self._c(input_ids.data_ptr(), logits_indices.data_ptr(), s, out.data_ptr(),
+                ws.data_ptr(), rows,
                 (cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(),
                  block_tables.data_ptr(), seq_lens.data_ptr(), cu_seqlens_q.data_ptr()),
                 (num_seqs, block_tables.shape[1], block_tables.stride(0)), isa)

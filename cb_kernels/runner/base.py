@@ -80,6 +80,11 @@ class ModelRunner(Protocol):
         """Run the step. `greedy` (every sampled row takes the argmax): return the tokens (and no
         logits); else the logits of every logits_indices row."""
 
+    def reserve_workspace(self, num_tokens: int, num_seqs: int) -> int:
+        """Engine construction (CPU runners): make the kernels' scratch for a step of up to
+        num_tokens rows over num_seqs sequences ready (allocated and written), so the first
+        steps fault none of its pages; the bytes held (0: none)."""
+
     def release_memory(self, kv: bool, weights: bool) -> int:
         """Engine.sleep: free the KV pool and state slots (`kv`; the tensor objects stay, empty)
         and the runner's private weight copies and scratch buffers (`weights`); the bytes freed."""

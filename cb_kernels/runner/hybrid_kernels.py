@@ -31,8 +31,9 @@ import torch.nn.functional as F
 
 from cb_kernels import ops
 from cb_kernels.ops.fused_hybrid import (gated_delta_net_block_unchecked,
+                                        gated_delta_net_block_workspace_bytes,
                                         gated_delta_net_unchecked, mamba2_block_unchecked,
-                                        mamba2_mixer_unchecked)
+                                        mamba2_block_workspace_bytes, mamba2_mixer_unchecked)
 from cb_kernels.ops.gated_rms_norm import gated_rms_norm_fast, gated_rms_norm_unchecked
 
 logger = logging.getLogger("cb_kernels")
@@ -231,6 +232,13 @@ class GatedDeltaNetKernels:
             rows.has_state, m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim,
             self.scale, m.norm.variance_epsilon)
 
+    def block_workspace_bytes(self, num_tokens: int, hidden: int) -> int:
+        """Scratch bytes of a `block` call over num_tokens rows."""
+        m = self.module
+        return gated_delta_net_block_workspace_bytes(
+            num_tokens, hidden, m.conv1d.weight.dtype, m.num_k_heads, m.num_v_heads,
+            m.head_k_dim, m.head_v_dim, m.conv1d.weight.shape[-1], self.conv_state.shape[2])
+
     @staticmethod
     def state_shape(module) -> tuple:
         return (module.num_v_heads, module.head_k_dim, module.head_v_dim)
@@ -368,6 +376,14 @@ class Mamba2Kernels:
             m.conv1d.bias, self.conv_state, self.state, neg_a, d, dt_bias, m.norm.weight,
             rows.slots, rows.cu_seqlens, rows.has_state, m.num_heads, m.head_dim, m.n_groups,
             m.ssm_state_size, _norm_group(m.norm), m.norm.variance_epsilon)
+
+    def block_workspace_bytes(self, num_tokens: int, hidden: int) -> int:
+        """Scratch bytes of a `block` call over num_tokens rows."""
+        m = self.module
+        return mamba2_block_workspace_bytes(
+            num_tokens, hidden, m.conv1d.weight.dtype, m.num_heads, m.head_dim, m.n_groups,
+            m.ssm_state_size, _norm_group(m.norm), m.conv1d.weight.shape[-1],
+            self.conv_state.shape[2])
 
     @staticmethod
     def state_shape(module) -> tuple:

@@ -35,7 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from cb_kernels import ops
-from cb_kernels.ops.gated_attention import gated_attention_block_unchecked
+from cb_kernels.ops.gated_attention import (gated_attention_block_unchecked,
+                                            gated_attention_block_workspace_bytes)
 from cb_kernels.ops.moe import moe_route_unchecked
 from cb_kernels.ops.moe_block import moe_block_unchecked, torch_scalar_rows
 from cb_kernels.ops.offset_rms_norm import offset_rms_norm_unchecked
@@ -138,7 +139,7 @@ class _Qwen3NextLayer:
         self.in_norm = _OffsetNorm(_own(layer.input_layernorm, "Qwen3NextRMSNorm", fam), dtype)
         self.post_norm = _OffsetNorm(_own(layer.post_attention_layernorm, "Qwen3NextRMSNorm",
                                           fam), dtype)
-        self.idx = idx
+        self.idx, self.dtype = idx, dtype
         self.linear = layer.block_type == "linear_attention"
         if self.linear:
             mixer = _own(layer.linear_attn, "Qwen3NextGatedDeltaNet", fam)
@@ -244,6 +245,18 @@ class _Qwen3NextLayer:
             return parts if all(v is not None for v in parts) else None
         return parts + (None, None, None) if all(v is not None for v in parts) else None
 
+    def workspace_bytes(self, num_tokens: int, num_seqs: int, hidden: int) -> int:
+        """Scratch bytes (ops/workspace.py) of this layer's one-call path over a step of
+        num_tokens rows and num_seqs sequences; 0 where it runs the separate calls."""
+        if self.linear:
+            lins = self.block_linears()
+            return 0 if lins is None else self.kernel.block_workspace_bytes(num_tokens, hidden)
+        if self.attention_linears() is None:
+            return 0
+        return gated_attention_block_workspace_bytes(num_tokens, num_seqs, hidden,
+                                                     self.num_heads, self.num_kv_heads,
+                                                     self.head_dim, self.dtype)
+
     def attention(self, x, pending, cos, sin, step) -> torch.Tensor:
         """Qwen3NextDecoderLayer up to its MLP on the paged cache: x [T, hidden] += pending,
         then += Qwen3NextAttention(in_norm(x)), in place; returns post_norm(x) [T, hidden]. One
@@ -324,6 +337,12 @@ class _Mamba2Layer:
         return None if lin_in is None or lin_out is None else (lin_in, lin_out)
 
 
+    def workspace_bytes(self, num_tokens: int, num_seqs: int, hidden: int) -> int:
+        """As _Qwen3NextLayer.workspace_bytes."""
+        lins = self.block_linears()
+        return 0 if lins is None else self.kernel.block_workspace_bytes(num_tokens, hidden)
+
+
 class HybridForward:
     """Callable (input_ids [T], positions [T], logits_indices [S], AttentionMetadata,
     StateStep) -> the final-norm hidden rows [S, hidden] of the sampled tokens."""
@@ -397,6 +416,21 @@ class HybridForward:
         logger.info("hybrid forward: %d %s layers on cb_kernels' own decoder forward",
                     len(layers), family)
         return cls(model, family, embed, layers, final, rotary, dtype)
+
+    def workspace_bytes(self, num_tokens: int, num_seqs: int) -> int:
+        """The largest scratch (ops/workspace.py) a step of num_tokens rows over num_seqs
+        sequences takes on this forward's one-call paths (the fused blocks and attention, the
+        Mamba-2 and Qwen3-Next stacks), as they are now."""
+        hidden = self.embed.weight.shape[1]
+        need = max(layer.workspace_bytes(num_tokens, num_seqs, hidden) for layer in self.layers)
+        if self.stack is not None and need:
+            # the stack's: its largest layer's, plus x, the sampled rows and their norm
+            # (csrc/cpu/mamba2_stack.cpp), or x, h, the MLP's output and the sampled rows of x
+            # and of it (csrc/cpu/qwen3_next_stack.cpp); counted in fp32 and 64-byte aligned;
+            # not built here (it is, with its log line, by the first step)
+            streams = 1 if self.family == "mamba2" else 3
+            need += 5 * 64 + 4 * hidden * (streams * num_tokens + 2 * num_seqs)
+        return need
 
     def usable(self) -> bool:
         """False once a forward hook or an instance forward was added (this path would skip it)."""

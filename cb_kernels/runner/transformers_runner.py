@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 
 from cb_kernels import ops
+from cb_kernels.ops import workspace
 from cb_kernels.runner import (attention_layers, forward_context, hybrid_kernels, state_cache,
                                state_layers, step_inputs, support, tensor_parallel)
 from cb_kernels.runner.hybrid_layers import HybridForward
@@ -154,6 +155,7 @@ class TransformersRunner:
         self._max_num_seqs = 0
         self._slept_shapes: list = []      # (tensor, shape) of the pool while asleep
         self._weights_released = False
+        self._workspace_step: Optional[tuple] = None    # reserve_workspace's (tokens, seqs)
 
     def _build_weight_paths(self) -> None:
         """The packed copies, the fused forward and the head, from the model's modules as they
@@ -235,6 +237,18 @@ class TransformersRunner:
                 and not self.state_layers:
             max_blocks = min(num_blocks, -(-self.max_positions // block_size))
             self.graphs = decode_graph_runner(self, max_num_seqs, max_blocks)
+
+    def reserve_workspace(self, num_tokens: int, num_seqs: int) -> int:
+        """Grow this thread's kernel scratch (ops/workspace.py) to what a step of num_tokens
+        rows over num_seqs sequences takes on the fused paths and write it once, so the first
+        steps fault none of its pages (Engine construction, CPU; again at wake_up); returns the
+        bytes held, 0 where no kernel on this model's path takes any (nothing allocated)."""
+        self._workspace_step = (num_tokens, num_seqs)
+        if self.hybrid is not None:
+            need = self.hybrid.workspace_bytes(num_tokens, num_seqs)
+        else:
+            need = self.fused.workspace_bytes(num_tokens) if self.fused is not None else 0
+        return workspace.reserve(need) if need else 0
 
     def copy_blocks(self, pairs: list) -> None:
         """pairs: (src, dst) block ids, copied in every layer (copy-on-write)."""
@@ -333,7 +347,7 @@ class TransformersRunner:
     # -- sleep (Engine.sleep / wake_up) ---------------------------------------------------------
     def release_memory(self, kv: bool, weights: bool) -> int:
         """Free the KV pool and state slots (`kv`), the packed weight copies, the greedy head's
-        copy and the rotary table (`weights`); returns the bytes freed. Every tensor object
+        copy, the rotary table and the kernels' scratch (`weights`); returns the bytes freed. Every tensor object
         stays (the layout, the swapper and the engine hold them) with an empty storage, until
         restore_memory. The model's own weights are never touched."""
         freed = 0
@@ -357,11 +371,12 @@ class TransformersRunner:
             self.head = None               # chosen and packed again by restore_memory
             if self.fused is not None:
                 freed += self.fused.forget_table() + self.fused.rotary.forget()
+            freed += workspace.release()   # the kernels' scratch, every thread's
         return freed
 
     def restore_memory(self, kv: bool, weights: bool) -> None:
         """Undo release_memory: a zeroed pool of the same shapes, fresh packed copies of the
-        model's weights as they are now."""
+        model's weights as they are now, the kernels' scratch reserved again."""
         if kv and self._slept_shapes:
             for t, shape in self._slept_shapes:
                 t.set_(host_zeros(shape, t.dtype) if t.device.type == "cpu" else
@@ -376,6 +391,8 @@ class TransformersRunner:
             self._weights_released = False
             self.refresh_weights()     # repacks (rebuilds, if a submodule was replaced asleep)
             self.head, self._decoder = self._choose_head(self._greedy_mode)
+            if self._workspace_step is not None:
+                self.reserve_workspace(*self._workspace_step)
 
     def refresh_weights(self) -> None:
         """Repack every packed copy now (after writes torch's version counter misses, e.g.

@@ -1,11 +1,15 @@
 // Branch-free bf16 <-> fp32 scalar helpers of the norm kernels (gated_rms_norm.cpp,
 // offset_rms_norm.cpp, fused_hybrid.cpp), so their loops vectorise: the portable body's scalar
-// float_to_bf16, with its NaN branch, cost ~3 ns an element (89 us for 16 x 512 bf16).
+// float_to_bf16, with its NaN branch, cost ~3 ns an element (89 us for 16 x 512 bf16). load and
+// round_to take the dtype at run time (fused_hybrid.cpp, moe_block.cpp); they give the bits of
+// bf16_to_float / float_to_bf16.
 // Include only from a csrc/cpu/*.cpp (built once per ISA body, cb_kernels/isa.h).
 #pragma once
 
 #include <cstdint>
 #include <cstring>
+
+#include "cb_kernels/common.h"  // DType
 
 namespace cbk {
 namespace CBK_CPU_NS {
@@ -31,6 +35,16 @@ inline float widen(float x) { return x; }
 inline float widen(uint16_t x) { return bits_to_float(static_cast<uint32_t>(x) << 16); }
 inline void put(float* p, float x) { *p = x; }
 inline void put(uint16_t* p, float x) { *p = static_cast<uint16_t>(rne(x) >> 16); }
+
+// Element i of base (float32 or bfloat16 by dt) as a float.
+inline float load(const void* base, int64_t i, DType dt) {
+  return dt == DType::kBFloat16 ? widen(static_cast<const uint16_t*>(base)[i])
+                                : static_cast<const float*>(base)[i];
+}
+// x rounded to the dtype and back (torch's bf16 op rounds its fp32 result).
+inline float round_to(float x, DType dt) {
+  return dt == DType::kBFloat16 ? bits_to_float(rne(x)) : x;
+}
 
 }  // namespace
 }  // namespace CBK_CPU_NS

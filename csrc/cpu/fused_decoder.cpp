@@ -6,6 +6,7 @@
 #include "cb_kernels/elementwise.h"
 #include "cb_kernels/linear.h"
 #include "cb_kernels/paged_attention.h"
+#include "paged_attention_call.h"
 
 namespace cbk {
 namespace cpu {
@@ -57,33 +58,11 @@ Status fused_decoder(const FusedDecoderParams& p) {
   char* qkv = static_cast<char*>(p.qkv);
 
   // One check of the index tensors for every layer (they are the step's, shared).
-  PagedAttentionParams a;
+  PagedAttentionParams a = layer_attention_params(p, p.tokens, p.heads, p.kv_heads);
   a.q = qkv;
   a.out = p.attn;
-  a.block_tables = p.block_tables;
-  a.seq_lens = p.seq_lens;
-  a.cu_seqlens_q = p.cu_seqlens_q;
-  a.num_tokens = p.tokens;
-  a.num_seqs = p.num_seqs;
-  a.num_heads = p.heads;
-  a.num_kv_heads = p.kv_heads;
-  a.head_dim = p.head_dim;
-  a.block_size = p.block_size;
-  a.num_blocks = p.num_blocks;
-  a.max_blocks_per_seq = p.max_blocks_per_seq;
-  a.block_table_stride = p.block_table_stride;
   a.q_stride_token = qkv_n;
-  a.q_stride_head = p.head_dim;
   a.out_stride_token = q_n;
-  a.out_stride_head = p.head_dim;
-  a.k_stride_block = p.k_stride[0];
-  a.k_stride_token = p.k_stride[1];
-  a.k_stride_head = p.k_stride[2];
-  a.v_stride_block = p.v_stride[0];
-  a.v_stride_token = p.v_stride[1];
-  a.v_stride_head = p.v_stride[2];
-  a.dtype = p.dtype;
-  a.scale = p.scale;
   // (ops/fused_decoder.py checked them with messages; this keeps a bad index from reading out of bounds)
   if (!paged_attention_index_error(a).empty())
     return Status::Error("fused_decoder: invalid block_tables, seq_lens or cu_seqlens_q");

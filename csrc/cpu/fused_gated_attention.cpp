@@ -30,6 +30,7 @@
 #include "cb_kernels/linear.h"
 #include "cb_kernels/offset_rms_norm.h"
 #include "cb_kernels/paged_attention.h"
+#include "paged_attention_call.h"
 #include "threads.h"
 
 namespace cbk {
@@ -152,33 +153,12 @@ Status apply_gate(const GatedAttentionParams& p, const Buffers& b) {
 
 // The paged attention call of the separate path: q and out packed [n, num_heads, head_dim].
 PagedAttentionParams attention_params(const GatedAttentionParams& p, const Buffers& b) {
-  PagedAttentionParams a;
+  PagedAttentionParams a = layer_attention_params(p, p.num_tokens, p.num_heads, p.num_kv_heads);
   a.q = b.q;
   a.out = b.attn;
   a.k_cache = p.k_cache;
   a.v_cache = p.v_cache;
-  a.block_tables = p.block_tables;
-  a.seq_lens = p.seq_lens;
-  a.cu_seqlens_q = p.cu_seqlens_q;
-  a.num_tokens = p.num_tokens;
-  a.num_seqs = p.num_seqs;
-  a.num_heads = p.num_heads;
-  a.num_kv_heads = p.num_kv_heads;
-  a.head_dim = p.head_dim;
-  a.block_size = p.block_size;
-  a.num_blocks = p.num_blocks;
-  a.max_blocks_per_seq = p.max_blocks_per_seq;
-  a.block_table_stride = p.block_table_stride;
   a.q_stride_token = a.out_stride_token = p.num_heads * p.head_dim;
-  a.q_stride_head = a.out_stride_head = p.head_dim;
-  a.k_stride_block = p.k_stride[0];
-  a.k_stride_token = p.k_stride[1];
-  a.k_stride_head = p.k_stride[2];
-  a.v_stride_block = p.v_stride[0];
-  a.v_stride_token = p.v_stride[1];
-  a.v_stride_head = p.v_stride[2];
-  a.dtype = p.dtype;
-  a.scale = p.scale;
   return a;
 }
 

@@ -27,7 +27,7 @@
 #include <cmath>
 #include <cstring>
 
-#include "bf16_scalar.h"  // widen, rne, bits_to_float
+#include "bf16_scalar.h"  // load, round_to, rne, widen
 #include "cb_kernels/causal_conv1d.h"
 #include "cb_kernels/gated_delta.h"
 #include "cb_kernels/elementwise.h"
@@ -41,24 +41,15 @@ namespace cbk {
 namespace cpu {
 namespace {
 
-using cpu_portable::bits_to_float;
+using cpu_portable::load;
 using cpu_portable::rne;
+using cpu_portable::round_to;
 using cpu_portable::widen;
 
 // Bytes a copy loop moves before it is worth a parallel region (a 16-row decode copies ~32 KiB).
 constexpr int64_t kParallelBytes = int64_t{1} << 20;
 
 constexpr int64_t align64(int64_t n) { return (n + 63) / 64 * 64; }
-
-inline float load(const void* base, int64_t i, DType dt) {
-  return dt == DType::kBFloat16 ? widen(static_cast<const uint16_t*>(base)[i])
-                                : static_cast<const float*>(base)[i];
-}
-
-// x rounded to the dtype and back (torch's bf16 op rounds its fp32 result).
-inline float round_to(float x, DType dt) {
-  return dt == DType::kBFloat16 ? bits_to_float(rne(x)) : x;
-}
 
 // torch's softplus (beta 1, threshold 20).
 inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }

@@ -26,6 +26,7 @@
 #include <mutex>
 #include <vector>
 
+#include "bf16_scalar.h"  // load, round_to
 #include "cb_kernels/elementwise.h"
 #include "cb_kernels/linear.h"
 #include "cb_kernels/moe.h"
@@ -38,6 +39,9 @@ namespace cbk {
 namespace cpu {
 namespace {
 
+using cpu_portable::load;
+using cpu_portable::round_to;
+
 // What the calling thread keeps from call to call: the router's logits and top-k, the shared
 // expert's gate_up, activation and output, the gate's logits (one 64-byte aligned piece each).
 struct BlockBuffers : moe_ws::Buffers {
@@ -47,15 +51,6 @@ struct BlockBuffers : moe_ws::Buffers {
 };
 
 constexpr int64_t align64(int64_t n) { return (n + 63) / 64 * 64; }
-
-inline float load(const void* base, int64_t i, DType dt) {
-  return dt == DType::kBFloat16 ? bf16_to_float(static_cast<const uint16_t*>(base)[i])
-                                : static_cast<const float*>(base)[i];
-}
-
-inline float round_to(float v, DType dt) {
-  return dt == DType::kBFloat16 ? bf16_to_float(float_to_bf16(v)) : v;
-}
 
 // One call's buffers; `error` the first failure (a stage returns false after setting it).
 struct Stage {

@@ -7,15 +7,12 @@ a bit; the Triton body under TRITON_INTERPRET=1 on CPU (tests/conftest.py) and i
 on CUDA."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from cb_kernels import _C, ops
+from cb_kernels import ops
 from cb_kernels.ops.reference import ref_causal_conv1d
+from stateful_ops import BODIES, compile_sm90, varlen_batch
 from tests.helpers import assert_same_at_threads
 
 # id: (channels, width, state_len, bias, [(row length, continues from its slot)])
@@ -29,7 +26,6 @@ CASES = {
     "no-tokens": (70, 4, 4, False, [(0, True), (0, False)]),   # the fresh row's window zeroed
 }
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
-_BODIES = [isa for isa in _C.cpu_isas() if isa in ("portable", "avx512")]
 
 
 def make(case, dtype, seed=0, device="cpu"):
@@ -41,14 +37,12 @@ def make(case, dtype, seed=0, device="cpu"):
     b = torch.randn(channels, generator=gen).to(dtype) if bias else None
     num_slots = len(rows) + 1
     state = torch.randn(num_slots, channels, state_len, generator=gen).to(dtype)
-    slots = torch.randperm(num_slots, generator=gen)[:len(rows)]
-    cu = torch.tensor([0] + [length for length, _ in rows]).cumsum(0).to(torch.int32)
-    has_state = torch.tensor([c for _, c in rows], dtype=torch.bool)
+    slots, cu, has_state = varlen_batch(rows, num_slots, gen)
     return tuple(None if t is None else t.to(device)
                  for t in (x, weight, b, state, slots, cu, has_state))
 
 
-@pytest.mark.parametrize("isa", _BODIES)
+@pytest.mark.parametrize("isa", BODIES)
 @pytest.mark.parametrize("activation", ["silu", None])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", list(CASES))
@@ -61,7 +55,7 @@ def test_cpu_matches_reference(case, dtype, activation, isa):
     assert torch.equal(state, want_state)        # the window is a copy of inputs: same bits
 
 
-@pytest.mark.parametrize("isa", _BODIES)
+@pytest.mark.parametrize("isa", BODIES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("width, state_len", [(4, 4), (4, 3), (3, 6)])
 def test_decode_path_same_bits_as_chunk(width, state_len, dtype, isa):
@@ -266,13 +260,8 @@ def test_gpu_triton_decodes_and_batch_invariance(dtype):
 # barrier) fails here before a GPU minute is spent; the barrier must be in the code and
 # cuobjdump's LOCAL (spilled bytes) 0.
 _COMPILE_SM90 = """
-import os, subprocess, sys, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from cb_kernels.triton.causal_conv1d import _causal_conv1d_kernel, block_channels
 
-tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 for act in ("fp32", "bf16"):
     for channels, bias, silu in ((8192, True, True), (20, False, False)):
         block_c = block_channels(channels)
@@ -281,25 +270,12 @@ for act in ("fp32", "bf16"):
         sig = dict(p_x="*" + act, p_weight="*" + act, p_bias="*" + act, p_state="*" + act,
                    p_out="*" + act, p_slots="*i64", p_cu_seqlens="*i32", p_has_state="*u8",
                    s_x_t="i32", **{k: "constexpr" for k in const})
-        k = triton.compile(ASTSource(_causal_conv1d_kernel, sig, const),
-                           target=GPUTarget("cuda", 90, 32),
-                           options=dict(num_warps=block_c // 32))
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(k.asm["cubin"])
-            f.flush()
-            usage = subprocess.run([tool, "--dump-resource-usage", f.name], check=True,
-                                   capture_output=True, text=True).stdout
-        print(act, channels, "bar.sync" in k.asm["ptx"] or "barrier.sync" in k.asm["ptx"],
-              [w for w in usage.split() if w.startswith(("REG:", "LOCAL:"))])
+        k, usage = sm90(_causal_conv1d_kernel, sig, const, num_warps=block_c // 32)
+        print(act, channels, "bar.sync" in k.asm["ptx"] or "barrier.sync" in k.asm["ptx"], usage)
 """
 
 
 def test_triton_kernel_compiles_for_sm90_without_spills(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    done = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = done.stdout.strip().splitlines()
+    lines = compile_sm90(_COMPILE_SM90, tmp_path)
     assert len(lines) == 4 and all(" True " in line and "'LOCAL:0'" in line
                                    for line in lines), lines

@@ -198,6 +198,10 @@ def test_bad_inputs_name_the_argument():
         _call(gated_delta_net, t, rows, dict(kw, num_v_heads=3, num_k_heads=2))
     with pytest.raises(TypeError, match="qkvz must be a float32 or bfloat16"):
         _call(gated_delta_net, dict(t, qkvz=t["qkvz"].half()), rows, kw)
+    with pytest.raises(ValueError, match="conv_weight must have shape .* width <= 16"):
+        _call(gated_delta_net, dict(t, conv_weight=t["conv_weight"].repeat(1, 5)), rows, kw)
+    with pytest.raises(ValueError, match="conv_bias must have shape"):
+        _call(gated_delta_net, dict(t, conv_bias=t["conv_bias"][1:]), rows, kw)
     m, mrows, mkw = make_mamba("decode-one-row", torch.float32)
     with pytest.raises(ValueError, match="proj must have"):
         _call_mamba(mamba2_mixer, dict(m, proj=m["proj"][:, 1:]), mrows, mkw)

@@ -7,16 +7,14 @@ out of order; both CPU bodies forced; the Triton body under TRITON_INTERPRET=1 o
 from __future__ import annotations
 
 import importlib
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from cb_kernels import _C, ops
+from cb_kernels import ops
 from cb_kernels.ops import _backend
 from cb_kernels.ops.reference import ref_selective_scan
+from stateful_ops import BODIES, compile_sm90, varlen_batch
 from tests.helpers import assert_same_at_threads
 
 # id: (num_heads, head_dim, num_groups, d_state, [(row length, continues from its slot)])
@@ -28,7 +26,6 @@ CASES = {
     "no-tokens": (2, 8, 1, 16, [(0, True), (0, False)]),      # the fresh row's slot zeroed
 }
 TOL = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
-_BODIES = [isa for isa in _C.cpu_isas() if isa in ("portable", "avx512")]
 
 
 def make(case, dtype, seed=0, device="cpu"):
@@ -45,15 +42,13 @@ def make(case, dtype, seed=0, device="cpu"):
     D = torch.randn(h, generator=gen)
     dt_bias = torch.randn(h, generator=gen) * 0.5
     state = torch.randn(len(rows) + 2, h, p, n_state, generator=gen) * 0.5
-    slots = torch.randperm(len(rows) + 2, generator=gen)[:len(rows)]
-    cu = torch.tensor([0] + [r for r, _ in rows]).cumsum(0).to(torch.int32)
-    has = torch.tensor([c for _, c in rows], dtype=torch.bool)
+    slots, cu, has = varlen_batch(rows, len(rows) + 2, gen)
     rest = [t.to(device) for t in (dt, A, state, slots, cu, has, D, dt_bias)]
     dt, A, state, slots, cu, has, D, dt_bias = rest
     return (x, dt, A, B, C, state, slots, cu, has), dict(D=D, dt_bias=dt_bias)
 
 
-@pytest.mark.parametrize("isa", _BODIES)
+@pytest.mark.parametrize("isa", BODIES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_cpu_matches_reference(case, dtype, isa):
@@ -270,13 +265,8 @@ def test_gpu_small_steps_keep_their_precision():
 # ptxas; no GPU needed): what the interpreter never checks (types, constexpr branches) fails
 # here before a GPU minute is spent, and cuobjdump's LOCAL (spilled bytes) must be 0.
 _COMPILE_SM90 = """
-import os, subprocess, sys, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from cb_kernels.triton.selective_scan import _selective_scan_kernel, tile_sizes
 
-tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 block_p, block_n = tile_sizes(64, 128)                   # Mamba-2: head_dim 64, d_state 128
 for act in ("fp32", "bf16"):
     for flags in ((True, True, True, False), (False, False, False, True)):
@@ -288,22 +278,10 @@ for act in ("fp32", "bf16"):
                    p_slots="*i64", p_cu_seqlens="*i32", p_has_state="*u8", s_x_t="i32",
                    s_b_t="i32", s_c_t="i32", dt_lo="fp32", dt_hi="fp32",
                    **{k: "constexpr" for k in const})
-        k = triton.compile(ASTSource(_selective_scan_kernel, sig, const),
-                           target=GPUTarget("cuda", 90, 32))
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(k.asm["cubin"])
-            f.flush()
-            usage = subprocess.run([tool, "--dump-resource-usage", f.name], check=True,
-                                   capture_output=True, text=True).stdout
-        print(act, flags, [w for w in usage.split() if w.startswith(("REG:", "LOCAL:"))])
+        print(act, flags, sm90(_selective_scan_kernel, sig, const)[1])
 """
 
 
 def test_triton_kernel_compiles_for_sm90_without_spills(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    done = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = done.stdout.strip().splitlines()
+    lines = compile_sm90(_COMPILE_SM90, tmp_path)
     assert len(lines) == 4 and all("'LOCAL:0'" in line for line in lines), lines

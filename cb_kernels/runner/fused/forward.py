@@ -263,6 +263,12 @@ class FusedForward:
             return None
         return cls(model, decoder, layers, final_norm)
 
+    def workspace_bytes(self, num_tokens: int) -> int:
+        """Scratch bytes (ops/workspace.py) of a step of num_tokens rows: FusedDecoder's, where
+        it runs; 0 otherwise."""
+        return self.native.workspace_bytes(num_tokens) if self.native is not None and NATIVE \
+            else 0
+
     def usable(self) -> bool:
         """False once someone added a forward hook or an instance forward (this path would skip
         it)."""

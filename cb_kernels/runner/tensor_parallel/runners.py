@@ -89,6 +89,9 @@ class _RankRunner:
     def refresh_weights(self) -> None:
         self.local.refresh_weights()
 
+    def reserve_workspace(self, num_tokens: int, num_seqs: int) -> int:
+        return self.local.reserve_workspace(num_tokens, num_seqs)
+
     def release_memory(self, kv: bool, weights: bool) -> int:
         """This rank's pool and weight copies (the engine sends the call to the others)."""
         return self.local.release_memory(kv, weights)
