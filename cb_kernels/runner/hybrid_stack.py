@@ -7,8 +7,8 @@ Here the layers' tensors are resolved into one ops.Mamba2Stack, kept while nothi
 changed, and a step is one call: the forward's glue of a 16-row bf16 decode step on the bench's
 ds128 shape from 0.32-0.40 to 0.18-0.23 ms, the step 3-9% shorter at 1 and 2 threads
 (bench_hybrid_step.py --blocks, Zen 4, load ~2). Qwen3-Next's (bf16, the bench's hd128 shape,
---layers): its glue 0.38-0.53 -> 0.26-0.38 ms at 1 thread, the best decode step 3-8% shorter at
-1 thread and 5% at 2.
+--layers --rounds 5, load ~1): its glue 0.48-0.51 -> 0.33-0.34 ms at 1 thread, the decode step
+5-7% shorter at 1 thread and 7-11% at 2.
 
 What "changed" means: a parameter the stack reads replaced or re-pointed (its object, address)
 or written through torch (its version counter), a packed linear repacked (runner/packed_linears

@@ -9,10 +9,10 @@
 // bench's Qwen3-Next hd128 shape, serial at any thread count. Here the layers' parameters are
 // resolved once (runner/hybrid_stack.py keeps them until a weight changes) and a step is one
 // call with the token ids, the sampled rows, the varlen rows, cos/sin and the attention
-// metadata. Measured (bench/bench_hybrid_step.py --layers --rounds 3, bf16, 16-row decode, Zen 4,
-// 2 shared cores, two runs): the forward's glue 0.38-0.53 -> 0.26-0.38 ms at 1 thread,
-// 0.33-0.45 -> 0.25-0.38 ms at 2; the best decode step 4.01-4.33 -> 3.88-3.97 ms at 1 thread,
-// 2.47-2.78 -> 2.34-2.63 ms at 2 (medians as noisy as the gain).
+// metadata. Measured (bench/bench_hybrid_step.py --layers --rounds 5, bf16, 16-row decode, Zen 4,
+// 2 cores, load ~1, 2026-12-07): the forward's glue 0.48-0.51 -> 0.33-0.34 ms at 1 thread and
+// 0.42-0.46 -> 0.29-0.35 ms at 2, the layer calls' own wrappers ~0.1 ms more; the decode step
+// (best / median) 4.40 / 4.53 -> 4.17 / 4.21 ms at 1 thread, 2.88 / 2.91 -> 2.57 / 2.71 at 2.
 //
 // The layers are gated_delta_net_block, gated_attention_block and moe_block themselves, the final
 // norm offset_rms_norm, each with the arguments the per-layer path gives it, so the bits are
