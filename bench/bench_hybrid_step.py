@@ -4,8 +4,8 @@ OpenMP parallel regions a step opens (each a fork/join of the thread team).
 
     python bench/bench_hybrid_step.py [--threads 1,2] [--dtype bfloat16]
         [--shapes qwen3-next-hd128,mamba2-ds128] [--repeats 3] [--json out.json]
-        [--baseline] [--separate] [--separate-attention] [--blocks] [--logits-head]
-        [--mlp-apart] [--rounds N]
+        [--baseline] [--separate] [--separate-attention] [--blocks] [--layers]
+        [--logits-head] [--mlp-apart] [--rounds N]
 
 Same models and workload as bench_hybrid.py (16 requests, 16..128-token prompts, 32 new tokens,
 greedy, EOS off). One Engine per shape and thread count, a warm-up generate, then `--repeats`
@@ -16,7 +16,9 @@ best run's, split into its decode steps (every row one token) and the rest. Part
   inputs (runner.prepare)          the step's tensors: positions, slots, block tables, state plan
   forward, torch glue              runner.execute minus every call below (embeddings, norms,
                                    residuals, transformers' module code, router softmax/top-k)
-  the calls                        the fused Mamba-2 blocks (ops.fused_hybrid: norm, in_proj,
+  the calls                        the fused Qwen3-Next / Mamba-2 stacks (ops.Qwen3NextStack,
+                                   ops.Mamba2Stack: a step's whole backbone in one call),
+                                   the fused Mamba-2 blocks (ops.fused_hybrid: norm, in_proj,
                                    conv, scan, gated norm, out_proj, residual in one call),
                                    the fused gated delta-net layers (the same up to the MLP,
                                    with both norms),
@@ -34,7 +36,9 @@ separate calls with the split and gates in torch (hybrid_kernels.FUSED off), row
 "<shape>/<threads>/separate"; --separate-attention Qwen3-Next's attention layers as separate
 calls (hybrid_layers.FUSED_ATTENTION off: the path before ops.gated_attention_block), rows
 "<shape>/<threads>/separate-attention"; --blocks Mamba-2 with one call per block instead of the
-stack (hybrid_stack.STACK off), rows "<shape>/<threads>/blocks"; --logits-head that and the LM
+stack (hybrid_stack.STACK off), rows "<shape>/<threads>/blocks"; --layers Qwen3-Next with two
+calls per layer (its block, its MLP) instead of the stack (hybrid_stack.QWEN3_NEXT_STACK off),
+rows "<shape>/<threads>/layers"; --logits-head that and the LM
 head's full logits (greedy_head=False), rows "<shape>/<threads>/blocks+logits"; --mlp-apart the
 Qwen3-Next MLPs as separate calls (router, route, experts, shared expert, gate: moe_layers.BLOCK
 off, the path before ops.moe_block), rows "<shape>/<threads>/mlp-apart". --rounds N runs the
@@ -141,7 +145,8 @@ class Meter:
         setattr(owner, name, timed)
 
 
-CALLS = ("fused Mamba-2 stack", "fused Mamba-2 blocks", "fused gated delta-net layers",
+CALLS = ("fused Qwen3-Next stack", "fused Mamba-2 stack", "fused Mamba-2 blocks",
+         "fused gated delta-net layers",
          "fused attention layers", "fused stateful middle",
          "causal_conv1d", "gated_delta_rule", "selective_scan", "gated_rms_norm",
          "packed linears", "moe_experts", "moe blocks", "paged attention", "greedy head")
@@ -150,7 +155,7 @@ CALLS = ("fused Mamba-2 stack", "fused Mamba-2 blocks", "fused gated delta-net l
 def instrument(meter: Meter) -> None:
     from cb_kernels import ops
     from cb_kernels.engine import step_loop
-    from cb_kernels.ops import linear, mamba2_stack, moe
+    from cb_kernels.ops import linear, mamba2_stack, moe, qwen3_next_stack
     from cb_kernels.runner import (attention, hybrid_kernels, hybrid_layers, lm_head,
                                    transformers_runner)
 
@@ -162,6 +167,7 @@ def instrument(meter: Meter) -> None:
     meter.wrap(hybrid_kernels, "mamba2_mixer_unchecked", "fused stateful middle")
     meter.wrap(hybrid_kernels, "mamba2_block_unchecked", "fused Mamba-2 blocks")
     meter.wrap(mamba2_stack.Mamba2Stack, "run_unchecked", "fused Mamba-2 stack")
+    meter.wrap(qwen3_next_stack.Qwen3NextStack, "run_unchecked", "fused Qwen3-Next stack")
     meter.wrap(hybrid_kernels, "gated_delta_net_block_unchecked", "fused gated delta-net layers")
     meter.wrap(hybrid_layers, "gated_attention_block_unchecked", "fused attention layers")
     meter.wrap(linear.PackedLinear, "run_unchecked", "packed linears")
@@ -226,7 +232,8 @@ def split(steps: list) -> dict:
 
 def measure(shape: str, dtype, threads: int, repeats: int, meter: Meter,
             ours: bool = True, fused: bool = True, fused_attention: bool = True,
-            block: bool = True, stack: bool = True, greedy_head="auto") -> dict:
+            block: bool = True, stack: bool = True, qwen3_next_stack: bool = True,
+            greedy_head="auto") -> dict:
     import torch
     from bench_hybrid import build, workload
     from cb_kernels import Engine, EngineConfig, SamplingParams
@@ -237,6 +244,7 @@ def measure(shape: str, dtype, threads: int, repeats: int, meter: Meter,
     hybrid_kernels.FUSED = fused
     hybrid_layers.FUSED_ATTENTION = fused_attention
     hybrid_stack.STACK = stack
+    hybrid_stack.QWEN3_NEXT_STACK = qwen3_next_stack
     moe_layers.BLOCK = block
     model = build(shape).to(dtype)
     prompts = workload(16, 16, 128)
@@ -300,6 +308,9 @@ def main(argv=None) -> int:
     p.add_argument("--blocks", action="store_true",
                    help="also run Mamba-2 with one call per block (hybrid_stack.STACK off: the "
                         "path before ops.Mamba2Stack)")
+    p.add_argument("--layers", action="store_true",
+                   help="also run Qwen3-Next with two calls per layer (hybrid_stack."
+                        "QWEN3_NEXT_STACK off: the path before ops.Qwen3NextStack)")
     p.add_argument("--logits-head", action="store_true",
                    help="also run with the stack off and the greedy head off (EngineConfig("
                         "greedy_head=False): bf16 Mamba-2's path before ops.Mamba2Stack)")
@@ -329,6 +340,8 @@ def main(argv=None) -> int:
                 variants.append(("/separate-attention", {"fused_attention": False}))
             if args.blocks and shape.startswith("mamba2"):
                 variants.append(("/blocks", {"stack": False}))
+            if args.layers and shape.startswith("qwen3-next"):
+                variants.append(("/layers", {"qwen3_next_stack": False}))
             if args.logits_head:
                 variants.append(("/blocks+logits", {"stack": False, "greedy_head": False}))
             if args.baseline:

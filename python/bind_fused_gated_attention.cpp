@@ -9,68 +9,22 @@
 
 #include "bindings.h"
 #include "cb_kernels/fused_gated_attention.h"
+#include "layer_params_arg.h"
 
 namespace py = pybind11;
 
 namespace {
-using Ptrs = std::array<uintptr_t, 22>;
-using Sizes = std::array<int64_t, 17>;
-using Floats = std::array<float, 5>;
-
-cbk::GatedAttentionParams params(const Ptrs& ptr, const Sizes& size, const Floats& f, int dtype) {
-  cbk::GatedAttentionParams p;
-  p.x = cbk::as_ptr<void>(ptr[0]);
-  p.pending = cbk::as_ptr<const void>(ptr[1]);
-  p.in_norm_weight = cbk::as_ptr<const void>(ptr[2]);
-  p.post_norm_weight = cbk::as_ptr<const void>(ptr[3]);
-  p.q_norm_weight = cbk::as_ptr<const void>(ptr[4]);
-  p.k_norm_weight = cbk::as_ptr<const void>(ptr[5]);
-  p.qkv_packed = cbk::as_ptr<const void>(ptr[6]);
-  p.qkv_bias = cbk::as_ptr<const float>(ptr[7]);
-  p.o_packed = cbk::as_ptr<const void>(ptr[8]);
-  p.o_bias = cbk::as_ptr<const float>(ptr[9]);
-  p.cos = cbk::as_ptr<const void>(ptr[10]);
-  p.sin = cbk::as_ptr<const void>(ptr[11]);
-  p.gate_sigmoid = cbk::as_ptr<const void>(ptr[12]);
-  p.sigmoid_table = cbk::as_ptr<const uint16_t>(ptr[13]);
-  p.h_out = cbk::as_ptr<void>(ptr[14]);
-  p.workspace = cbk::as_ptr<void>(ptr[15]);
-  p.k_cache = cbk::as_ptr<void>(ptr[16]);
-  p.v_cache = cbk::as_ptr<void>(ptr[17]);
-  p.slot_mapping = cbk::as_ptr<const int64_t>(ptr[18]);
-  p.block_tables = cbk::as_ptr<const int32_t>(ptr[19]);
-  p.seq_lens = cbk::as_ptr<const int32_t>(ptr[20]);
-  p.cu_seqlens_q = cbk::as_ptr<const int32_t>(ptr[21]);
-  p.num_tokens = size[0];
-  p.hidden = size[1];
-  p.num_heads = size[2];
-  p.num_kv_heads = size[3];
-  p.head_dim = size[4];
-  p.rotary_dim = size[5];
-  p.num_seqs = size[6];
-  p.max_blocks_per_seq = size[7];
-  p.block_table_stride = size[8];
-  p.num_blocks = size[9];
-  p.block_size = size[10];
-  for (int i = 0; i < 3; ++i) {
-    p.k_stride[i] = size[11 + i];
-    p.v_stride[i] = size[14 + i];
-  }
-  p.in_norm_eps = f[0];
-  p.post_norm_eps = f[1];
-  p.q_norm_eps = f[2];
-  p.k_norm_eps = f[3];
-  p.scale = f[4];
-  p.dtype = cbk::as_dtype(dtype);
-  return p;
-}
+using Ptrs = cbk::AttentionPtrs;
+using Sizes = cbk::AttentionSizes;
+using Floats = cbk::AttentionFloats;
+using cbk::gated_attention_params;
 
 template <cbk::Status (*run)(const cbk::GatedAttentionParams&, cbk::Isa)>
 void def_stage(py::module_& m, const char* name, const char* doc) {
   m.def(
       name,
       [](const Ptrs& ptr, const Sizes& size, const Floats& f, const std::string& isa, int dtype) {
-        const cbk::GatedAttentionParams p = params(ptr, size, f, dtype);
+        const cbk::GatedAttentionParams p = gated_attention_params(ptr, size, f, dtype);
         const cbk::Isa body = cbk::as_isa(isa);
         py::gil_scoped_release nogil;
         cbk::throw_if_error(run(p, body));
@@ -99,7 +53,7 @@ void bind_fused_gated_attention(py::module_& m) {
   m.def(
       "gated_attention_workspace_bytes",
       [](const Sizes& size, int dtype) {
-        return cbk::cpu::gated_attention_workspace_bytes(params({}, size, {}, dtype));
+        return cbk::cpu::gated_attention_workspace_bytes(gated_attention_params({}, size, {}, dtype));
       },
       "Workspace bytes of gated_attention_block for these sizes.");
 }

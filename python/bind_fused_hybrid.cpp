@@ -7,49 +7,21 @@
 #include <array>
 #include <string>
 #include <tuple>
-#include <type_traits>
 #include <vector>
 
 #include "bindings.h"
 #include "cb_kernels/fused_hybrid.h"
+#include "layer_params_arg.h"
 #include "varlen_rows_arg.h"
 
 namespace py = pybind11;
 
 namespace {
-using Ptrs11 = std::array<uintptr_t, 11>;
-using Sizes8 = std::array<int64_t, 8>;
-
-// values[i] into p.*fields[i], in order: pointer fields from Python ints (data_ptr(), 0 for
-// none), integer fields as they are.
-template <class P, class Values, class... T>
-void unpack(P& p, const Values& values, T P::*... fields) {
-  static_assert(sizeof...(T) == std::tuple_size<Values>::value, "one value a field");
-  size_t i = 0;
-  auto set = [&](auto field) {
-    using F = std::remove_reference_t<decltype(p.*field)>;
-    if constexpr (std::is_pointer_v<F>)
-      p.*field = reinterpret_cast<F>(values[i++]);
-    else
-      p.*field = static_cast<F>(values[i++]);
-  };
-  (set(fields), ...);
-}
-
-cbk::GatedDeltaNetParams gdn_params(const Ptrs11& ptr, const cbk::VarlenRowsArg& rows,
-                                    const Sizes8& size, float scale, float eps, int dtype) {
-  using P = cbk::GatedDeltaNetParams;
-  P p;
-  unpack(p, ptr, &P::qkvz, &P::ba, &P::conv_weight, &P::conv_bias, &P::conv_state, &P::state,
-         &P::dt_bias, &P::neg_a, &P::norm_weight, &P::out, &P::workspace);
-  unpack(p, size, &P::num_k_heads, &P::num_v_heads, &P::k_dim, &P::v_dim, &P::conv_width,
-         &P::state_len, &P::qkvz_stride, &P::ba_stride);
-  p.rows = cbk::as_rows(rows);
-  p.scale = scale;
-  p.norm_eps = eps;
-  p.dtype = cbk::as_dtype(dtype);
-  return p;
-}
+using cbk::gdn_block_params;
+using cbk::gdn_params;
+using cbk::Ptrs11;
+using cbk::Sizes8;
+using cbk::unpack;
 
 cbk::Mamba2MixerParams mamba2_params(const Ptrs11& ptr, const cbk::VarlenRowsArg& rows,
                                      const Sizes8& size, float eps, int dtype) {
@@ -78,22 +50,6 @@ cbk::Mamba2BlockParams block_params(const std::array<uintptr_t, 7>& ptr, const P
   p.mixer = mamba2_params(mixer_ptr, rows, size, gate_norm_eps, dtype);
   return p;
 }
-cbk::GatedDeltaNetBlockParams gdn_block_params(const Ptrs11& ptr, const Ptrs11& mixer_ptr,
-                                               const cbk::VarlenRowsArg& rows,
-                                               const Sizes8& size, int64_t hidden,
-                                               const std::array<float, 4>& f, int dtype) {
-  using P = cbk::GatedDeltaNetBlockParams;
-  P p;
-  unpack(p, ptr, &P::x, &P::pending, &P::in_norm_weight, &P::post_norm_weight, &P::qkvz_packed,
-         &P::qkvz_bias, &P::ba_packed, &P::ba_bias, &P::out_packed, &P::out_bias, &P::h_out);
-  p.hidden = hidden;
-  p.in_norm_eps = f[0];
-  p.post_norm_eps = f[1];
-  p.mixer = gdn_params(mixer_ptr, rows, size, f[2], f[3], dtype);
-  p.workspace = p.mixer.workspace;      // mixer_ptr[10]: the block's workspace
-  return p;
-}
-
 // One layer of Mamba2Stack: mamba2_block's ptr (x and workspace unused), mixer_ptr, size, norm
 // eps, gated-norm eps.
 using StackLayer = std::tuple<std::array<uintptr_t, 7>, Ptrs11, Sizes8, float, float>;

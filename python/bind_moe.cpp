@@ -11,6 +11,7 @@
 #include "cb_kernels/moe.h"
 #include "cb_kernels/moe_block.h"
 #include "cb_kernels/moe_route.h"
+#include "layer_params_arg.h"
 
 namespace py = pybind11;
 
@@ -90,31 +91,7 @@ void bind_moe(py::module_& m) {
       "moe_block",
       [](bool bf16, const std::array<uintptr_t, 12>& ptr, const std::array<int64_t, 10>& size,
          bool renormalize, const std::string& isa) {
-        cbk::MoeBlockParams p;
-        p.dtype = moe_dtype(bf16);
-        p.x = cbk::as_ptr<const void>(ptr[0]);
-        p.y = cbk::as_ptr<void>(ptr[1]);
-        p.shared_gate_up = cbk::as_ptr<const void>(ptr[2]);
-        p.shared_gate_up_bias = cbk::as_ptr<const float>(ptr[3]);
-        p.shared_down = cbk::as_ptr<const void>(ptr[4]);
-        p.shared_down_bias = cbk::as_ptr<const float>(ptr[5]);
-        p.shared_gate = cbk::as_ptr<const void>(ptr[6]);
-        p.shared_gate_bias = cbk::as_ptr<const float>(ptr[7]);
-        p.router = cbk::as_ptr<const void>(ptr[8]);
-        p.router_bias = cbk::as_ptr<const float>(ptr[9]);
-        p.experts_gate_up = cbk::as_ptr<const void>(ptr[10]);
-        p.experts_down = cbk::as_ptr<const void>(ptr[11]);
-        p.num_tokens = size[0];
-        p.hidden = size[1];
-        p.x_stride = size[2];
-        p.y_stride = size[3];
-        p.shared_inter = size[4];
-        p.num_experts = size[5];
-        p.top_k = size[6];
-        p.experts_gate_up_stride = size[7];
-        p.experts_down_stride = size[8];
-        p.experts_inter = size[9];
-        p.renormalize = renormalize;
+        const cbk::MoeBlockParams p = cbk::moe_block_params(bf16, ptr, size, renormalize);
         const cbk::Isa body = cbk::as_isa(isa);
         py::gil_scoped_release nogil;
         cbk::throw_if_error(cbk::cpu::moe_block(p, body));

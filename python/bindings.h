@@ -27,6 +27,7 @@ void bind_gated_rms_norm(pybind11::module_& m);    // the stateful layers' gated
 void bind_offset_rms_norm(pybind11::module_& m);   // Qwen3-Next's (1 + w) RMSNorm (CPU)
 void bind_fused_hybrid(pybind11::module_& m);     // a hybrid layer's conv + scan + norm in one call (CPU)
 void bind_fused_gated_attention(pybind11::module_& m);  // Qwen3-Next's attention layer in one call (CPU)
+void bind_qwen3_next_stack(pybind11::module_& m);  // a Qwen3-Next backbone in one call (CPU)
 void bind_paged_attention_cuda(pybind11::module_& m);  // CUDA kernels (stubs raise when built without CUDA)
 
 namespace cbk {

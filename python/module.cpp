@@ -57,5 +57,6 @@ PYBIND11_MODULE(_C, m) {
   bind_offset_rms_norm(m);
   bind_fused_hybrid(m);
   bind_fused_gated_attention(m);
+  bind_qwen3_next_stack(m);
   bind_paged_attention_cuda(m);
 }

@@ -21,6 +21,8 @@ from cb_kernels.ops.moe import PackedExperts, moe_experts, moe_route
 from cb_kernels.ops.moe_block import moe_block
 from cb_kernels.ops.offset_rms_norm import offset_rms_norm
 from cb_kernels.ops.paged_attention import paged_attention, paged_attention_unchecked
+from cb_kernels.ops.qwen3_next_stack import (Qwen3NextAttentionLayer, Qwen3NextDeltaNetLayer,
+                                             Qwen3NextMlp, Qwen3NextStack)
 from cb_kernels.ops.rms_norm import rms_norm, rms_norm_unchecked
 from cb_kernels.ops.rope import rope_
 from cb_kernels.ops.rope_write_kv import rope_write_kv_, rope_write_kv_unchecked
@@ -37,4 +39,5 @@ __all__ = ["available_backends", "paged_attention", "paged_attention_unchecked",
            "gated_delta_rule_unchecked", "causal_conv1d", "causal_conv1d_unchecked", "selective_scan",
            "PackedExperts", "moe_experts", "gated_rms_norm", "sample_tokens",
            "offset_rms_norm", "moe_route", "moe_block", "gated_delta_net", "mamba2_mixer",
-           "gated_attention_block", "Mamba2Stack", "Mamba2StackLayer"]
+           "gated_attention_block", "Mamba2Stack", "Mamba2StackLayer", "Qwen3NextStack",
+           "Qwen3NextDeltaNetLayer", "Qwen3NextAttentionLayer", "Qwen3NextMlp"]

@@ -17,6 +17,7 @@ import torch
 
 from cb_kernels import _C
 from cb_kernels.ops._backend import DTYPE_CODES, check_tensor, sync_threads
+from cb_kernels.ops._stack import check_embed_and_layers, check_ids
 from cb_kernels.ops._varlen import check_values, check_varlen, rows_arg
 from cb_kernels.ops.linear import PackedLinear
 from cb_kernels.ops import workspace
@@ -115,12 +116,7 @@ class Mamba2Stack:
 
     def __init__(self, embed: torch.Tensor, layers: list, final_norm_weight: torch.Tensor,
                  final_norm_eps: float, *, residual_fp32: bool):
-        check_tensor(embed, "embed", ndim=2, contiguous=True)
-        if embed.dtype not in (torch.float32, torch.bfloat16) or embed.device.type != "cpu":
-            raise TypeError(f"embed must be a float32 or bfloat16 CPU tensor, got {embed.dtype} "
-                            f"on {embed.device}")
-        if not isinstance(layers, (list, tuple)) or not layers:
-            raise ValueError("layers must be a non-empty list of Mamba2StackLayer")
+        check_embed_and_layers(embed, layers, "Mamba2StackLayer")
         self.dtype = embed.dtype
         self.vocab, self.hidden = embed.shape
         self.x_dtype = torch.float32 if residual_fp32 else self.dtype
@@ -153,16 +149,9 @@ class Mamba2Stack:
         ``[num_seqs]``, cu_seqlens int32 ``[num_seqs + 1]``, has_state bool ``[num_seqs]``: the
         rows (ops.selective_scan's); isa caps the mixers' kernels (tests). Returns the final
         norm's ``[num_sampled, hidden]`` in the layers' dtype."""
-        for name, t in (("input_ids", input_ids), ("logits_indices", logits_indices)):
-            check_tensor(t, name, ndim=1, dtype=torch.int64, contiguous=True)
+        n = check_ids(input_ids, logits_indices, self.vocab)
         check_varlen(slots, cu_seqlens, has_state)
-        n = input_ids.shape[0]
         check_values(self.layers[0].state, slots, cu_seqlens, n)
-        if n and not 0 <= int(input_ids.min()) <= int(input_ids.max()) < self.vocab:
-            raise ValueError(f"input_ids must lie in [0, {self.vocab}) (embed's vocab)")
-        if logits_indices.numel() and not (
-                0 <= int(logits_indices.min()) and int(logits_indices.max()) < n):
-            raise ValueError(f"logits_indices must lie in [0, {n}) (num_tokens)")
         return self.run_unchecked(input_ids, logits_indices, slots, cu_seqlens, has_state, isa)
 
     def run_unchecked(self, input_ids: torch.Tensor, logits_indices: torch.Tensor, slots,

@@ -224,13 +224,34 @@ class _Qwen3NextLayer:
         lins = tuple(g.lin for g in self.groups)
         return None if any(lin is None for lin in lins) else lins
 
+    def attention_linears(self):
+        """(qkv, o_proj) as ops.PackedLinear when this attention layer up to its MLP runs as
+        one ops.gated_attention_block call, else None."""
+        if self.linear or not FUSED_ATTENTION or self.why_not_fused:
+            return None
+        qkv, o = self.qkv.lin, self.o.lin
+        return None if qkv is None or o is None else (qkv, o)
+
+    def mlp_parts(self):
+        """(gate_up, down, shared_gate, router, experts) when the MLP runs as one ops.moe_block
+        call on steps of fewer than `block_rows` rows (every step when block_rows is None): the
+        PackedLinears (a dense MLP: shared_gate and router None) and the ops.PackedExperts
+        (None for a dense MLP); else None."""
+        if not self.block_fits or not moe_layers.BLOCK:
+            return None
+        parts = (self.gate_up.lin, self.down.lin)
+        if self.moe:
+            parts += (self.shared_gate.lin, self.router.lin, self.experts.experts)
+            return parts if all(v is not None for v in parts) else None
+        return parts + (None, None, None) if all(v is not None for v in parts) else None
+
     def workspace_bytes(self, num_tokens: int, num_seqs: int, hidden: int) -> int:
         """Scratch bytes (ops/workspace.py) of this layer's one-call path over a step of
         num_tokens rows and num_seqs sequences; 0 where it runs the separate calls."""
         if self.linear:
             lins = self.block_linears()
             return 0 if lins is None else self.kernel.block_workspace_bytes(num_tokens, hidden)
-        if not FUSED_ATTENTION or self.why_not_fused or self.qkv.lin is None or self.o.lin is None:
+        if self.attention_linears() is None:
             return 0
         return gated_attention_block_workspace_bytes(num_tokens, num_seqs, hidden,
                                                      self.num_heads, self.num_kv_heads,
@@ -241,8 +262,9 @@ class _Qwen3NextLayer:
         then += Qwen3NextAttention(in_norm(x)), in place; returns post_norm(x) [T, hidden]. One
         ops.gated_attention_block call where it fits (the same bits as the calls below)."""
         k_cache, v_cache = step.layout.k_caches[self.idx], step.layout.v_caches[self.idx]
-        qkv, o = self.qkv.lin, self.o.lin
-        if FUSED_ATTENTION and not self.why_not_fused and qkv is not None and o is not None:
+        lins = self.attention_linears()
+        if lins is not None:
+            qkv, o = lins
             norms = [n.module._parameters["weight"] for n in (self.in_norm, self.post_norm,
                                                                self.q_norm, self.k_norm)]
             norms = [w if w.is_contiguous() else w.contiguous() for w in norms]
@@ -271,17 +293,13 @@ class _Qwen3NextLayer:
     def mlp(self, h) -> torch.Tensor:
         """The layer's MLP on h [T, hidden] (contiguous) -> a new [T, hidden]: one
         ops.moe_block call where it fits, else the calls apart (the same bits)."""
-        if self.block_fits and moe_layers.BLOCK and (not self.moe or h.shape[0] < self.block_rows):
-            gate_up, down = self.gate_up.lin, self.down.lin
+        parts = self.mlp_parts()
+        if parts is not None and (not self.moe or h.shape[0] < self.block_rows):
+            gate_up, down, gate, router, experts = parts
             if not self.moe:
-                if gate_up is not None and down is not None:
-                    return moe_block_unchecked(h, gate_up, down, None, None, 0, True, None)
-            else:
-                gate, router, experts = self.shared_gate.lin, self.router.lin, \
-                    self.experts.experts
-                if all(v is not None for v in (gate_up, down, gate, router, experts)):
-                    return moe_block_unchecked(h, gate_up, down, gate, router, self.gate.top_k,
-                                               bool(self.gate.norm_topk_prob), experts)
+                return moe_block_unchecked(h, gate_up, down, None, None, 0, True, None)
+            return moe_block_unchecked(h, gate_up, down, gate, router, self.gate.top_k,
+                                       bool(self.gate.norm_topk_prob), experts)
         shared = self.down.run(ops.silu_mul(self.gate_up.run(h)))
         if not self.moe:
             return shared
@@ -341,9 +359,13 @@ class HybridForward:
                                                  lambda m: m.weight.float())
         self.rotary = _RotaryTable(rotary) if rotary is not None else None
         self.modules = list(model.modules())
-        # Mamba-2: every layer and the final norm as one call, where they fit (hybrid_stack.py)
-        self.stack = hybrid_stack.Mamba2StackRun(layers, embed, final_norm, self.final_w32,
-                                                 dtype) if family == "mamba2" else None
+        # Every layer and the final norm as one call, where they fit (hybrid_stack.py)
+        if family == "mamba2":
+            self.stack = hybrid_stack.Mamba2StackRun(layers, embed, final_norm, self.final_w32,
+                                                     dtype)
+        else:
+            self.stack = hybrid_stack.Qwen3NextStackRun(layers, embed, final_norm, self.rotary,
+                                                        dtype)
 
     @classmethod
     def build(cls, model, packed, wrapped: list, layout) -> Optional["HybridForward"]:
@@ -398,14 +420,16 @@ class HybridForward:
     def workspace_bytes(self, num_tokens: int, num_seqs: int) -> int:
         """The largest scratch (ops/workspace.py) a step of num_tokens rows over num_seqs
         sequences takes on this forward's one-call paths (the fused blocks and attention, the
-        Mamba-2 stack), as they are now."""
+        Mamba-2 and Qwen3-Next stacks), as they are now."""
         hidden = self.embed.weight.shape[1]
         need = max(layer.workspace_bytes(num_tokens, num_seqs, hidden) for layer in self.layers)
         if self.stack is not None and need:
-            # the stack's: its largest block's, plus x, the sampled rows and their norm
-            # (csrc/cpu/mamba2_stack.cpp), counted in fp32 and 64-byte aligned; not built here
-            # (it is, with its log line, by the first step)
-            need += 3 * 64 + 4 * hidden * (num_tokens + 2 * num_seqs)
+            # the stack's: its largest layer's, plus x, the sampled rows and their norm
+            # (csrc/cpu/mamba2_stack.cpp), or x, h, the MLP's output and the sampled rows of x
+            # and of it (csrc/cpu/qwen3_next_stack.cpp); counted in fp32 and 64-byte aligned;
+            # not built here (it is, with its log line, by the first step)
+            streams = 1 if self.family == "mamba2" else 3
+            need += 5 * 64 + 4 * hidden * (streams * num_tokens + 2 * num_seqs)
         return need
 
     def usable(self) -> bool:
@@ -415,10 +439,12 @@ class HybridForward:
     @torch.inference_mode()
     def __call__(self, input_ids, positions, logits_indices, step, state) -> torch.Tensor:
         rows = hybrid_kernels.varlen_rows(state)
-        if self.stack is not None:
+        if self.family == "mamba2":
             out = self.stack(input_ids, logits_indices, rows)
-            if out is not None:
-                return out
+        else:
+            out = self.stack(input_ids, positions, logits_indices, rows, step)
+        if out is not None:
+            return out
         x = F.embedding(input_ids, self.embed.weight)          # [T, hidden], a fresh tensor
         if self.family == "qwen3_next":
             x = self._qwen3_next(x, positions, step, rows)

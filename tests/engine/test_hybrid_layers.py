@@ -14,7 +14,7 @@ import torch
 
 from cb_kernels import Engine, EngineConfig, SamplingParams
 from cb_kernels.ops.mamba2_stack import Mamba2Stack
-from cb_kernels.runner import hybrid_layers
+from cb_kernels.runner import hybrid_layers, hybrid_stack
 from tests.model_sweep import VOCAB, generate_tokens, tiny_model
 
 pytestmark = pytest.mark.one_thread
@@ -279,6 +279,7 @@ def test_attention_one_call_is_the_separate_calls_bits_in_bf16(threads, monkeypa
     """bf16 (the bench's dtype): the one call and the separate calls give the same logprobs
     bit for bit over decodes and chunked prefills, at one and two threads."""
     model = _model("qwen3_next").to(torch.bfloat16)
+    monkeypatch.setattr(hybrid_stack, "QWEN3_NEXT_STACK", False)    # its per-layer calls
     ps = _prompts([4, 17, 9, 1], seed=14)
     params = SamplingParams(max_new_tokens=5, ignore_eos=True, logprobs=3)
     saved = torch.get_num_threads()
@@ -347,6 +348,7 @@ def test_mlp_in_one_call_same_bits_in_bf16(monkeypatch):
     from cb_kernels.runner import moe_layers
 
     model = _model("qwen3_next").to(torch.bfloat16)
+    monkeypatch.setattr(hybrid_stack, "QWEN3_NEXT_STACK", False)    # its per-layer calls
     ps = _prompts([6, 3, 9], seed=13)
     rows, seen = [], []
     original = hybrid_layers.HybridForward.__call__

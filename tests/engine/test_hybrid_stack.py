@@ -1,9 +1,12 @@
-"""runner/hybrid_stack.py: the engine's Mamba-2 steps as one ops.Mamba2Stack call.
+"""runner/hybrid_stack.py: the engine's Mamba-2 steps as one ops.Mamba2Stack call, its bf16
+Qwen3-Next steps as one ops.Qwen3NextStack call.
 
 Tiny random models: every step runs on the stack and gives generate's greedy tokens (fp32) in
 mixed batches with chunked prefills; bf16 steps give the per-layer calls' bits (their logprobs
 equal); switched off, the per-layer calls run, logged; weights written in place, a Parameter
-replaced and the state pool re-pointed by sleep / wake_up are followed (the stack rebuilt)."""
+replaced, a state dict loaded with assign=True and the state pool re-pointed by sleep / wake_up
+are followed (the stack rebuilt). fp32 Qwen3-Next keeps the per-layer calls (its attention
+layers' gate is torch's sigmoid between two calls), logged."""
 from __future__ import annotations
 
 import logging
@@ -13,6 +16,7 @@ import torch
 
 from cb_kernels import Engine, EngineConfig, SamplingParams
 from cb_kernels.ops.mamba2_stack import Mamba2Stack
+from cb_kernels.ops.qwen3_next_stack import Qwen3NextStack
 from cb_kernels.runner import hybrid_kernels, hybrid_stack
 from tests.model_sweep import VOCAB, generate_tokens, tiny_model
 
@@ -47,10 +51,9 @@ def _run(engine, prompts, max_new, **kw):
     return [outs[i] for i in ids]
 
 
-def _count_stack_calls(monkeypatch) -> list:
-    calls, real = [], Mamba2Stack.run_unchecked
-    monkeypatch.setattr(Mamba2Stack, "run_unchecked",
-                        lambda *a, **k: calls.append(1) or real(*a, **k))
+def _count_stack_calls(monkeypatch, cls=Mamba2Stack) -> list:
+    calls, real = [], cls.run_unchecked
+    monkeypatch.setattr(cls, "run_unchecked", lambda *a, **k: calls.append(1) or real(*a, **k))
     return calls
 
 
@@ -173,3 +176,77 @@ def test_other_state_models_whose_head_is_not_plain_keep_the_logits_head():
     engine = _engine(model)
     assert engine.runner.hybrid is None and engine.runner.state_layers
     assert type(engine.runner.head) is lm_head.LogitsHead and engine.runner._decoder is None
+
+
+def _qwen3_next(dtype=torch.bfloat16, seed=3):
+    """Two gated delta-net layers around an attention layer, MoE MLPs and a dense one (as
+    tests/engine/test_hybrid_layers.py's)."""
+    torch.manual_seed(0)
+    return tiny_model("qwen3_next", seed=seed, num_hidden_layers=3, mlp_only_layers=[2],
+                      layer_types=["linear_attention", "full_attention",
+                                   "linear_attention"]).to(dtype)
+
+
+def _logprob_run(model, ps, monkeypatch, stack_on: bool):
+    """(tokens, logprobs) per prompt on a fresh Engine, the Qwen3-Next stack on or off, and
+    the stack calls it made."""
+    monkeypatch.setattr(hybrid_stack, "QWEN3_NEXT_STACK", stack_on)
+    calls = _count_stack_calls(monkeypatch, Qwen3NextStack)
+    engine = _engine(model)
+    outs = _run(engine, ps, 5, logprobs=3)
+    return [(o.token_ids, o.outputs[0].logprobs) for o in outs], calls, engine
+
+
+def test_qwen3_next_bf16_steps_are_one_stack_call_with_the_per_layer_bits(monkeypatch):
+    """Every bf16 step (decodes beside chunked prefills) is one ops.Qwen3NextStack call, with
+    the tokens and logprobs of the per-layer calls to the bit."""
+    model = _qwen3_next()
+    ps = _prompts([4, 17, 9, 1], seed=14)
+    on, calls, engine = _logprob_run(model, ps, monkeypatch, True)
+    assert len(calls) == engine.stats()["steps"] > 0
+    off, calls, _ = _logprob_run(model, ps, monkeypatch, False)
+    assert on == off and not calls
+
+
+def test_qwen3_next_fp32_keeps_the_per_layer_calls_logged(monkeypatch, caplog):
+    model = _qwen3_next(torch.float32)
+    ps = _prompts([7, 2, 10], seed=11)
+    calls = _count_stack_calls(monkeypatch, Qwen3NextStack)
+    with caplog.at_level(logging.INFO, logger="cb_kernels"):
+        got = [o.token_ids for o in _run(_engine(model), ps, 5)]
+    assert got == generate_tokens(model, ps, 5) and not calls
+    assert "hybrid forward: Qwen3-Next layers one call each (float32 attention layers run as " \
+        "two calls around torch's sigmoid)" in caplog.text
+
+
+def test_qwen3_next_follows_a_loaded_state_dict_and_a_moved_pool(monkeypatch):
+    """After steps on the stack: a state dict loaded with assign=True (new Parameters, every
+    packed linear and expert repacked), then sleep / wake_up (the caches and state slots
+    re-pointed): each time the stack is rebuilt and the steps give the per-layer calls' bits
+    of the model as it is then."""
+    model = _qwen3_next()
+    ps = _prompts([6, 9, 3], seed=7)
+    monkeypatch.setattr(hybrid_stack, "QWEN3_NEXT_STACK", True)
+    engine = _engine(model)
+    _run(engine, ps, 2)
+    first = engine.runner.hybrid.stack.stack
+    assert first is not None
+    g = torch.Generator().manual_seed(5)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    for name, v in state.items():
+        if name.endswith(("A_log", "experts.down_proj", "input_layernorm.weight", "q_norm.weight",
+                          "norm.weight")):
+            state[name] = v + (0.3 * torch.randn(v.shape, generator=g)).to(v.dtype)
+    model.load_state_dict(state, assign=True)
+    calls = _count_stack_calls(monkeypatch, Qwen3NextStack)
+    got = [(o.token_ids, o.outputs[0].logprobs) for o in _run(engine, ps, 5, logprobs=3)]
+    second = engine.runner.hybrid.stack.stack
+    want, _, _ = _logprob_run(model, ps, monkeypatch, False)
+    assert got == want
+    assert calls and second is not None and second is not first
+    monkeypatch.setattr(hybrid_stack, "QWEN3_NEXT_STACK", True)
+    engine.sleep(level=1)
+    engine.wake_up()
+    got = [(o.token_ids, o.outputs[0].logprobs) for o in _run(engine, ps, 5, logprobs=3)]
+    assert engine.runner.hybrid.stack.stack is not second
+    assert got == want

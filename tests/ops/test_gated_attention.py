@@ -32,16 +32,10 @@ CASES = {
 EPS = 1e-6
 
 
-def make(case, dtype, seed=0, pending=True):
-    hidden, heads, kv, hd, rd, bs, bias, seqs = CASES[case]
-    g = torch.Generator().manual_seed(seed)
-
-    def rnd(*shape, s=1.0):
-        return (torch.randn(*shape, generator=g) * s).to(dtype)
-
-    n = sum(q for q, _ in seqs)
-    lens = [q + c for q, c in seqs]
-    per_seq = [(length + bs - 1) // bs for length in lens]
+def paged_sequences(seqs, bs: int, g) -> tuple:
+    """(block_tables int32, slot_mapping list, positions list, num_blocks) of sequences
+    [(q tokens, KV positions before them)] on shuffled blocks of bs slots, 3 blocks spare."""
+    per_seq = [(q + c + bs - 1) // bs for q, c in seqs]
     num_blocks = sum(per_seq) + 3
     order = torch.randperm(num_blocks, generator=g).tolist()
     tables = torch.zeros(len(seqs), max(per_seq) + 1, dtype=torch.int32)
@@ -52,6 +46,19 @@ def make(case, dtype, seed=0, pending=True):
         for p in range(c, c + q):
             slots.append(int(tables[i, p // bs]) * bs + p % bs)
             positions.append(p)
+    return tables, slots, positions, num_blocks
+
+
+def make(case, dtype, seed=0, pending=True):
+    hidden, heads, kv, hd, rd, bs, bias, seqs = CASES[case]
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, s=1.0):
+        return (torch.randn(*shape, generator=g) * s).to(dtype)
+
+    n = sum(q for q, _ in seqs)
+    lens = [q + c for q, c in seqs]
+    tables, slots, positions, num_blocks = paged_sequences(seqs, bs, g)
     inv = 1.0 / (10000 ** (torch.arange(0, rd, 2).float() / rd))
     emb = torch.cat([torch.tensor(positions).float()[:, None] * inv] * 2, dim=-1)
     qkv_rows = (2 * heads + 2 * kv) * hd

@@ -14,7 +14,7 @@ from cb_kernels.ops.fused_hybrid import (gated_delta_net, gated_delta_net_block_
                                          mamba2_mixer)
 from cb_kernels.ops.linear import PackedLinear
 from tests.ops import (test_fused_decoder, test_fused_hybrid, test_gated_attention,
-                       test_mamba2_stack)
+                       test_mamba2_stack, test_qwen3_next_stack)
 from tests.ops.test_fused_hybrid import _call, _call_mamba, make_gdn, make_mamba
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -169,6 +169,13 @@ def test_mamba2_stack_tests_pass_on_garbage(poisoned):
         test_mamba2_stack.test_stack_is_the_separate_calls_bit_for_bit("mixed-rows-groups",
                                                                        dtypes, "auto")
     test_mamba2_stack.test_stack_steps_reuse_its_workspace_and_continue_the_states()
+
+
+def test_qwen3_next_stack_tests_pass_on_garbage(poisoned):
+    for model in test_qwen3_next_stack.MODELS:
+        test_qwen3_next_stack.test_stack_is_the_separate_calls_bit_for_bit(model, "mixed-rows",
+                                                                          "auto")
+    test_qwen3_next_stack.test_steps_in_a_row_reuse_the_workspace_and_match()
 
 
 def test_grown_inside_inference_mode_reserve_writes_it_outside():
