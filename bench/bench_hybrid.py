@@ -169,11 +169,24 @@ def wrapper_share(model, prompts, new) -> dict:
     """Seconds inside the stateful layers (their kernels' forward, called by
     runner/hybrid_layers.py or by the wrappers, or the wrappers running transformers' layer
     code; where hybrid_layers.py runs a layer as one fused block, the block, which holds the
-    layer's norms and projections too) vs the whole generate (one run)."""
+    layer's norms and projections too) vs the whole generate (one run). Steps the one-call
+    stack runs (runner/hybrid_stack.py: every layer, norm and MLP in one C++ call) are counted
+    apart: "stack_share", the stateful layers' time inside it not separable."""
     from cb_kernels import Engine, SamplingParams
-    from cb_kernels.runner import hybrid_kernels, state_switch
+    from cb_kernels.runner import hybrid_kernels, hybrid_stack, state_switch
 
-    spent = {"wrapped": 0.0}
+    spent = {"wrapped": 0.0, "stack": 0.0}
+    stacks = [(k, "__call__", k.__call__)
+              for k in (hybrid_stack.Mamba2StackRun, hybrid_stack.Qwen3NextStackRun)]
+
+    def stack_timer(original):
+        def timed(self, *a, **k):
+            t0 = time.perf_counter()
+            out = original(self, *a, **k)
+            if out is not None:          # None: the per-layer calls run (and are timed above)
+                spent["stack"] += time.perf_counter() - t0
+            return out
+        return timed
     kinds = (hybrid_kernels.GatedDeltaNetKernels, hybrid_kernels.Mamba2Kernels)
     originals = [(state_switch._Wrapped, "__call__", state_switch._Wrapped.__call__)] + \
         [(k, name, getattr(k, name)) for k in kinds for name in ("__call__", "block")]
@@ -192,15 +205,18 @@ def wrapper_share(model, prompts, new) -> dict:
     engine = Engine(model)
     for owner, name, original in originals:
         setattr(owner, name, timer(original, owner is state_switch._Wrapped))
+    for owner, name, original in stacks:
+        setattr(owner, name, stack_timer(original))
     try:
         t0 = time.perf_counter()
         engine.generate(prompts, SamplingParams(max_new_tokens=new, ignore_eos=True))
         total = time.perf_counter() - t0
     finally:
-        for owner, name, original in originals:
+        for owner, name, original in originals + stacks:
             setattr(owner, name, original)
     return {"total_s": total, "stateful_layers_s": spent["wrapped"],
-            "stateful_share": spent["wrapped"] / total}
+            "stateful_share": spent["wrapped"] / total, "stack_s": spent["stack"],
+            "stack_share": spent["stack"] / total}
 
 
 def profile_engine(model, prompts, new, top: int = 25) -> None:
@@ -323,7 +339,9 @@ def main(argv=None) -> int:
                   f"({best['padded_generate']['same_as_generate']}), "
                   f"{best['engine_vs_padded']:.2f}x (CPU time "
                   f"{best['engine_vs_padded_cpu_time']:.2f}x){ab}; stateful layers "
-                  f"{100 * best['profile']['stateful_share']:.0f}% of the engine's time",
+                  f"{100 * best['profile']['stateful_share']:.0f}% of the engine's time, "
+                  f"the one-call stack (every layer) "
+                  f"{100 * best['profile']['stack_share']:.0f}%",
                   flush=True)
         if len(counts) > 1:
             row["engine_threads_scaling"] = (row[f"{max(counts)}_threads"]["cb_kernels"]["tok_s"]
