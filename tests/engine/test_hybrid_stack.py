@@ -250,3 +250,23 @@ def test_qwen3_next_follows_a_loaded_state_dict_and_a_moved_pool(monkeypatch):
     got = [(o.token_ids, o.outputs[0].logprobs) for o in _run(engine, ps, 5, logprobs=3)]
     assert engine.runner.hybrid.stack.stack is not second
     assert got == want
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "mamba2"])
+def test_engine_reserves_the_scratch_its_steps_take(family):
+    """Engine() grows and writes this thread's kernel scratch (ops/workspace.py) to what its
+    largest step takes, so no step of a run grows it (no fresh pages in the first generate());
+    sleep(level=2) frees it and wake_up() reserves it again."""
+    from cb_kernels.ops import workspace
+
+    workspace.release()
+    model = _qwen3_next() if family == "qwen3_next" else _model("residual-fp32").to(torch.bfloat16)
+    engine = _engine(model)
+    held = workspace.held_bytes()
+    assert engine.workspace_bytes == held > 0
+    # full prefills of max_batch_tokens rows beside decodes, then decode-only steps
+    _run(engine, _prompts([8, 8, 3, 1, 16]), 4)
+    assert workspace.held_bytes() == held
+    assert engine.sleep(level=2) > 0 and workspace.held_bytes() == 0
+    engine.wake_up()
+    assert workspace.held_bytes() == held
