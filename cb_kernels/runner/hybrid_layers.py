@@ -336,7 +336,6 @@ class _Mamba2Layer:
         lin_in, lin_out = self.in_group.lin, self.out_group.lin
         return None if lin_in is None or lin_out is None else (lin_in, lin_out)
 
-
     def workspace_bytes(self, num_tokens: int, num_seqs: int, hidden: int) -> int:
         """As _Qwen3NextLayer.workspace_bytes."""
         lins = self.block_linears()
