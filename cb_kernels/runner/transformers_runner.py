@@ -347,9 +347,9 @@ class TransformersRunner:
     # -- sleep (Engine.sleep / wake_up) ---------------------------------------------------------
     def release_memory(self, kv: bool, weights: bool) -> int:
         """Free the KV pool and state slots (`kv`), the packed weight copies, the greedy head's
-        copy, the rotary table and the kernels' scratch (`weights`); returns the bytes freed. Every tensor object
-        stays (the layout, the swapper and the engine hold them) with an empty storage, until
-        restore_memory. The model's own weights are never touched."""
+        copy, the rotary table and the kernels' scratch (`weights`); returns the bytes freed.
+        Every tensor object stays (the layout, the swapper and the engine hold them) with an
+        empty storage, until restore_memory. The model's own weights are never touched."""
         freed = 0
         if kv and not self._slept_shapes:
             pool = self.k_caches + self.v_caches + self.state_tensors
